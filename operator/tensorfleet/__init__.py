@@ -1,0 +1,5 @@
+"""Tensorfleet: a Kubernetes operator that serves LLMs with vLLM on GPU fleets."""
+
+from tensorfleet.contract import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,7 @@
+"""The InferenceService API: models, parsing and CRD generation."""
+
+from tensorfleet.api.errors import SpecError
+from tensorfleet.api.load import load_inference_service
+from tensorfleet.api.models import InferenceService, InferenceServiceSpec
+
+__all__ = ["InferenceService", "InferenceServiceSpec", "SpecError", "load_inference_service"]

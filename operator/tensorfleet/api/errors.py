@@ -1,0 +1,68 @@
+"""Errors a user can fix, each naming the field, the value and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from tensorfleet.api.models import DNS_1035_PATTERN, DNS_1123_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
+
+PATTERN_MEANINGS = {
+    DNS_1035_PATTERN: "is not a DNS-1035 label: use lowercase letters, digits and '-', starting with a letter",
+    DNS_1123_LABEL_PATTERN: "is not a DNS-1123 label: use lowercase letters, digits and '-'",
+    QUANTITY_PATTERN: "is not a Kubernetes quantity such as 500Gi or 16G",
+    ENV_NAME_PATTERN: "is not a valid environment variable name",
+}
+
+
+class SpecError(ValueError):
+    """A spec that cannot be served. `field` is a dotted path such as `spec.parallelism.tensor`."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _describe(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown field (check the spelling; `kubectl explain inferenceservice.spec` lists the fields)"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "literal_error":
+        return f"{error['input']!r} is not one of {error['ctx']['expected']}"
+    if kind == "string_pattern_mismatch":
+        pattern = error["ctx"]["pattern"]
+        return f"{error['input']!r} {PATTERN_MEANINGS.get(pattern, 'does not match ' + pattern)}"
+    message = error["msg"]
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    if kind in {"string_too_long", "string_too_short", "greater_than_equal",
+                "less_than_equal", "greater_than", "less_than", "too_long", "too_short"}:
+        message = f"{error['input']!r}: {message}"
+    return message
+
+
+def from_validation_error(exc: ValidationError, prefix: str = "") -> SpecError:
+    """Turn pydantic's report into one SpecError: the first problem, and how many more there are."""
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(first["loc"])
+    # Errors raised by a model validator carry the model's own path; that is the field to name.
+    field = _path(((prefix,) if prefix else ()) + loc) or prefix or "(document)"
+    message = _describe(first)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return SpecError(field, message)

@@ -1,0 +1,463 @@
+"""Pydantic models of the InferenceService API (tensorfleet.dev/v1alpha1).
+
+These models are the single source of truth: the CRD's openAPIV3Schema is
+generated from them (see `crd.py`), the CLI and the operator parse with them,
+and every `description` below is what `kubectl explain` shows.
+
+Defaults live here, not in the CRD: the stored object keeps exactly what the
+user wrote (clean GitOps diffs), and the operator applies the defaults when it
+reads the spec.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from tensorfleet import contract
+
+# Kubernetes resource.Quantity in the forms people write (e.g. 500Gi, 16G, 1.5Ti).
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+# A DNS-1035 label: what Service names (and so NAME) must be.
+DNS_1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+
+# Longest NAME for which every generated name stays a valid label value: the
+# StatefulSet controller labels pods `NAME-stage-K-<10-char revision hash>`,
+# which must fit in 63 characters with two-digit stage numbers.
+MAX_NAME_LENGTH = 43
+
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+
+# Engine flags the operator sets from typed fields; passing them in
+# `engine.args` too would silently fight the plan, so they are refused and the
+# error names the field to use instead.
+MANAGED_ENGINE_FLAGS: dict[str, str] = {
+    "--model": "spec.model.name",
+    "--served-model-name": "spec.model.servedName",
+    "--revision": "spec.model.revision",
+    "--dtype": "spec.model.dtype",
+    "--quantization": "spec.model.quantization",
+    "-q": "spec.model.quantization",
+    "--max-model-len": "spec.model.maxModelLen",
+    "--tensor-parallel-size": "spec.parallelism.tensor",
+    "-tp": "spec.parallelism.tensor",
+    "--pipeline-parallel-size": "spec.parallelism.pipeline",
+    "-pp": "spec.parallelism.pipeline",
+    "--gpu-memory-utilization": "spec.engine.gpuMemoryUtilization",
+    "--kv-cache-dtype": "spec.engine.kvCacheDtype",
+    "--max-num-seqs": "spec.engine.maxNumSeqs",
+    "--distributed-executor-backend": "spec.parallelism.pipeline (the operator picks Ray for pipeline > 1)",
+    "--port": "nothing: the engine port is fixed by the operator",
+    "--host": "nothing: the engine listens on all addresses",
+}
+
+
+class ApiModel(BaseModel):
+    """Base: camelCase on the wire, unknown fields refused (typos must not pass silently)."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_default=False,
+    )
+
+
+# --- spec.model --------------------------------------------------------------
+
+
+class MoEArchitecture(ApiModel):
+    experts: int = Field(ge=1, le=4096, description="Routed experts per MoE layer.")
+    experts_per_token: int = Field(ge=1, le=256, description="Experts activated per token (top-k).")
+    shared_experts: int = Field(default=0, ge=0, le=64, description="Always-active shared experts per MoE layer. Default: 0.")
+    active_parameters: int | None = Field(
+        default=None, ge=1, description="Parameters used per token, for reporting. Optional."
+    )
+
+
+class MLAArchitecture(ApiModel):
+    kv_lora_rank: int = Field(ge=1, le=65536, description="Rank of the compressed KV latent (DeepSeek `kv_lora_rank`).")
+    qk_rope_head_dim: int = Field(ge=0, le=4096, description="Decoupled rotary key dimension (DeepSeek `qk_rope_head_dim`).")
+
+
+class ArchitectureSpec(ApiModel):
+    """Facts about a model the catalog does not know. Values come from the model's config.json."""
+
+    parameters: int = Field(ge=1_000_000, le=100_000_000_000_000, description="Total parameter count (all experts included), e.g. 70553706496.")
+    layers: int = Field(ge=1, le=1024, description="Transformer layers (`num_hidden_layers`).")
+    hidden_size: int = Field(ge=64, le=262144, description="Model width (`hidden_size`).")
+    attention_heads: int = Field(ge=1, le=1024, description="Query heads (`num_attention_heads`).")
+    kv_heads: int | None = Field(
+        default=None, ge=1, le=1024, description="Key/value heads (`num_key_value_heads`). Default: attentionHeads (no GQA)."
+    )
+    head_dim: int | None = Field(default=None, ge=8, le=4096, description="Per-head dimension. Default: hiddenSize / attentionHeads.")
+    intermediate_size: int | None = Field(
+        default=None, ge=1, le=1048576, description="MLP width (`intermediate_size`; for MoE models the per-expert `moe_intermediate_size`); sizes the activation reserve. Default: 4 x hiddenSize."
+    )
+    vocab_size: int | None = Field(default=None, ge=1, le=4_000_000, description="Vocabulary size; embeddings stay unquantized. Default: 32000.")
+    tied_embeddings: bool = Field(default=False, description="Input and output embeddings share weights (`tie_word_embeddings`). Default: false.")
+    max_context_length: int | None = Field(
+        default=None, ge=128, le=100_000_000, description="Longest context the model supports (`max_position_embeddings`); the default for maxModelLen."
+    )
+    sliding_window: int | None = Field(
+        default=None, ge=1, le=100_000_000,
+        description="Sliding-window attention span in tokens (`sliding_window`), when the model uses one.",
+    )
+    sliding_window_layers: int | None = Field(
+        default=None, ge=0, le=1024,
+        description="How many layers use the sliding window (gpt-oss: every other one). Default: all layers, when slidingWindow is set.",
+    )
+    weight_format: Literal["bf16", "fp16", "fp8", "awq", "gptq", "mxfp4"] = Field(
+        default="bf16", description="Precision the checkpoint's weights ship in. Default: bf16."
+    )
+    moe: MoEArchitecture | None = Field(default=None, description="Mixture-of-experts facts, for MoE models.")
+    mla: MLAArchitecture | None = Field(default=None, description="Multi-head latent attention facts (DeepSeek-V2/V3): KV cache stores a latent, not per-head keys and values.")
+
+    @model_validator(mode="after")
+    def _heads_consistent(self) -> ArchitectureSpec:
+        if self.kv_heads is not None and self.attention_heads % self.kv_heads:
+            raise ValueError(
+                f"kvHeads {self.kv_heads} must divide attentionHeads {self.attention_heads} (grouped-query attention)"
+            )
+        if self.sliding_window_layers is not None and self.sliding_window_layers > self.layers:
+            raise ValueError(f"slidingWindowLayers {self.sliding_window_layers} exceeds layers {self.layers}")
+        if self.head_dim is None and self.hidden_size % self.attention_heads:
+            raise ValueError("headDim is required when hiddenSize is not a multiple of attentionHeads")
+        return self
+
+
+class ModelSpec(ApiModel):
+    name: str = Field(
+        min_length=1, max_length=512,
+        description="Hugging Face model id (e.g. meta-llama/Llama-3.1-70B-Instruct) or a path inside the model cache.",
+    )
+    served_name: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="Name clients pass as the OpenAI `model`. Default: model.name.",
+    )
+    revision: str | None = Field(
+        default=None, min_length=1, max_length=256,
+        description="Model revision (branch, tag or commit) to download. Default: the repository's default branch.",
+    )
+    dtype: Literal["auto", "bfloat16", "float16"] = Field(
+        default="auto", description="Activation and weight dtype. `auto` follows the checkpoint. Default: auto."
+    )
+    quantization: Literal["none", "fp8", "awq", "gptq"] | None = Field(
+        default=None,
+        description=(
+            "Weight quantization. Omit to serve the checkpoint as it ships (DeepSeek-V3 ships fp8, gpt-oss mxfp4). "
+            "fp8 quantizes a 16-bit checkpoint at load time; awq and gptq need a checkpoint quantized that way."
+        ),
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=128, le=10_000_000,
+        description="Longest sequence (prompt + output) in tokens. Default: the model's full context length.",
+    )
+    architecture: ArchitectureSpec | None = Field(
+        default=None,
+        description="Model facts for a model the catalog does not know (`tensorfleet catalog` lists known ones). Wins over the catalog when given.",
+    )
+
+
+# --- spec.engine ---------------------------------------------------------------
+
+
+class EnvVar(ApiModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=ENV_NAME_PATTERN, max_length=256, description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None, alias="valueFrom",
+        description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, resourceFieldRef).",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError(f"env {self.name}: set value or valueFrom, not both")
+        return self
+
+
+class ResourceRequirements(ApiModel):
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="e.g. {cpu: '16', memory: 200Gi}.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="e.g. {memory: 400Gi}.")
+
+
+class EngineSpec(ApiModel):
+    kind: Literal["vllm", "simulator"] = Field(
+        default="vllm",
+        description="`vllm` serves the model on GPUs; `simulator` runs a CPU-only vLLM stand-in with the same API and metrics (tests, demos, kind clusters). Default: vllm.",
+    )
+    image: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description=f"Engine image; must contain `tensorfleet-worker`. Default: {contract.WORKER_IMAGE} (vllm), {contract.CONTROL_PLANE_IMAGE} (simulator).",
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None, description="Kubernetes imagePullPolicy of the engine container. Default: Kubernetes' own."
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, ge=0.1, le=0.99,
+        description="Share of each GPU's memory vLLM may use for weights, activations and KV cache. Default: 0.9.",
+    )
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        default="auto", description="KV-cache element type; fp8 doubles KV capacity. Default: auto (the model dtype)."
+    )
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, le=65536,
+        description="Most sequences the engine batches at once (vLLM --max-num-seqs). Default: vLLM's, 1024 on GPUs of 70 GiB or more other than A100, else 256.",
+    )
+    args: list[str] = Field(
+        default_factory=list, max_length=256,
+        description="Extra engine flags, one flag or value per item (never one shell string), appended after the operator's own.",
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Extra environment variables for the engine container.")
+    resources: ResourceRequirements | None = Field(
+        default=None, description="CPU, memory and other requests/limits of the engine container. GPUs are set from the plan."
+    )
+    shm_size: Quantity = Field(
+        default="16Gi", description="Size of the memory-backed /dev/shm (NCCL needs it for tensor parallelism). Default: 16Gi."
+    )
+    startup_timeout_seconds: int = Field(
+        default=3600, ge=60, le=86400,
+        description="How long a pod may take to download and load the model before it is restarted. Default: 3600.",
+    )
+    termination_grace_period_seconds: int = Field(
+        default=120, ge=0, le=3600,
+        description="Time a stopping engine gets to finish in-flight requests. Default: 120.",
+    )
+
+    @field_validator("args", mode="before")
+    @classmethod
+    def _args_is_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            raise ValueError(
+                "must be a list with one flag or value per item (e.g. [\"--enable-prefix-caching\"]), not one shell string"
+            )
+        return value
+
+    @field_validator("args")
+    @classmethod
+    def _args_are_argv(cls, value: list[str]) -> list[str]:
+        for index, arg in enumerate(value):
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_ENGINE_FLAGS:
+                raise ValueError(f"item {index} {arg!r} is set by the operator; use {MANAGED_ENGINE_FLAGS[flag]} instead")
+            if arg.startswith("-") and "=" not in arg and re.search(r"\s", arg):
+                raise ValueError(
+                    f"item {index} {arg!r} holds a flag and its value in one string; split it into separate items"
+                )
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_not_reserved(cls, value: list[EnvVar]) -> list[EnvVar]:
+        for var in value:
+            if var.name in contract.WORKER_ENV_VARS:
+                raise ValueError(f"{var.name} is set by the operator and cannot be overridden")
+        return value
+
+
+# --- spec.parallelism / accelerator ------------------------------------------
+
+
+class ParallelismSpec(ApiModel):
+    tensor: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Tensor-parallel size: GPUs per pod, all on one node. Omit to let the planner choose the smallest layout that fits.",
+    )
+    pipeline: int | None = Field(
+        default=None, ge=1, le=64,
+        description="Pipeline-parallel size: pods (nodes) per model replica, joined with Ray. Omit to let the planner choose.",
+    )
+
+
+class Toleration(ApiModel):
+    key: str | None = Field(default=None, max_length=316, description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal. Default: Equal.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(default=None, description="Taint effect; empty matches all.")
+    toleration_seconds: int | None = Field(default=None, description="For NoExecute: how long the pod stays bound after the taint appears.")
+
+
+class AcceleratorSpec(ApiModel):
+    type: str = Field(
+        min_length=1, max_length=64,
+        description="GPU type from the catalog, e.g. H100-80GB, A100-80GB, A100-40GB, H200-141GB, L40S, L4, A10G (`tensorfleet catalog` lists them).",
+    )
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=16,
+        description="GPUs on each node of this type; bounds parallelism.tensor. Default: the catalog's usual count (8 for data-centre GPUs).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Extra node labels engine pods require, merged with the GPU product affinity."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=64, description="Extra tolerations; the nvidia.com/gpu taint is always tolerated."
+    )
+
+
+# --- spec.autoscaling / router / cache -----------------------------------------
+
+
+class ScalingPolicy(ApiModel):
+    type: Literal["Pods", "Percent"] = Field(description="Pods or Percent.")
+    value: int = Field(ge=1, description="Amount of change allowed per period.")
+    period_seconds: int = Field(ge=1, le=1800, description="Window the value applies to.")
+
+
+class ScalingRules(ApiModel):
+    stabilization_window_seconds: int | None = Field(
+        default=None, ge=0, le=3600, description="Past recommendations considered before acting."
+    )
+    select_policy: Literal["Max", "Min", "Disabled"] | None = Field(default=None, description="Which policy wins.")
+    policies: list[ScalingPolicy] | None = Field(default=None, max_length=8, description="Rate limits on change.")
+
+
+class ScalingBehavior(ApiModel):
+    scale_up: ScalingRules | None = Field(
+        default=None,
+        description="Default: no stabilization window, at most 1 replica per 3 minutes (new replicas take minutes to load; faster steps overshoot).",
+    )
+    scale_down: ScalingRules | None = Field(
+        default=None, description="Default: 10-minute stabilization window, at most 1 replica per 5 minutes."
+    )
+
+
+class AutoscalingSpec(ApiModel):
+    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest model replicas. Default: 1.")
+    max_replicas: int = Field(ge=1, le=1000, description="Most model replicas.")
+    target_pending_requests: int = Field(
+        default=4, ge=1, le=100000,
+        description="Requests waiting in each replica's engine queue (vllm:num_requests_waiting) the HPA aims for. Default: 4.",
+    )
+    behavior: ScalingBehavior | None = Field(default=None, description="HPA scaling behaviour; fields left out keep Tensorfleet's defaults.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas {self.min_replicas} is greater than maxReplicas {self.max_replicas}")
+        return self
+
+
+ROUTER_STRATEGIES = ("least-pending", "round-robin", "session", "prefix-aware")
+
+
+class RouterSpec(ApiModel):
+    replicas: int = Field(default=2, ge=1, le=100, description="Router pods. Default: 2.")
+    strategy: Literal["least-pending", "round-robin", "session", "prefix-aware"] = Field(
+        default="least-pending", description="How the router picks an engine. Default: least-pending."
+    )
+    image: str | None = Field(default=None, min_length=1, max_length=512, description=f"Router image. Default: {contract.CONTROL_PLANE_IMAGE}.")
+    resources: ResourceRequirements | None = Field(default=None, description="Router container resources. Default: 250m CPU, 256Mi memory.")
+
+
+class CacheSpec(ApiModel):
+    size: Quantity | None = Field(
+        default=None,
+        description="Size of a model-cache PersistentVolumeClaim per engine pod. Omit to cache on the node (emptyDir), re-downloading on every new pod.",
+    )
+    storage_class_name: str | None = Field(default=None, min_length=1, max_length=253, description="StorageClass of the cache PVCs. Default: the cluster default.")
+    retention_policy: Literal["Retain", "Delete"] = Field(
+        default="Retain",
+        description="What happens to cache PVCs when the InferenceService is deleted or scaled down. Default: Retain (re-downloading large weights costs time and egress).",
+    )
+
+
+class SecretKeyRef(ApiModel):
+    name: str = Field(min_length=1, max_length=253, description="Secret name, in the InferenceService's namespace.")
+    key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the Hugging Face token. Default: token.")
+
+
+# --- spec -----------------------------------------------------------------------
+
+
+class InferenceServiceSpec(ApiModel):
+    model: ModelSpec = Field(description="What to serve.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, description="How the engine runs.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="How one replica is split over GPUs and nodes.")
+    accelerator: AcceleratorSpec = Field(description="Which GPUs to run on.")
+    replicas: int | None = Field(
+        default=None, ge=0, le=1000,
+        description="Model replicas (each `pipeline` pods). Omit when autoscaling: the HPA sets it through /scale. Default: autoscaling.minReplicas, else 1.",
+    )
+    autoscaling: AutoscalingSpec | None = Field(default=None, description="Scale on pending requests with an HPA. Omit for a fixed replica count.")
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The load-aware router in front of the engines.")
+    cache: CacheSpec = Field(default_factory=CacheSpec, description="Model cache volume of each engine pod.")
+    hf_token_secret_ref: SecretKeyRef | None = Field(
+        default=None, alias="hfTokenSecretRef", description="Secret key holding a Hugging Face token, for gated models."
+    )
+
+
+# --- status ---------------------------------------------------------------------
+
+
+class Condition(ApiModel):
+    type: str = Field(description="PlanValid, Progressing, Ready or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(default="", description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="Human-readable details.")
+    last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="metadata.generation this condition was computed for.")
+
+
+class PlanStatus(ApiModel):
+    accelerator: str = Field(description="GPU type planned for.")
+    tensor: int = Field(description="Tensor-parallel size in use.")
+    pipeline: int = Field(description="Pipeline-parallel size in use.")
+    gpus_per_replica: int = Field(description="tensor x pipeline.")
+    max_model_len: int = Field(description="Longest sequence in tokens.")
+    weights_per_gpu: str = Field(description="Model weights held by each GPU (largest stage), e.g. 32.9Gi.")
+    kv_cache_bytes_per_token: int = Field(description="KV-cache bytes per token on one GPU of the largest stage.")
+    kv_cache_tokens: int = Field(description="Tokens of KV cache per replica (what vLLM logs as `GPU KV cache size`).")
+    max_concurrent_sequences: int = Field(description="Sequences of maxModelLen tokens that fit in the KV cache at once.")
+
+
+class InferenceServiceStatus(ApiModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    observed_generation: int | None = Field(default=None, description="metadata.generation last reconciled.")
+    conditions: list[Condition] = Field(default_factory=list, description="PlanValid, Progressing, Ready, Degraded.")
+    replicas: int | None = Field(default=None, description="Model replicas (groups) that exist.")
+    ready_replicas: int | None = Field(default=None, description="Groups whose every stage pod is ready.")
+    updated_replicas: int | None = Field(default=None, description="Groups running the current spec.")
+    selector: str | None = Field(default=None, description="Label selector of the leader pods (for the scale subresource and HPA).")
+    endpoint: str | None = Field(default=None, description="OpenAI base URL inside the cluster.")
+    plan: PlanStatus | None = Field(default=None, description="The capacity plan in force.")
+
+
+class ObjectMeta(BaseModel):
+    """The parts of metadata Tensorfleet reads; everything else passes through."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, pattern=DNS_1035_PATTERN)
+    namespace: str | None = Field(default=None, min_length=1, max_length=63, pattern=DNS_1123_LABEL_PATTERN)
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferenceService(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    api_version: Literal["tensorfleet.dev/v1alpha1"] = Field(alias="apiVersion")
+    kind: Literal["InferenceService"]
+    metadata: ObjectMeta
+    spec: InferenceServiceSpec
+    status: InferenceServiceStatus | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace or "default"

@@ -1,0 +1,238 @@
+"""`tensorfleet`: plan, render and inspect InferenceServices from the command line.
+
+Every user mistake ends as one line on stderr and a non-zero exit; tracebacks
+are for bugs only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from tensorfleet import contract
+from tensorfleet.api import InferenceService, SpecError, load_inference_service
+from tensorfleet.api.crd import crd
+from tensorfleet.catalog import GPUS, MODELS
+from tensorfleet.planner import Plan, make_plan
+from tensorfleet.planner.memory import GiB, MiB, cuda_total_bytes
+
+EXIT_INVALID = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Bad input that is not a spec problem (missing file, unreadable YAML)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; one line says the same.
+        sys.stderr.write(f"error: {message} (see `{self.prog} --help`)\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _read_documents(path: str) -> Iterator[tuple[str, Any]]:
+    """(label, document) for each non-empty YAML document of FILE or stdin ('-')."""
+    if path == "-":
+        label, text = "<stdin>", sys.stdin.read()
+    else:
+        file = Path(path)
+        if not file.is_file():
+            raise UsageError(f"{path}: no such file")
+        label, text = path, file.read_text(encoding="utf-8")
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UsageError(f"{label}: not valid YAML{where}: {problem}") from None
+    if not documents:
+        raise UsageError(f"{label}: no InferenceService in the file")
+    for index, document in enumerate(documents):
+        yield (label if len(documents) == 1 else f"{label}[{index}]"), document
+
+
+def _load(path: str) -> list[tuple[str, InferenceService, Plan]]:
+    out = []
+    for label, document in _read_documents(path):
+        try:
+            isvc = load_inference_service(document)
+            out.append((label, isvc, make_plan(isvc.spec)))
+        except SpecError as exc:
+            raise UsageError(f"{label}: {exc}") from None
+    return out
+
+
+def _replicas(isvc: InferenceService) -> int:
+    spec = isvc.spec
+    if spec.replicas is not None:
+        return spec.replicas
+    return spec.autoscaling.min_replicas if spec.autoscaling else 1
+
+
+def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
+    """The machine-readable plan: `status.plan` plus the sizing behind it."""
+    replicas = _replicas(isvc)
+    return {
+        "name": isvc.name,
+        "namespace": isvc.namespace,
+        "model": plan.model,
+        **plan.to_status().model_dump(by_alias=True),
+        "autoLayout": plan.auto_layout,
+        "dtype": plan.dtype,
+        "weightFormat": plan.weight_format,
+        "kvCacheDtype": plan.kv_cache_dtype,
+        "gpuMemoryBytes": plan.gpu_memory_bytes,
+        "budgetBytesPerGPU": plan.budget_bytes_per_gpu,
+        "weightBytesTotal": plan.weight_bytes_total,
+        "weightBytesPerGPU": plan.weight_bytes_per_gpu,
+        "activationBytesPerGPU": plan.activation_bytes_per_gpu,
+        "nonTorchBytesPerGPU": plan.non_torch_bytes_per_gpu,
+        "kvCacheBytesPerGPU": plan.kv_bytes_per_gpu,
+        "maxConcurrency": round(plan.max_concurrency, 2),
+        "maxNumSeqs": plan.max_num_seqs,
+        "replicas": replicas,
+        "totalGPUs": replicas * plan.gpus_per_replica,
+        "notes": list(plan.notes),
+    }
+
+
+def _gib(value: int) -> str:
+    return f"{value / GiB:.1f} GiB"
+
+
+def plan_table(isvc: InferenceService, plan: Plan) -> str:
+    replicas = _replicas(isvc)
+    per_token = plan.kv_bytes_per_token_per_gpu
+    rows = [
+        ("model", plan.model),
+        ("accelerator", f"{plan.accelerator} ({plan.gpu_memory_bytes // MiB} MiB, {_gib(cuda_total_bytes(plan.gpu_memory_bytes))} usable by CUDA)"),
+        ("layout", f"tensor {plan.tensor} x pipeline {plan.pipeline} = {plan.gpus_per_replica} GPU(s) per replica"
+                   + (" (chosen by the planner)" if plan.auto_layout else "")),
+        ("precision", f"weights {plan.weight_format}, activations {plan.dtype}, KV cache {plan.kv_cache_dtype}"),
+        ("max model len", f"{plan.max_model_len:,} tokens"),
+        ("memory budget", f"{_gib(plan.budget_bytes_per_gpu)} per GPU"),
+        ("  weights", f"{_gib(plan.weight_bytes_per_gpu)} per GPU ({_gib(plan.weight_bytes_total)} in all)"),
+        ("  activations", f"{_gib(plan.activation_bytes_per_gpu)} per GPU (profiling peak)"),
+        ("  non-torch", f"{_gib(plan.non_torch_bytes_per_gpu)} per GPU (CUDA context, NCCL)"),
+        ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} per GPU"),
+        ("KV per token", f"{per_token / 1024:.1f} KiB per GPU"),
+        ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica"),
+        ("max concurrency", f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "
+                            f"({plan.max_concurrent_sequences} full-length at once)"),
+        ("max num seqs", str(plan.max_num_seqs)),
+        ("replicas", f"{replicas} ({replicas * plan.gpus_per_replica} GPUs)"
+                     + (f", autoscaling {isvc.spec.autoscaling.min_replicas}-{isvc.spec.autoscaling.max_replicas}"
+                        if isvc.spec.autoscaling else "")),
+    ]
+    rows += [("note", note) for note in plan.notes]
+    width = max(len(key) for key, _ in rows)
+    lines = [f"InferenceService {isvc.namespace}/{isvc.name}"]
+    lines += [f"  {key.ljust(width)}  {value}" for key, value in rows]
+    return "\n".join(lines)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    loaded = _load(args.file)
+    if args.output == "json":
+        for _, isvc, plan in loaded:
+            print(json.dumps(plan_summary(isvc, plan), indent=2))
+    else:
+        print("\n\n".join(plan_table(isvc, plan) for _, isvc, plan in loaded))
+    return 0
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    from tensorfleet.render import render
+
+    objects: list[dict[str, Any]] = []
+    for _, isvc, plan in _load(args.file):
+        objects += render(isvc, plan, namespace=args.namespace, standalone=args.standalone)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
+    return 0
+
+
+def _cmd_crd(_: argparse.Namespace) -> int:
+    sys.stdout.write(yaml.safe_dump(crd(), sort_keys=False, width=120))
+    return 0
+
+
+def _cmd_catalog(args: argparse.Namespace) -> int:
+    gpus = [
+        {"type": g.name, "memoryMiB": g.memory_mib, "bandwidthGBps": g.bandwidth_gbps, "gpusPerNode": g.gpus_per_node,
+         "bf16": g.bf16, "fp8": g.fp8, "productLabels": list(g.product_labels)}
+        for g in GPUS
+    ]
+    models = [
+        {"key": m.key, "example": m.display, "parameters": m.arch.parameters, "layers": m.arch.layers,
+         "attentionHeads": m.arch.attention_heads, "kvHeads": m.arch.kv_heads, "weightFormat": m.arch.weight_format,
+         "moe": m.arch.moe is not None, "mla": m.arch.mla is not None, "maxContextLength": m.arch.max_context_length}
+        for m in MODELS
+    ]
+    if args.output == "json":
+        print(json.dumps({"gpus": gpus, "models": models}, indent=2))
+        return 0
+    print("GPU types (spec.accelerator.type):")
+    for g in gpus:
+        print(f"  {g['type']:<14} {g['memoryMiB']:>7} MiB  {g['bandwidthGBps']:>5} GB/s  labels: {', '.join(g['productLabels'])}")
+    print("\nModels (matched by the last part of spec.model.name):")
+    for m in models:
+        extra = " MoE" if m["moe"] else ""
+        extra += " MLA" if m["mla"] else ""
+        print(f"  {m['key']:<18} {m['parameters'] / 1e9:>7.1f}B  {m['weightFormat']:<6} e.g. {m['example']}{extra}")
+    return 0
+
+
+def _cmd_version(_: argparse.Namespace) -> int:
+    print(contract.__version__)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tensorfleet", description="Serve LLMs on Kubernetes GPU clusters.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    plan = commands.add_parser("plan", help="check that an InferenceService fits and show its capacity")
+    plan.add_argument("-f", "--file", required=True, help="InferenceService YAML file, or - for stdin")
+    plan.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    plan.set_defaults(func=_cmd_plan)
+
+    render = commands.add_parser("render", help="print the Kubernetes objects an InferenceService becomes")
+    render.add_argument("-f", "--file", required=True, help="InferenceService YAML file, or - for stdin")
+    render.add_argument("-n", "--namespace", help="namespace of the objects (default: metadata.namespace, else default)")
+    render.add_argument("--standalone", action="store_true",
+                        help="omit ownerReferences, so the output can be applied without the operator")
+    render.set_defaults(func=_cmd_render)
+
+    crd_cmd = commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+    crd_cmd.set_defaults(func=_cmd_crd)
+
+    catalog = commands.add_parser("catalog", help="list the GPU types and models the planner knows")
+    catalog.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    catalog.set_defaults(func=_cmd_catalog)
+
+    version = commands.add_parser("version", help="print the version")
+    version.set_defaults(func=_cmd_version)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except UsageError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_INVALID
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

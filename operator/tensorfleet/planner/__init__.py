@@ -1,0 +1,5 @@
+"""Capacity planning: does a model fit, on which layout, and how much KV cache is left."""
+
+from tensorfleet.planner.plan import Plan, make_plan, valid_tensor_sizes
+
+__all__ = ["Plan", "make_plan", "valid_tensor_sizes"]

@@ -1,0 +1,176 @@
+"""Byte arithmetic for one GPU of a vLLM replica. Pure functions, no policy.
+
+Method (the one vLLM's own start-up profiling follows; see vllm/v1/worker/
+gpu_worker.py `determine_available_memory` and vllm/worker/worker.py before it):
+
+    budget  = total GPU memory x gpu_memory_utilization
+    kv      = budget - weights - peak activations - non-torch memory
+    tokens  = floor(kv / (block_size x kv bytes per token)) x block_size
+
+vLLM logs the result as "GPU KV cache size: N tokens"; with tensor
+parallelism every rank holds the same tokens for its share of the KV heads, and
+with pipeline parallelism the engine takes the smallest stage's figure.
+
+Weights (vLLM loads parameters as stored; quantized linear layers keep
+16-bit embeddings and output head):
+    16-bit          2 bytes/parameter
+    fp8             1 byte + per-tensor/per-block scales (negligible)
+    awq/gptq int4   4 bits + one 16-bit scale and 4-bit zero per group of 128
+    mxfp4           4 bits + one 8-bit scale per block of 32 (gpt-oss MoE experts)
+Tensor parallelism shards every linear layer and the vocabulary over `tensor`
+ranks. Pipeline parallelism splits layers the way vLLM's `get_pp_indices`
+does: an even share each, the remainder to the stages before the last; the
+first stage also holds the input embedding, the last the output head.
+
+KV cache bytes per token and layer:
+    standard/GQA    2 (K and V) x kv heads on this rank x head dim x element bytes,
+                    kv heads on this rank = max(1, kv_heads / tensor) (vLLM
+                    replicates heads when tensor > kv_heads)
+    MLA (DeepSeek)  (kv_lora_rank + qk_rope_head_dim) x element bytes, the same on
+                    every tensor rank: the latent is not split by head.
+Sliding-window layers (gpt-oss alternates 128-token windows with full
+attention) keep at most `window` tokens per sequence; vLLM's hybrid KV-cache
+manager gives them only that. They are charged here as a share
+window / maxModelLen of a full layer per token, i.e. their cost spread over a
+full-length sequence.
+
+Reserve (what the profiler measures beside weights), calibrated against the
+published vLLM start-up logs cited in tests/test_planner_published.py:
+    activations     peak of one dummy forward pass of max_num_batched_tokens
+                    tokens: MLP gate/up/act buffers on this rank plus a few
+                    hidden-size buffers, plus fp32 logits for max_num_seqs
+                    sampled rows (and the sampler's working copies)
+    non-torch       CUDA context, cuBLAS workspaces; with tensor >= 2 also
+                    NCCL and custom all-reduce buffers
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tensorfleet.api.models import ArchitectureSpec
+
+GiB = 1024**3
+MiB = 1024**2
+KV_BLOCK_SIZE = 16  # vLLM's default --block-size on CUDA
+
+# Weight bytes per parameter of quantizable (linear) layers, per format.
+BYTES_PER_PARAMETER: dict[str, float] = {
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "awq": 0.5 + (2 + 0.5) / 128,
+    "gptq": 0.5 + (2 + 0.5) / 128,
+    "mxfp4": 0.5 + 1 / 32,
+}
+EMBEDDING_BYTES = 2  # embeddings and output head stay 16-bit under every format
+
+DEFAULT_VOCAB = 32000
+# The CUDA total vLLM starts from is NVML's total less what the driver keeps:
+# an H100 reporting 81559 MiB in nvidia-smi shows total_memory=79.19GiB in
+# vLLM's log, an A100-40GB 40960 MiB shows 39.50GiB.
+DRIVER_RESERVED_BYTES = 512 * MiB
+# Measured "non-torch forward increase" in vLLM 0.19 logs on H100: 0.25-0.27 GiB
+# on one GPU; 2.07-2.21 GiB per GPU once tensor parallelism brings NCCL and the
+# custom all-reduce buffers; under 0.1 GiB for pipeline-only layouts.
+NON_TORCH_SINGLE_GPU = int(0.27 * GiB)
+NON_TORCH_TENSOR_PARALLEL = int(2.1 * GiB)
+NON_TORCH_PIPELINE_ONLY = int(0.1 * GiB)
+# fp32 logits plus the sampler's working copy during profiling.
+LOGITS_COPIES = 2
+ACTIVATION_BYTES = 2
+
+
+@dataclass(frozen=True)
+class Stage:
+    layers: int
+    weight_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+
+
+def stage_layers(layers: int, pipeline: int) -> list[int]:
+    """Layers per pipeline stage, as vLLM partitions them."""
+    share, remainder = divmod(layers, pipeline)
+    parts = [share] * pipeline
+    # vLLM gives the extra layers to the stages before the last one.
+    for i in range(2, remainder + 2):
+        parts[-i % pipeline] += 1
+    return parts
+
+
+def embedding_parameters(arch: ArchitectureSpec) -> int:
+    """Parameters of one embedding matrix (input, or output head)."""
+    return (arch.vocab_size or DEFAULT_VOCAB) * arch.hidden_size
+
+
+def layer_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> float:
+    """Bytes of one transformer layer (all tensor ranks together)."""
+    embeddings = embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
+    body = max(arch.parameters - embeddings, 0)
+    return body * BYTES_PER_PARAMETER[weight_format] / arch.layers
+
+
+def total_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> int:
+    embeddings = embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
+    return int(layer_weight_bytes(arch, weight_format) * arch.layers + embeddings * EMBEDDING_BYTES)
+
+
+def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_bytes: int) -> int:
+    """KV-cache bytes one token needs in one layer on one tensor rank."""
+    if arch.mla is not None:
+        return (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * kv_element_bytes
+    kv_heads = arch.kv_heads or arch.attention_heads
+    head_dim = arch.head_dim or arch.hidden_size // arch.attention_heads
+    heads_here = max(1, kv_heads // tensor)
+    return 2 * heads_here * head_dim * kv_element_bytes
+
+
+def effective_kv_layers(arch: ArchitectureSpec, layers: int, max_model_len: int) -> float:
+    """Layers of a stage as full-attention equivalents for KV sizing."""
+    if not arch.sliding_window:
+        return float(layers)
+    sliding_share = (arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers) / arch.layers
+    sliding = layers * sliding_share
+    return (layers - sliding) + sliding * min(1.0, arch.sliding_window / max_model_len)
+
+
+def stages(
+    arch: ArchitectureSpec, weight_format: str, tensor: int, pipeline: int, kv_element_bytes: int, max_model_len: int
+) -> list[Stage]:
+    per_layer = layer_weight_bytes(arch, weight_format)
+    embedding = embedding_parameters(arch) * EMBEDDING_BYTES
+    per_layer_kv = kv_bytes_per_token_layer(arch, tensor, kv_element_bytes)
+    out: list[Stage] = []
+    parts = stage_layers(arch.layers, pipeline)
+    for index, count in enumerate(parts):
+        weights = count * per_layer
+        if index == 0:
+            weights += embedding
+        if index == pipeline - 1 and not (arch.tied_embeddings and pipeline == 1):
+            weights += embedding
+        kv_per_token = math.ceil(effective_kv_layers(arch, count, max_model_len) * per_layer_kv)
+        out.append(Stage(count, math.ceil(weights / tensor), kv_per_token))
+    return out
+
+
+def activation_peak_bytes(arch: ArchitectureSpec, tensor: int, batched_tokens: int, num_seqs: int) -> int:
+    """Peak activation memory of vLLM's profiling forward pass on one rank."""
+    intermediate = arch.intermediate_size or 4 * arch.hidden_size
+    if arch.moe is not None:
+        # Routed tokens fan out to experts_per_token expert MLPs.
+        intermediate *= arch.moe.experts_per_token
+    mlp = batched_tokens * 3 * intermediate // tensor * ACTIVATION_BYTES
+    hidden = batched_tokens * 6 * arch.hidden_size * ACTIVATION_BYTES
+    logits = num_seqs * (arch.vocab_size or DEFAULT_VOCAB) * 4 * LOGITS_COPIES
+    return mlp + hidden + logits
+
+
+def non_torch_bytes(tensor: int, pipeline: int) -> int:
+    if tensor > 1:
+        return NON_TORCH_TENSOR_PARALLEL
+    return NON_TORCH_SINGLE_GPU if pipeline == 1 else NON_TORCH_PIPELINE_ONLY
+
+
+def cuda_total_bytes(nvml_total_bytes: int) -> int:
+    return nvml_total_bytes - DRIVER_RESERVED_BYTES

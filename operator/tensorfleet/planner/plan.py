@@ -1,0 +1,379 @@
+"""Does a model fit on these GPUs, and how many requests can it hold?
+
+`make_plan(spec)` resolves the model and GPU facts, checks the parallel
+layout against the rules vLLM enforces, sizes memory with `memory.py`, and
+either returns a Plan or raises SpecError naming the field and what would fit.
+
+When `spec.parallelism` leaves tensor or pipeline out, the planner picks the
+smallest layout that fits, following vLLM's distributed-serving guidance:
+grow tensor parallelism inside one node first (up to its GPU count), and only
+then add nodes as pipeline stages, with tensor = GPUs per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorfleet.api.errors import SpecError
+from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
+from tensorfleet.catalog import GPUType, find_gpu, find_model, gpu_names
+from tensorfleet.planner import memory
+from tensorfleet.planner.memory import GiB, KV_BLOCK_SIZE
+
+MAX_PIPELINE = 64
+QUANTIZED_FORMATS = {"fp8", "awq", "gptq", "mxfp4"}
+# vLLM's defaults for the OpenAI server (EngineArgs): larger batches on
+# >= 70 GiB GPUs other than A100.
+LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS = 8192, 1024
+SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Everything a layout is sized with, fixed before trying layouts."""
+
+    model: str
+    arch: ArchitectureSpec
+    gpu: GPUType
+    gpus_per_node: int
+    weight_format: str
+    dtype: str
+    kv_element_bytes: int
+    max_model_len: int
+    utilization: float
+    max_num_seqs: int
+    batched_tokens: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    accelerator: str
+    tensor: int
+    pipeline: int
+    max_model_len: int
+    dtype: str
+    weight_format: str
+    kv_cache_dtype: str
+    gpu_memory_bytes: int
+    budget_bytes_per_gpu: int
+    weight_bytes_total: int
+    weight_bytes_per_gpu: int
+    activation_bytes_per_gpu: int
+    non_torch_bytes_per_gpu: int
+    kv_bytes_per_gpu: int
+    kv_bytes_per_token_per_gpu: int
+    kv_cache_tokens: int
+    max_num_seqs: int
+    auto_layout: bool
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def max_concurrency(self) -> float:
+        """vLLM's "Maximum concurrency for N tokens per request" figure."""
+        return self.kv_cache_tokens / self.max_model_len
+
+    @property
+    def max_concurrent_sequences(self) -> int:
+        return self.kv_cache_tokens // self.max_model_len
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_cache_tokens >= self.max_model_len
+
+    def to_status(self) -> PlanStatus:
+        return PlanStatus(
+            accelerator=self.accelerator,
+            tensor=self.tensor,
+            pipeline=self.pipeline,
+            gpus_per_replica=self.gpus_per_replica,
+            max_model_len=self.max_model_len,
+            weights_per_gpu=gib(self.weight_bytes_per_gpu),
+            kv_cache_bytes_per_token=self.kv_bytes_per_token_per_gpu,
+            kv_cache_tokens=self.kv_cache_tokens,
+            max_concurrent_sequences=self.max_concurrent_sequences,
+        )
+
+
+def gib(value: float) -> str:
+    return f"{value / GiB:.1f}Gi"
+
+
+# --- resolving facts -------------------------------------------------------------
+
+
+def _resolve(spec: InferenceServiceSpec) -> Resolved:
+    gpu = find_gpu(spec.accelerator.type)
+    if gpu is None:
+        raise SpecError(
+            "spec.accelerator.type",
+            f"unknown GPU type {spec.accelerator.type!r}; known types: {', '.join(gpu_names())}",
+        )
+    entry, implied_format = find_model(spec.model.name)
+    if spec.model.architecture is not None:
+        arch, source = spec.model.architecture, "spec.model.architecture"
+    elif entry is not None:
+        arch, source = entry.arch, "the catalog"
+    else:
+        raise SpecError(
+            "spec.model.architecture",
+            f"model {spec.model.name!r} is not in the catalog; add spec.model.architecture with its facts "
+            "from config.json (parameters, layers, hiddenSize, attentionHeads, kvHeads), or run `tensorfleet catalog`",
+        )
+    native = implied_format if (implied_format and source == "the catalog") else arch.weight_format
+    weight_format = _weight_format(spec, native, source, gpu)
+    dtype = _dtype(spec, gpu)
+    kv_element_bytes = 1 if spec.engine.kv_cache_dtype == "fp8" else 2
+    max_model_len = _max_model_len(spec, arch)
+    large = gpu.memory_mib >= 70 * 1024 and not gpu.name.startswith("A100")
+    default_seqs = LARGE_GPU_MAX_SEQS if large else SMALL_GPU_MAX_SEQS
+    return Resolved(
+        model=spec.model.name,
+        arch=arch,
+        gpu=gpu,
+        gpus_per_node=spec.accelerator.gpus_per_node or gpu.gpus_per_node,
+        weight_format=weight_format,
+        dtype=dtype,
+        kv_element_bytes=kv_element_bytes,
+        max_model_len=max_model_len,
+        utilization=spec.engine.gpu_memory_utilization,
+        max_num_seqs=spec.engine.max_num_seqs or default_seqs,
+        batched_tokens=LARGE_GPU_BATCHED_TOKENS if large else SMALL_GPU_BATCHED_TOKENS,
+    )
+
+
+def _weight_format(spec: InferenceServiceSpec, native: str, source: str, gpu: GPUType) -> str:
+    wanted = spec.model.quantization
+    name = spec.model.name
+    if wanted is None:
+        return native
+    if wanted == "none":
+        if native in QUANTIZED_FORMATS:
+            raise SpecError(
+                "spec.model.quantization",
+                f"'none' is impossible: {name} ships {native} weights; omit the field to serve them as they are",
+            )
+        return native
+    if wanted == "fp8":
+        if native in {"bf16", "fp16", "fp8"}:
+            return "fp8"
+        raise SpecError(
+            "spec.model.quantization",
+            f"fp8 cannot re-quantize {name}, which ships {native} weights; omit the field",
+        )
+    # awq / gptq: a property of the checkpoint; vLLM cannot produce it at load time.
+    if native == wanted or source == "spec.model.architecture":
+        return wanted
+    raise SpecError(
+        "spec.model.quantization",
+        f"{wanted} needs a checkpoint quantized with {wanted.upper()}, but {name} ships {native} weights; "
+        f"point spec.model.name at a {wanted.upper()} checkpoint, or use quantization fp8",
+    )
+
+
+def _dtype(spec: InferenceServiceSpec, gpu: GPUType) -> str:
+    if spec.model.dtype == "bfloat16" and not gpu.bf16:
+        raise SpecError("spec.model.dtype", f"{gpu.name} has no bfloat16 support; use float16 or auto")
+    if spec.model.dtype == "auto":
+        return "bfloat16" if gpu.bf16 else "float16"
+    return spec.model.dtype
+
+
+def _max_model_len(spec: InferenceServiceSpec, arch: ArchitectureSpec) -> int:
+    wanted = spec.model.max_model_len
+    limit = arch.max_context_length
+    if wanted is None:
+        if limit is None:
+            raise SpecError(
+                "spec.model.maxModelLen",
+                "required: the model's context length is unknown (set it, or architecture.maxContextLength)",
+            )
+        return limit
+    if limit is not None and wanted > limit:
+        raise SpecError(
+            "spec.model.maxModelLen",
+            f"{wanted} exceeds the model's context length {limit}; use at most {limit}",
+        )
+    return wanted
+
+
+# --- layout rules ----------------------------------------------------------------
+
+
+def _tensor_problem(arch: ArchitectureSpec, tensor: int) -> str | None:
+    heads = arch.attention_heads
+    kv_heads = arch.kv_heads or heads
+    if heads % tensor:
+        return f"{tensor} does not divide the model's {heads} attention heads"
+    if arch.mla is None and kv_heads % tensor and tensor % kv_heads:
+        return f"{tensor} and the model's {kv_heads} KV heads must divide one another"
+    return None
+
+
+def valid_tensor_sizes(arch: ArchitectureSpec, gpus_per_node: int) -> list[int]:
+    return [t for t in range(1, gpus_per_node + 1) if _tensor_problem(arch, t) is None]
+
+
+def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> Plan:
+    """Size one layout (assumed valid). `plan.fits` says whether it serves."""
+    arch = r.arch
+    stages = memory.stages(arch, r.weight_format, tensor, pipeline, r.kv_element_bytes, r.max_model_len)
+    budget = int(memory.cuda_total_bytes(r.gpu.memory_bytes) * r.utilization)
+    activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
+    non_torch = memory.non_torch_bytes(tensor, pipeline)
+    tokens: int | None = None
+    worst = stages[0]
+    for stage in stages:
+        free = budget - stage.weight_bytes_per_gpu - activation - non_torch
+        blocks = max(free, 0) // (KV_BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
+        stage_tokens = blocks * KV_BLOCK_SIZE
+        if tokens is None or stage_tokens < tokens:
+            tokens, worst = stage_tokens, stage
+    notes: list[str] = []
+    kv_heads = arch.kv_heads or arch.attention_heads
+    if arch.mla is None and tensor > kv_heads:
+        notes.append(f"tensor {tensor} > {kv_heads} KV heads: each KV head is replicated on {tensor // kv_heads} GPUs")
+    return Plan(
+        model=r.model,
+        accelerator=r.gpu.name,
+        tensor=tensor,
+        pipeline=pipeline,
+        max_model_len=r.max_model_len,
+        dtype=r.dtype,
+        weight_format=r.weight_format,
+        kv_cache_dtype="fp8" if r.kv_element_bytes == 1 else r.dtype,
+        gpu_memory_bytes=r.gpu.memory_bytes,
+        budget_bytes_per_gpu=budget,
+        weight_bytes_total=memory.total_weight_bytes(arch, r.weight_format),
+        weight_bytes_per_gpu=max(s.weight_bytes_per_gpu for s in stages),
+        activation_bytes_per_gpu=activation,
+        non_torch_bytes_per_gpu=non_torch,
+        kv_bytes_per_gpu=max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0),
+        kv_bytes_per_token_per_gpu=max(s.kv_bytes_per_token_per_gpu for s in stages),
+        kv_cache_tokens=tokens or 0,
+        max_num_seqs=r.max_num_seqs,
+        auto_layout=auto,
+        notes=tuple(notes),
+    )
+
+
+def _search(r: Resolved, tensor: int | None, pipeline: int | None) -> Plan | None:
+    """Smallest fitting layout with the given sizes fixed (None = free)."""
+    tensors = [tensor] if tensor else valid_tensor_sizes(r.arch, r.gpus_per_node)
+    if not tensors:
+        return None
+    max_pipeline = min(r.arch.layers, MAX_PIPELINE)
+    pipelines = [pipeline] if pipeline else range(1, max_pipeline + 1)
+    for pp in pipelines:
+        # Beyond one node, fill each node: tensor = the largest valid size.
+        candidates = tensors if (pp == 1 or tensor or pipeline) else tensors[-1:]
+        for tp in candidates:
+            if pp > r.arch.layers:
+                return None
+            candidate = size_layout(r, tp, pp, auto=True)
+            if candidate.fits:
+                return candidate
+    return None
+
+
+def _describe_layout(p: Plan) -> str:
+    return f"tensor {p.tensor}" + (f" x pipeline {p.pipeline}" if p.pipeline > 1 else "")
+
+
+def _alternatives(r: Resolved, spec: InferenceServiceSpec, failed: Plan) -> str:
+    """What would fit instead, for the error message."""
+    options: list[str] = []
+    smallest = _search(r, None, failed.pipeline if failed.pipeline > 1 else None)
+    if smallest is None and failed.pipeline > 1:
+        smallest = _search(r, None, None)
+    if smallest is not None and (smallest.tensor, smallest.pipeline) != (failed.tensor, failed.pipeline):
+        if smallest.pipeline == failed.pipeline:
+            options.append(f"needs tensor >= {smallest.tensor} on {r.gpu.name}")
+        else:
+            options.append(f"needs {_describe_layout(smallest)} on {r.gpu.name}")
+    if r.weight_format in {"bf16", "fp16"}:
+        quantized = size_layout(Resolved(**{**r.__dict__, "weight_format": "fp8"}), failed.tensor, failed.pipeline)
+        if quantized.fits:
+            options.append("or spec.model.quantization: fp8")
+    if r.kv_element_bytes == 2 and spec.engine.kv_cache_dtype == "auto":
+        kv8 = size_layout(Resolved(**{**r.__dict__, "kv_element_bytes": 1}), failed.tensor, failed.pipeline)
+        if kv8.fits:
+            options.append("or spec.engine.kvCacheDtype: fp8")
+    if failed.kv_cache_tokens >= 128:
+        options.append(f"or spec.model.maxModelLen <= {failed.kv_cache_tokens}")
+    if r.utilization < 0.95:
+        tighter = size_layout(Resolved(**{**r.__dict__, "utilization": 0.95}), failed.tensor, failed.pipeline)
+        if tighter.fits:
+            options.append("or spec.engine.gpuMemoryUtilization: 0.95")
+    if not options:
+        options.append("no layout of up to 64 nodes fits; choose a larger GPU type or a quantized checkpoint")
+    text = ", ".join(options)
+    return text[3:] if text.startswith("or ") else text
+
+
+def _check_layout(r: Resolved, tensor: int | None, pipeline: int | None) -> None:
+    if tensor is not None:
+        if tensor > r.gpus_per_node:
+            valid = valid_tensor_sizes(r.arch, r.gpus_per_node)
+            largest = valid[-1] if valid else 1
+            pp = -(-tensor // largest)
+            raise SpecError(
+                "spec.parallelism.tensor",
+                f"{tensor} exceeds the {r.gpus_per_node} GPUs of one {r.gpu.name} node (tensor parallelism stays inside a node); "
+                f"use tensor {largest} with pipeline {pp}, or set spec.accelerator.gpusPerNode if your nodes have more",
+            )
+        problem = _tensor_problem(r.arch, tensor)
+        if problem:
+            valid = valid_tensor_sizes(r.arch, r.gpus_per_node)
+            raise SpecError(
+                "spec.parallelism.tensor",
+                f"{problem}; valid sizes on {r.gpu.name}: {', '.join(map(str, valid)) or 'none'}",
+            )
+    if pipeline is not None and pipeline > r.arch.layers:
+        raise SpecError(
+            "spec.parallelism.pipeline",
+            f"{pipeline} exceeds the model's {r.arch.layers} layers; each stage needs at least one layer",
+        )
+
+
+def make_plan(spec: InferenceServiceSpec) -> Plan:
+    """Plan one replica. Raises SpecError with the field and a layout that fits."""
+    r = _resolve(spec)
+    tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
+    _check_layout(r, tensor, pipeline)
+    if tensor and pipeline:
+        chosen = size_layout(r, tensor, pipeline)
+        if chosen.fits:
+            return chosen
+        raise _does_not_fit(r, spec, chosen, "spec.parallelism")
+    found = _search(r, tensor, pipeline)
+    if found is not None:
+        return found
+    # Report against the largest layout the fixed fields allow.
+    valid = valid_tensor_sizes(r.arch, r.gpus_per_node)
+    failed = size_layout(r, tensor or (valid[-1] if valid else 1), pipeline or 1)
+    if tensor is None and pipeline is None and not valid:
+        raise SpecError("spec.parallelism.tensor", f"no tensor size up to {r.gpus_per_node} divides the model's attention heads")
+    field_name = "spec.parallelism" if (tensor or pipeline) else "spec.model.name"
+    raise _does_not_fit(r, spec, failed, field_name)
+
+
+def _does_not_fit(r: Resolved, spec: InferenceServiceSpec, failed: Plan, field_name: str) -> SpecError:
+    weights_free = failed.budget_bytes_per_gpu - failed.weight_bytes_per_gpu - failed.activation_bytes_per_gpu - failed.non_torch_bytes_per_gpu
+    layout = _describe_layout(failed)
+    if weights_free <= 0:
+        why = (
+            f"{r.model} ({r.weight_format}) needs {gib(failed.weight_bytes_per_gpu)} of weights per GPU at {layout} plus "
+            f"{gib(failed.activation_bytes_per_gpu + failed.non_torch_bytes_per_gpu)} reserve, more than the "
+            f"{gib(failed.budget_bytes_per_gpu)} one {r.gpu.name} gives at gpuMemoryUtilization {r.utilization}"
+        )
+    else:
+        why = (
+            f"at {layout} on {r.gpu.name} the KV cache holds {failed.kv_cache_tokens} tokens, "
+            f"fewer than one sequence of maxModelLen {r.max_model_len}"
+        )
+    return SpecError(field_name, f"{why}; {_alternatives(r, spec, failed)}")

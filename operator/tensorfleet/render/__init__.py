@@ -1,0 +1,72 @@
+"""InferenceService + Plan -> the Kubernetes objects that serve it.
+
+Pure: no I/O, no clock, no randomness. The operator applies the output with
+server-side apply, `tensorfleet render` prints it, and the tests validate it
+against the Kubernetes OpenAPI schemas; all three must see the same objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorfleet.api.models import InferenceService
+from tensorfleet.planner import Plan
+from tensorfleet.render.autoscaling import hpa, pdb
+from tensorfleet.render.engine import desired_replicas, statefulsets
+from tensorfleet.render.meta import (
+    Context,
+    engine_selector,
+    leader_selector,
+    router_selector,
+    selector_string,
+    stage_selector,
+)
+from tensorfleet.render.router import deployment, role, role_binding, service_account
+from tensorfleet.render.services import services
+
+__all__ = [
+    "desired_replicas",
+    "engine_selector",
+    "leader_selector",
+    "render",
+    "router_selector",
+    "selector_string",
+    "stage_selector",
+]
+
+
+def render(
+    isvc: InferenceService,
+    plan: Plan,
+    *,
+    namespace: str | None = None,
+    standalone: bool = False,
+) -> list[dict[str, Any]]:
+    """Every object the InferenceService owns, in the order to apply them.
+
+    namespace: overrides metadata.namespace (default "default").
+    standalone: write no ownerReferences, for manifests meant to outlive
+    the operator (they are also omitted when the input has no uid).
+    """
+    ctx = Context(
+        isvc=isvc,
+        plan=plan,
+        namespace=namespace or isvc.metadata.namespace or "default",
+        standalone=standalone,
+    )
+    # Dependencies first: identities and RBAC before the pods using them,
+    # Services before the pods that resolve them, the PDB before the pods
+    # it protects, the HPA last since it scales what already exists.
+    objects: list[dict[str, Any]] = [
+        service_account(ctx),
+        role(ctx),
+        role_binding(ctx),
+        *services(ctx),
+        pdb(ctx),
+        *statefulsets(ctx),
+        deployment(ctx),
+    ]
+    autoscaler = hpa(ctx)
+    if autoscaler is not None:
+        objects.append(autoscaler)
+    return objects

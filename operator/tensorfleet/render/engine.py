@@ -1,0 +1,297 @@
+"""Engine StatefulSets: one per pipeline stage; ordinal i of every stage forms group i."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
+from tensorfleet.catalog import find_gpu
+from tensorfleet.render.meta import Context, metadata, pod_labels, stage_selector
+
+CONTAINER_NAME = "engine"
+REVISION_HISTORY_LIMIT = 3
+STARTUP_PERIOD_SECONDS = 10
+SIMULATOR_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
+
+
+def desired_replicas(spec: InferenceServiceSpec) -> int:
+    """Model replicas (groups): what every stage StatefulSet runs."""
+    if spec.replicas is not None:
+        return spec.replicas
+    if spec.autoscaling is not None:
+        return spec.autoscaling.min_replicas
+    return 1
+
+
+def is_gpu(ctx: Context) -> bool:
+    return ctx.spec.engine.kind == "vllm"
+
+
+def statefulsets(ctx: Context) -> list[dict[str, Any]]:
+    return [statefulset(ctx, stage) for stage in range(ctx.plan.pipeline)]
+
+
+def _role(stage: int) -> str:
+    return contract.ROLE_LEADER if stage == 0 else contract.ROLE_WORKER
+
+
+def _stage_labels(stage: int) -> dict[str, str]:
+    return {contract.LABEL_STAGE: str(stage), contract.LABEL_ROLE: _role(stage)}
+
+
+def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
+    spec = ctx.spec
+    cache = spec.cache
+    # A multi-stage group must never run mixed versions, so the operator
+    # deletes whole groups itself; the StatefulSet controller would roll
+    # each stage independently.
+    strategy = "RollingUpdate" if ctx.plan.pipeline == 1 else "OnDelete"
+    body: dict[str, Any] = {
+        "replicas": desired_replicas(spec),
+        "serviceName": contract.workers_service_name(ctx.name),
+        # Groups load for minutes; ordered start-up would serialise that.
+        "podManagementPolicy": "Parallel",
+        "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
+        "selector": {"matchLabels": stage_selector(ctx.name, stage)},
+        "updateStrategy": {"type": strategy},
+        "template": _pod_template(ctx, stage),
+    }
+    if cache.size:
+        body["persistentVolumeClaimRetentionPolicy"] = {
+            "whenDeleted": cache.retention_policy,
+            "whenScaled": cache.retention_policy,
+        }
+        body["volumeClaimTemplates"] = [_cache_claim(ctx)]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(ctx, contract.stage_name(ctx.name, stage), contract.COMPONENT_ENGINE, _stage_labels(stage)),
+        "spec": body,
+    }
+
+
+def _cache_claim(ctx: Context) -> dict[str, Any]:
+    cache = ctx.spec.cache
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": cache.size}},
+    }
+    if cache.storage_class_name:
+        claim["storageClassName"] = cache.storage_class_name
+    # volumeClaimTemplates cannot be changed after creation: only labels that
+    # stay fixed for the InferenceService's life (no version) go here.
+    return {
+        "metadata": {"name": contract.CACHE_VOLUME, "labels": pod_labels(ctx.name, contract.COMPONENT_ENGINE)},
+        "spec": claim,
+    }
+
+
+def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
+    spec = ctx.spec
+    pod: dict[str, Any] = {
+        # Kubernetes injects `<SERVICE>_PORT=tcp://...` for every Service in
+        # the namespace; one named `vllm` yields VLLM_PORT, which vLLM reads.
+        "enableServiceLinks": False,
+        # The engine never talks to the API server.
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        "containers": [_container(ctx, stage)],
+        "volumes": _volumes(ctx),
+    }
+    if is_gpu(ctx):
+        pod["affinity"] = _gpu_affinity(ctx)
+    if spec.accelerator.node_selector:
+        pod["nodeSelector"] = dict(sorted(spec.accelerator.node_selector.items()))
+    tolerations = _tolerations(ctx)
+    if tolerations:
+        pod["tolerations"] = tolerations
+    return {
+        "metadata": {"labels": {**pod_labels(ctx.name, contract.COMPONENT_ENGINE), **_stage_labels(stage)}},
+        "spec": pod,
+    }
+
+
+def _image(ctx: Context) -> str:
+    engine = ctx.spec.engine
+    if engine.image:
+        return engine.image
+    return contract.WORKER_IMAGE if is_gpu(ctx) else contract.CONTROL_PLANE_IMAGE
+
+
+def _container(ctx: Context, stage: int) -> dict[str, Any]:
+    engine = ctx.spec.engine
+    container: dict[str, Any] = {
+        "name": CONTAINER_NAME,
+        "image": _image(ctx),
+    }
+    if engine.image_pull_policy:
+        container["imagePullPolicy"] = engine.image_pull_policy
+    ports = [_port(contract.PORT_NAME_RAY, contract.RAY_PORT)]
+    if stage == 0:
+        ports.insert(0, _port(contract.PORT_NAME_HTTP, contract.ENGINE_PORT))
+    container.update({
+        "command": list(contract.WORKER_COMMAND),
+        "env": _env(ctx, stage),
+        "ports": ports,
+        "resources": _resources(ctx),
+        **_probes(ctx, stage),
+        "volumeMounts": [
+            {"name": contract.SHM_VOLUME, "mountPath": contract.SHM_PATH},
+            {"name": contract.CACHE_VOLUME, "mountPath": contract.CACHE_PATH},
+        ],
+    })
+    return container
+
+
+def _port(name: str, number: int) -> dict[str, Any]:
+    # protocol is spelled out: it is part of the list-map key under
+    # server-side apply, and leaving it to defaulting causes conflicts.
+    return {"name": name, "containerPort": number, "protocol": "TCP"}
+
+
+def _value(name: str, value: str) -> dict[str, Any]:
+    return {"name": name, "value": value}
+
+
+def _field(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
+    spec, plan, name = ctx.spec, ctx.plan, ctx.name
+    leader = (
+        f"{contract.stage_name(name, 0)}-$({contract.ENV_GROUP_INDEX})"
+        f".{contract.workers_service_name(name)}.$({contract.ENV_NAMESPACE}).svc"
+    )
+    # Order matters: $(VAR) expands only variables defined earlier in the list.
+    env = [
+        _value(contract.ENV_ENGINE_KIND, spec.engine.kind),
+        _value(contract.ENV_INFERENCE_SERVICE, name),
+        _field(contract.ENV_NAMESPACE, "metadata.namespace"),
+        _field(contract.ENV_POD_NAME, "metadata.name"),
+        _field(contract.ENV_GROUP_INDEX, f"metadata.labels['{contract.LABEL_POD_INDEX}']"),
+        _value(contract.ENV_STAGE_INDEX, str(stage)),
+        _value(contract.ENV_LEADER_ADDRESS, leader),
+        _value(contract.ENV_RAY_PORT, str(contract.RAY_PORT)),
+        _value(contract.ENV_ENGINE_PORT, str(contract.ENGINE_PORT)),
+        # The plan's layout, not the spec's: the planner may have chosen it.
+        _value(contract.ENV_TENSOR_PARALLEL, str(plan.tensor)),
+        _value(contract.ENV_PIPELINE_PARALLEL, str(plan.pipeline)),
+        _value(contract.ENV_MODEL, spec.model.name),
+        _value(contract.ENV_SERVED_MODEL_NAME, ctx.served_name),
+    ]
+    if spec.model.revision:
+        env.append(_value(contract.ENV_MODEL_REVISION, spec.model.revision))
+    env.append(_value(contract.ENV_DTYPE, plan.dtype))
+    # "none" means "no quantization flag", the same as leaving it out.
+    if spec.model.quantization and spec.model.quantization != "none":
+        env.append(_value(contract.ENV_QUANTIZATION, spec.model.quantization))
+    env += [
+        _value(contract.ENV_KV_CACHE_DTYPE, spec.engine.kv_cache_dtype),
+        _value(contract.ENV_MAX_MODEL_LEN, str(plan.max_model_len)),
+        _value(contract.ENV_GPU_MEMORY_UTILIZATION, str(spec.engine.gpu_memory_utilization)),
+        _value(contract.ENV_MAX_NUM_SEQS, str(plan.max_num_seqs)),
+        _value(contract.ENV_EXTRA_ARGS, json.dumps(list(spec.engine.args))),
+        _value(contract.ENV_HF_HOME, contract.HF_HOME_PATH),
+    ]
+    token = spec.hf_token_secret_ref
+    if token is not None:
+        env.append({
+            "name": contract.ENV_HF_TOKEN,
+            "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
+        })
+    # Copied so callers mutating the output cannot reach into the spec.
+    env += [copy.deepcopy(var.model_dump(by_alias=True, exclude_none=True)) for var in spec.engine.env]
+    return env
+
+
+def _user_resources(resources: ResourceRequirements | None) -> tuple[dict[str, str], dict[str, str]]:
+    if resources is None:
+        return {}, {}
+    return dict(resources.requests), dict(resources.limits)
+
+
+def _resources(ctx: Context) -> dict[str, Any]:
+    requests, limits = _user_resources(ctx.spec.engine.resources)
+    if is_gpu(ctx):
+        # Extended resources must have requests == limits; the plan decides
+        # the count, so the user's resources cannot override it.
+        gpus = str(ctx.plan.tensor)
+        requests[contract.GPU_RESOURCE] = gpus
+        limits[contract.GPU_RESOURCE] = gpus
+    elif ctx.spec.engine.resources is None:
+        requests = dict(SIMULATOR_REQUESTS)
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    return out
+
+
+def _gpu_affinity(ctx: Context) -> dict[str, Any]:
+    gpu = find_gpu(ctx.plan.accelerator)
+    if gpu is None:
+        raise ValueError(f"spec.accelerator.type: the plan names {ctx.plan.accelerator!r}, which is not in the GPU catalog")
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{
+                    "matchExpressions": [{
+                        "key": contract.GPU_PRODUCT_LABEL,
+                        "operator": "In",
+                        "values": list(gpu.product_labels),
+                    }],
+                }],
+            },
+        },
+    }
+
+
+def _tolerations(ctx: Context) -> list[dict[str, Any]]:
+    # Set explicitly: not every cluster runs the ExtendedResourceToleration
+    # admission plugin that would add it for GPU requests.
+    ours = (
+        [{"key": contract.GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]
+        if is_gpu(ctx) else []
+    )
+    theirs = [t.model_dump(by_alias=True, exclude_none=True) for t in ctx.spec.accelerator.tolerations]
+    return ours + theirs
+
+
+def _volumes(ctx: Context) -> list[dict[str, Any]]:
+    volumes: list[dict[str, Any]] = [
+        # NCCL exchanges tensor-parallel data through /dev/shm; the
+        # container runtime's default of 64Mi is far too small.
+        {"name": contract.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": ctx.spec.engine.shm_size}},
+    ]
+    if not ctx.spec.cache.size:
+        volumes.append({"name": contract.CACHE_VOLUME, "emptyDir": {}})
+    return volumes
+
+
+def _probes(ctx: Context, stage: int) -> dict[str, Any]:
+    # Only the leader serves HTTP; workers are Ray processes that the
+    # launcher checks on their behalf.
+    if stage == 0:
+        handler: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
+    else:
+        handler = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
+    # Downloading and loading a large model takes many minutes; the startup
+    # probe holds off the others until then, so they can stay quick.
+    startup_failures = math.ceil(ctx.spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+    # Each probe gets its own copy: shared dicts would be dumped as YAML anchors.
+    return {
+        "startupProbe": {
+            **copy.deepcopy(handler),
+            "periodSeconds": STARTUP_PERIOD_SECONDS,
+            "timeoutSeconds": 5,
+            "failureThreshold": startup_failures,
+        },
+        "readinessProbe": {**copy.deepcopy(handler), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**copy.deepcopy(handler), "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
+    }

@@ -1,0 +1,105 @@
+"""Labels, selectors and ownership shared by every rendered object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.api.models import InferenceService, InferenceServiceSpec
+from tensorfleet.planner import Plan
+
+
+@dataclass(frozen=True)
+class Context:
+    """One render's inputs, resolved once so every module agrees on them."""
+
+    isvc: InferenceService
+    plan: Plan
+    namespace: str
+    standalone: bool
+
+    @property
+    def name(self) -> str:
+        return self.isvc.metadata.name
+
+    @property
+    def spec(self) -> InferenceServiceSpec:
+        return self.isvc.spec
+
+    @property
+    def served_name(self) -> str:
+        return self.spec.model.served_name or self.spec.model.name
+
+
+def pod_labels(name: str, component: str) -> dict[str, str]:
+    # No version label here: pod templates carry these, and a label change
+    # would restart every GPU pod on an operator upgrade.
+    return {
+        contract.LABEL_NAME: contract.APP_NAME,
+        contract.LABEL_INSTANCE: name,
+        contract.LABEL_COMPONENT: component,
+        contract.LABEL_MANAGED_BY: contract.APP_NAME,
+        contract.LABEL_INFERENCE_SERVICE: name,
+    }
+
+
+def object_labels(name: str, component: str) -> dict[str, str]:
+    return {**pod_labels(name, component), contract.LABEL_VERSION: contract.__version__}
+
+
+def _instance_selector(name: str) -> dict[str, str]:
+    # Selectors are immutable on StatefulSets and Deployments: keep them to
+    # labels that never change for the life of the InferenceService.
+    return {contract.LABEL_INSTANCE: name, contract.LABEL_INFERENCE_SERVICE: name}
+
+
+def stage_selector(name: str, stage: int) -> dict[str, str]:
+    return {**_instance_selector(name), contract.LABEL_STAGE: str(stage)}
+
+
+def leader_selector(name: str) -> dict[str, str]:
+    """Stage-0 pods: one per group. What the scale subresource's selector must match."""
+    return stage_selector(name, 0)
+
+
+def engine_selector(name: str) -> dict[str, str]:
+    """Every engine pod of every stage."""
+    return {**_instance_selector(name), contract.LABEL_COMPONENT: contract.COMPONENT_ENGINE}
+
+
+def router_selector(name: str) -> dict[str, str]:
+    return {**_instance_selector(name), contract.LABEL_COMPONENT: contract.COMPONENT_ROUTER}
+
+
+def selector_string(labels: dict[str, str]) -> str:
+    """A label selector in the `k=v,k=v` form `.status.selector` and kubectl use."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
+def owner_references(ctx: Context) -> list[dict[str, Any]]:
+    # Without a uid a reference cannot be complete, and the API server
+    # rejects incomplete ones; standalone output is meant to outlive us.
+    uid = ctx.isvc.metadata.uid
+    if ctx.standalone or not uid:
+        return []
+    return [{
+        "apiVersion": contract.API_VERSION,
+        "kind": contract.KIND,
+        "name": ctx.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }]
+
+
+def metadata(ctx: Context, name: str, component: str, extra_labels: dict[str, str] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": ctx.namespace,
+        "labels": {**object_labels(ctx.name, component), **(extra_labels or {})},
+    }
+    owners = owner_references(ctx)
+    if owners:
+        meta["ownerReferences"] = owners
+    return meta

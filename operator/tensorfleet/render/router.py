@@ -1,0 +1,133 @@
+"""The router: its Deployment and the least RBAC it needs to find ready leaders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.render.meta import Context, metadata, pod_labels, router_selector
+
+CONTAINER_NAME = "router"
+DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
+DEFAULT_LIMITS = {"memory": "512Mi"}
+# Distroless' conventional unprivileged uid; numeric so runAsNonRoot can be
+# verified whatever user the image names.
+RUN_AS_USER = 65532
+
+
+def _name(ctx: Context) -> str:
+    return contract.router_name(ctx.name)
+
+
+def service_account(ctx: Context) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": metadata(ctx, _name(ctx), contract.COMPONENT_ROUTER),
+    }
+
+
+def role(ctx: Context) -> dict[str, Any]:
+    # EndpointSlice names are generated, so resourceNames cannot narrow
+    # this further; the router filters by the engine Service's label.
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": metadata(ctx, _name(ctx), contract.COMPONENT_ROUTER),
+        "rules": [{
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }],
+    }
+
+
+def role_binding(ctx: Context) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": metadata(ctx, _name(ctx), contract.COMPONENT_ROUTER),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": _name(ctx)},
+        "subjects": [{"kind": "ServiceAccount", "name": _name(ctx), "namespace": ctx.namespace}],
+    }
+
+
+def _resources(ctx: Context) -> dict[str, Any]:
+    user = ctx.spec.router.resources
+    requests, limits = (dict(user.requests), dict(user.limits)) if user else (DEFAULT_REQUESTS, DEFAULT_LIMITS)
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    return out
+
+
+def _health() -> dict[str, Any]:
+    # A fresh dict per probe: shared ones would be dumped as YAML anchors.
+    return {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
+
+
+def _container(ctx: Context) -> dict[str, Any]:
+    router = ctx.spec.router
+    return {
+        "name": CONTAINER_NAME,
+        "image": router.image or contract.CONTROL_PLANE_IMAGE,
+        "command": list(contract.ROUTER_COMMAND),
+        "args": [
+            "--service", contract.engine_service_name(ctx.name),
+            "--namespace", ctx.namespace,
+            "--strategy", router.strategy,
+            "--port", str(contract.ROUTER_PORT),
+            # A leader never batches more than the engine's max-num-seqs;
+            # beyond that requests only queue inside the engine.
+            "--max-concurrency-per-backend", str(ctx.plan.max_num_seqs),
+            "--model", ctx.served_name,
+        ],
+        "ports": [{"name": contract.PORT_NAME_HTTP, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {**_health(), "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
+        "livenessProbe": {**_health(), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},
+        "resources": _resources(ctx),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+
+
+def deployment(ctx: Context) -> dict[str, Any]:
+    labels = pod_labels(ctx.name, contract.COMPONENT_ROUTER)
+    pod = {
+        "serviceAccountName": _name(ctx),
+        # It watches EndpointSlices through the API server.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        # Two router pods on one node would fail together.
+        "topologySpreadConstraints": [{
+            "maxSkew": 1,
+            "topologyKey": contract.LABEL_HOSTNAME,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": router_selector(ctx.name)},
+        }],
+        "containers": [_container(ctx)],
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(ctx, _name(ctx), contract.COMPONENT_ROUTER),
+        "spec": {
+            "replicas": ctx.spec.router.replicas,
+            "revisionHistoryLimit": 3,
+            "selector": {"matchLabels": router_selector(ctx.name)},
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
+    }

@@ -1,0 +1,48 @@
+"""Shared fixtures: example manifests and a builder for InferenceService documents."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def example_documents() -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for path in EXAMPLES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((path.name, doc))
+    return out
+
+
+def isvc_doc(spec: dict[str, Any] | None = None, name: str = "demo", **metadata: Any) -> dict[str, Any]:
+    """A minimal valid InferenceService document with `spec` merged over it."""
+    base: dict[str, Any] = {
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+        "accelerator": {"type": "H100-80GB"},
+    }
+    for key, value in (spec or {}).items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
+    return {
+        "apiVersion": "tensorfleet.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, **metadata},
+        "spec": copy.deepcopy(base),
+    }
+
+
+@pytest.fixture(params=[name for name, _ in example_documents()] or ["<none>"])
+def example(request: pytest.FixtureRequest) -> dict[str, Any]:
+    docs = dict(example_documents())
+    assert docs, "examples/ holds no manifests"
+    return copy.deepcopy(docs[request.param])

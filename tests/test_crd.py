@@ -1,0 +1,159 @@
+"""The CRD: generated from the models, checked in, structural, valid, and a schema the examples pass."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterator
+
+import celpy
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from conftest import ROOT, example_documents, isvc_doc
+from tensorfleet.api.crd import crd
+from tensorfleet.cli import main
+
+CRD_FILE = ROOT / "crds" / "tensorfleet.dev_inferenceservices.yaml"
+K8S_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
+
+
+def _schema() -> dict[str, Any]:
+    return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from _nodes(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from _nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from _nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_checked_in_crd_is_current(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["crd"]) == 0
+    printed = capsys.readouterr().out
+    assert CRD_FILE.read_text() == printed, "crds/ is stale: run `tensorfleet crd > crds/tensorfleet.dev_inferenceservices.yaml`"
+    assert len(list(yaml.safe_load_all(printed))) == 1
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_crd_validates_against_kubernetes_schema(version: str) -> None:
+    kubernetes_validate.validate(crd(), version, strict=True)
+
+
+def test_crd_is_structural() -> None:
+    """The rules of a structural schema (Kubernetes docs, 'Specifying a structural schema')."""
+    for path, node in _nodes(_schema()):
+        assert "$ref" not in node and "definitions" not in node and "$defs" not in node, path
+        for forbidden in ("anyOf", "oneOf", "allOf", "not", "const", "title"):
+            assert forbidden not in node, f"{path}: {forbidden}"
+        if not node.get("x-kubernetes-preserve-unknown-fields") and not node.get("x-kubernetes-int-or-string"):
+            assert "type" in node, f"{path}: untyped node"
+        if "properties" in node:
+            assert "additionalProperties" not in node, f"{path}: additionalProperties beside properties"
+        if "additionalProperties" in node:
+            assert isinstance(node["additionalProperties"], dict), f"{path}: boolean additionalProperties"
+        if node.get("type") == "array":
+            assert isinstance(node.get("items"), dict), f"{path}: array without one items schema"
+        for key in ("exclusiveMinimum", "exclusiveMaximum"):
+            assert isinstance(node.get(key, False), bool), f"{path}: {key} must be boolean in OpenAPI v3.0"
+    assert _schema()["properties"]["metadata"] == {"type": "object"}
+
+
+def test_every_spec_and_status_field_is_described() -> None:
+    schema = _schema()
+    for root in ("spec", "status"):
+        for path, node in _nodes(schema["properties"][root], root):
+            if path.endswith("[]") or path.endswith("}"):
+                continue
+            assert node.get("description"), f"{path} has no description"
+
+
+def test_crd_names_subresources_and_columns() -> None:
+    spec = crd()["spec"]
+    assert spec["group"] == "tensorfleet.dev" and spec["scope"] == "Namespaced"
+    assert spec["names"]["shortNames"] == ["infsvc"]
+    assert "tensorfleet" in spec["names"]["categories"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["served"] and version["storage"]
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    for name in ("Ready", "Replicas", "GPU", "TP", "PP", "Endpoint", "Age"):
+        assert name in columns
+    assert columns["TP"] == ".status.plan.tensor" and columns["PP"] == ".status.plan.pipeline"
+
+
+def test_crd_sets_no_defaults() -> None:
+    """Defaults stay in the models so stored objects keep what users wrote (spec.replicas under HPA)."""
+    for path, node in _nodes(_schema()):
+        assert "default" not in node, path
+
+
+def _strict(node: dict[str, Any]) -> dict[str, Any]:
+    """The schema as `kubectl apply --validate=strict` applies it: unknown fields are errors."""
+    node = copy.deepcopy(node)
+    for _, child in _nodes(node):
+        if child.get("type") == "object" and "properties" in child and not child.get("x-kubernetes-preserve-unknown-fields"):
+            child["additionalProperties"] = False
+    return node
+
+
+def _cel_rules(node: dict[str, Any], value: Any) -> Iterator[tuple[str, Any]]:
+    """(rule, value it applies to) for every x-kubernetes-validations rule reachable in `value`."""
+    for rule in node.get("x-kubernetes-validations", []):
+        yield rule["rule"], value
+    if isinstance(value, dict):
+        for name, child in node.get("properties", {}).items():
+            if name in value:
+                yield from _cel_rules(child, value[name])
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        for item in value:
+            yield from _cel_rules(node["items"], item)
+
+
+def _cel_ok(document: dict[str, Any]) -> bool:
+    env = celpy.Environment()
+    for rule, value in _cel_rules(_schema(), document):
+        program = env.program(env.compile(rule))
+        if not bool(program.evaluate({"self": celpy.json_to_cel(value)})):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name,document", example_documents(), ids=[n for n, _ in example_documents()])
+def test_examples_validate_against_the_crd_schema(name: str, document: dict[str, Any]) -> None:
+    jsonschema.validate(document, _strict(_schema()))
+    assert _cel_ok(document), name
+
+
+def test_schema_rejects_what_models_reject() -> None:
+    strict = _strict(_schema())
+    bad = [
+        isvc_doc({"replicas": -1}),
+        isvc_doc({"model": {"name": "m", "nmae": "typo"}}),
+        isvc_doc({"engine": {"args": "--enable-prefix-caching --foo"}}),
+        isvc_doc({"engine": {"gpuMemoryUtilization": 1.5}}),
+        isvc_doc({"router": {"strategy": "random"}}),
+        isvc_doc({"cache": {"size": "lots"}}),
+    ]
+    for document in bad:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(document, strict)
+
+
+def test_cel_rules_reject_cross_field_mistakes() -> None:
+    assert _cel_ok(isvc_doc({"autoscaling": {"minReplicas": 2, "maxReplicas": 4}}))
+    assert not _cel_ok(isvc_doc({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}))
+    assert not _cel_ok(isvc_doc({"engine": {"env": [{"name": "TF_MODEL", "value": "x"}]}}))
+    assert _cel_ok(isvc_doc({"engine": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}}))
+    assert not _cel_ok(isvc_doc(name="n" * 44))
+    assert _cel_ok(isvc_doc(name="n" * 43))

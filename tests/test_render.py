@@ -1,0 +1,693 @@
+"""Rendering: InferenceService + Plan -> Kubernetes objects.
+
+Every object is checked against the official OpenAPI schemas (strict: unknown
+fields fail) for the oldest and newest Kubernetes versions supported, and the
+shapes other components rely on (names, labels, env, probes) are asserted by
+value.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tensorfleet import contract
+from tensorfleet.api import load_inference_service
+from tensorfleet.catalog import find_gpu
+from tensorfleet.planner import make_plan
+from tensorfleet.render import desired_replicas, leader_selector, render, selector_string
+
+K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+
+LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
+LLAMA_70B = "meta-llama/Llama-3.1-70B-Instruct"
+LLAMA_405B = "meta-llama/Llama-3.1-405B-Instruct"
+
+
+def document(name: str = "llama", namespace: str | None = "ml", uid: str | None = "uid-1234", **spec: Any) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name}
+    if namespace is not None:
+        metadata["namespace"] = namespace
+    if uid is not None:
+        metadata["uid"] = uid
+    body: dict[str, Any] = {
+        "model": {"name": LLAMA_8B, "maxModelLen": 8192},
+        "accelerator": {"type": "H100-80GB"},
+    }
+    body.update(spec)
+    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": metadata, "spec": body}
+
+
+def rendered(doc: dict[str, Any], **kwargs: Any) -> list[dict[str, Any]]:
+    isvc = load_inference_service(doc)
+    return render(isvc, make_plan(isvc.spec), **kwargs)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(found) == 1, f"{kind}/{name}: found {len(found)}"
+    return found[0]
+
+
+def engine(obj: dict[str, Any]) -> dict[str, Any]:
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "engine"
+    return container
+
+
+def env_map(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {item["name"]: item for item in container["env"]}
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+PIPELINE_1 = document(parallelism={"tensor": 2, "pipeline": 1})
+PIPELINE_2 = document(
+    model={"name": LLAMA_70B, "maxModelLen": 8192, "servedName": "llama-70b", "revision": "main"},
+    parallelism={"tensor": 4, "pipeline": 2},
+    hfTokenSecretRef={"name": "hf-token", "key": "hf"},
+    cache={"size": "500Gi", "storageClassName": "fast-ssd", "retentionPolicy": "Delete"},
+    autoscaling={"minReplicas": 2, "maxReplicas": 6},
+    engine={"args": ["--enable-prefix-caching", "--swap-space", "8"], "env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+)
+PIPELINE_3 = document(model={"name": LLAMA_70B, "maxModelLen": 8192}, parallelism={"tensor": 4, "pipeline": 3}, replicas=3)
+SIMULATOR = document(
+    engine={"kind": "simulator"},
+    accelerator={"type": "A100-80GB", "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "sim", "effect": "NoSchedule"}]},
+    autoscaling={"maxReplicas": 3, "behavior": {"scaleUp": {"policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]}}},
+)
+CASES = {"pipeline-1": PIPELINE_1, "pipeline-2": PIPELINE_2, "pipeline-3": PIPELINE_3, "simulator": SIMULATOR}
+
+
+# --- schema ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_object_validates_strictly(case: str, version: str) -> None:
+    objects = rendered(CASES[case])
+    assert objects
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_strict_validation_catches_a_bad_field() -> None:
+    """The schema check is real: a misspelt field fails it."""
+    obj = copy.deepcopy(by_kind(rendered(PIPELINE_1), "StatefulSet")[0])
+    obj["spec"]["template"]["spec"]["containers"][0]["enviroment"] = []
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
+
+
+def _walk(value: Any, path: str = "") -> list[str]:
+    if value is None:
+        return [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _walk(v, f"{path}.{k}")]
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _walk(v, f"{path}[{i}]")]
+    return []
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_nulls_and_no_status(case: str) -> None:
+    for obj in rendered(CASES[case]):
+        assert "status" not in obj
+        assert set(obj) <= {"apiVersion", "kind", "metadata", "spec", "rules", "roleRef", "subjects"}
+        assert _walk(obj) == [], f"{obj['kind']}/{obj['metadata']['name']} has nulls"
+
+
+# --- names, namespace, ownership ------------------------------------------------------
+
+
+@pytest.mark.parametrize(("doc", "pipeline"), [(PIPELINE_1, 1), (PIPELINE_2, 2), (PIPELINE_3, 3)])
+def test_names_follow_the_contract(doc: dict[str, Any], pipeline: int) -> None:
+    objects = rendered(doc)
+    names = [(o["kind"], o["metadata"]["name"]) for o in objects]
+    expected = {
+        ("ServiceAccount", "llama-router"),
+        ("Role", "llama-router"),
+        ("RoleBinding", "llama-router"),
+        ("Service", "llama-workers"),
+        ("Service", "llama-engine"),
+        ("Service", "llama"),
+        ("Deployment", "llama-router"),
+        ("PodDisruptionBudget", "llama-engine"),
+        *(("StatefulSet", f"llama-stage-{k}") for k in range(pipeline)),
+    }
+    if doc["spec"].get("autoscaling"):
+        expected.add(("HorizontalPodAutoscaler", "llama"))
+    assert len(names) == len(set(names))
+    assert set(names) == expected
+    assert [o["metadata"]["name"] for o in by_kind(objects, "StatefulSet")] == [
+        contract.stage_name("llama", k) for k in range(pipeline)
+    ]
+
+
+def test_namespace_resolution() -> None:
+    assert {o["metadata"]["namespace"] for o in rendered(PIPELINE_1)} == {"ml"}
+    assert {o["metadata"]["namespace"] for o in rendered(PIPELINE_1, namespace="prod")} == {"prod"}
+    assert {o["metadata"]["namespace"] for o in rendered(document(namespace=None))} == {"default"}
+    binding = one(rendered(PIPELINE_1, namespace="prod"), "RoleBinding", "llama-router")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "prod"}]
+    router = one(rendered(PIPELINE_1, namespace="prod"), "Deployment", "llama-router")
+    args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--namespace") + 1] == "prod"
+
+
+def test_owner_references_with_uid() -> None:
+    for obj in rendered(PIPELINE_2):
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "tensorfleet.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "llama",
+            "uid": "uid-1234",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }]
+
+
+@pytest.mark.parametrize(("doc", "kwargs"), [(document(uid=None), {}), (document(), {"standalone": True})])
+def test_no_owner_references_without_uid_or_standalone(doc: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    objects = rendered(doc, **kwargs)
+    assert objects
+    for obj in objects:
+        assert "ownerReferences" not in obj["metadata"]
+
+
+# --- labels and selectors -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_object_is_labelled(case: str) -> None:
+    for obj in rendered(CASES[case]):
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "tensorfleet"
+        assert labels["app.kubernetes.io/instance"] == "llama"
+        assert labels["app.kubernetes.io/managed-by"] == "tensorfleet"
+        assert labels["tensorfleet.dev/inference-service"] == "llama"
+        assert labels["app.kubernetes.io/version"] == contract.__version__
+        is_router = obj["kind"] in {"ServiceAccount", "Role", "RoleBinding", "Deployment"} or (
+            obj["kind"] == "Service" and obj["metadata"]["name"] == "llama"
+        )
+        expected = "router" if is_router else "engine"
+        assert labels["app.kubernetes.io/component"] == expected, obj["kind"]
+
+
+def test_selectors_match_pod_templates() -> None:
+    objects = rendered(PIPELINE_3)
+    stages = by_kind(objects, "StatefulSet")
+    router = one(objects, "Deployment", "llama-router")
+    router_pods = router["spec"]["template"]["metadata"]["labels"]
+    stage_pods = [s["spec"]["template"]["metadata"]["labels"] for s in stages]
+    for k, sts in enumerate(stages):
+        selector = sts["spec"]["selector"]["matchLabels"]
+        assert selector["tensorfleet.dev/stage"] == str(k)
+        assert selector["app.kubernetes.io/instance"] == "llama"
+        # Selects its own pods and no other stage's, nor the router's.
+        assert [matches(selector, pods) for pods in stage_pods] == [i == k for i in range(3)]
+        assert not matches(selector, router_pods)
+        assert stage_pods[k]["tensorfleet.dev/role"] == ("leader" if k == 0 else "worker")
+        assert stage_pods[k]["app.kubernetes.io/component"] == "engine"
+    assert matches(router["spec"]["selector"]["matchLabels"], router_pods)
+    assert not any(matches(router["spec"]["selector"]["matchLabels"], pods) for pods in stage_pods)
+
+    workers = one(objects, "Service", "llama-workers")["spec"]["selector"]
+    leaders = one(objects, "Service", "llama-engine")["spec"]["selector"]
+    front = one(objects, "Service", "llama")["spec"]["selector"]
+    pdb = one(objects, "PodDisruptionBudget", "llama-engine")["spec"]["selector"]["matchLabels"]
+    assert all(matches(workers, pods) for pods in stage_pods) and not matches(workers, router_pods)
+    assert all(matches(pdb, pods) for pods in stage_pods) and not matches(pdb, router_pods)
+    assert [matches(leaders, pods) for pods in stage_pods] == [True, False, False]
+    assert matches(front, router_pods) and not any(matches(front, pods) for pods in stage_pods)
+    assert leaders == leader_selector("llama")
+
+
+def test_selector_string_is_stable() -> None:
+    assert selector_string(leader_selector("llama")) == (
+        "app.kubernetes.io/instance=llama,tensorfleet.dev/inference-service=llama,tensorfleet.dev/stage=0"
+    )
+
+
+def test_pod_templates_do_not_carry_the_version_label() -> None:
+    """An operator upgrade must not restart GPU pods just by relabelling them."""
+    objects = rendered(PIPELINE_2)
+    for obj in [*by_kind(objects, "StatefulSet"), *by_kind(objects, "Deployment")]:
+        assert contract.LABEL_VERSION not in obj["spec"]["template"]["metadata"]["labels"]
+
+
+# --- engine StatefulSets ---------------------------------------------------------------
+
+
+def test_gpu_resources_equal_the_plan() -> None:
+    doc = document(
+        model={"name": LLAMA_405B, "maxModelLen": 8192},
+        engine={"resources": {"requests": {"cpu": "16", "memory": "200Gi", "nvidia.com/gpu": "1"}, "limits": {"memory": "400Gi"}}},
+    )
+    isvc = load_inference_service(doc)
+    plan = make_plan(isvc.spec)
+    assert plan.auto_layout and (plan.tensor, plan.pipeline) == (8, 2)
+    stages = by_kind(render(isvc, plan), "StatefulSet")
+    assert len(stages) == plan.pipeline
+    for sts in stages:
+        container = engine(sts)
+        assert container["resources"] == {
+            "requests": {"cpu": "16", "memory": "200Gi", "nvidia.com/gpu": "8"},
+            "limits": {"memory": "400Gi", "nvidia.com/gpu": "8"},
+        }
+        env = env_map(container)
+        # The planner chose the layout; the env carries its choice.
+        assert env["TF_TENSOR_PARALLEL_SIZE"]["value"] == "8"
+        assert env["TF_PIPELINE_PARALLEL_SIZE"]["value"] == "2"
+
+
+@pytest.mark.parametrize("gpu", ["A100-40GB", "H100-80GB", "L40S"])
+def test_gpu_affinity_and_toleration(gpu: str) -> None:
+    doc = document(accelerator={
+        "type": gpu,
+        "nodeSelector": {"pool": "gpu"},
+        "tolerations": [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 30}],
+    })
+    for sts in by_kind(rendered(doc), "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert len(terms) == 1 and len(terms[0]["matchExpressions"]) == 1
+        expression = terms[0]["matchExpressions"][0]
+        assert expression["key"] == "nvidia.com/gpu.product" and expression["operator"] == "In"
+        assert expression["values"] == list(find_gpu(gpu).product_labels)
+        values = set(expression["values"])
+        nvidia = {v for v in values if v.startswith("NVIDIA-")}
+        assert nvidia and {v.removeprefix("NVIDIA-") for v in nvidia} <= values
+        assert pod["nodeSelector"] == {"pool": "gpu"}
+        assert pod["tolerations"] == [
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+            {"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 30},
+        ]
+    a100 = by_kind(rendered(document(accelerator={"type": "A100-40GB"})), "StatefulSet")[0]
+    values = a100["spec"]["template"]["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+    assert "NVIDIA-A100-SXM4-40GB" in values and "A100-SXM4-40GB" in values
+    assert not any("80GB" in v for v in values)
+    assert "nodeSelector" not in a100["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_shm_and_cache_volumes(case: str) -> None:
+    doc = CASES[case]
+    for sts in by_kind(rendered(doc), "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        shm_size = doc["spec"].get("engine", {}).get("shmSize", "16Gi")
+        assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}
+        assert engine(sts)["volumeMounts"] == [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "model-cache", "mountPath": contract.CACHE_PATH},
+        ]
+        if doc["spec"].get("cache", {}).get("size"):
+            assert "model-cache" not in volumes
+        else:
+            assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {}}
+            assert "volumeClaimTemplates" not in sts["spec"]
+            assert "persistentVolumeClaimRetentionPolicy" not in sts["spec"]
+
+
+def test_cache_claim_template_and_retention() -> None:
+    for sts in by_kind(rendered(PIPELINE_2), "StatefulSet"):
+        assert sts["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Delete"}
+        [claim] = sts["spec"]["volumeClaimTemplates"]
+        assert claim["metadata"]["name"] == "model-cache"
+        assert claim["spec"] == {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": "500Gi"}},
+            "storageClassName": "fast-ssd",
+        }
+        # volumeClaimTemplates are immutable: nothing that changes on upgrade.
+        assert contract.LABEL_VERSION not in claim["metadata"].get("labels", {})
+    default = by_kind(rendered(document(cache={"size": "100Gi"})), "StatefulSet")[0]
+    assert default["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    assert "storageClassName" not in default["spec"]["volumeClaimTemplates"][0]["spec"]
+
+
+@pytest.mark.parametrize(("doc", "strategy"), [(PIPELINE_1, "RollingUpdate"), (PIPELINE_2, "OnDelete"), (PIPELINE_3, "OnDelete")])
+def test_update_strategy(doc: dict[str, Any], strategy: str) -> None:
+    for sts in by_kind(rendered(doc), "StatefulSet"):
+        assert sts["spec"]["updateStrategy"] == {"type": strategy}
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == "llama-workers"
+        assert 0 < sts["spec"]["revisionHistoryLimit"] <= 5
+
+
+@pytest.mark.parametrize(("spec", "replicas"), [
+    ({}, 1),
+    ({"replicas": 4}, 4),
+    ({"replicas": 0}, 0),
+    ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 2),
+    ({"replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 3),
+])
+def test_replicas(spec: dict[str, Any], replicas: int) -> None:
+    doc = document(parallelism={"tensor": 1, "pipeline": 2}, **spec)
+    assert desired_replicas(load_inference_service(doc).spec) == replicas
+    assert [s["spec"]["replicas"] for s in by_kind(rendered(doc), "StatefulSet")] == [replicas, replicas]
+
+
+def test_leader_and_worker_pods() -> None:
+    objects = rendered(PIPELINE_3)
+    leader, *workers = by_kind(objects, "StatefulSet")
+    startup_failures = math.ceil(3600 / 10)
+
+    container = engine(leader)
+    assert container["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "ray", "containerPort": 6379, "protocol": "TCP"},
+    ]
+    http = {"httpGet": {"path": "/health", "port": "http"}}
+    assert container["startupProbe"] == {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
+    assert container["readinessProbe"] == {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+    assert container["livenessProbe"] == {**http, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4}
+    assert env_map(container)["TF_STAGE_INDEX"]["value"] == "0"
+
+    for k, sts in enumerate(workers, start=1):
+        container = engine(sts)
+        assert container["ports"] == [{"name": "ray", "containerPort": 6379, "protocol": "TCP"}]
+        probe = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
+        assert container["startupProbe"] == {**probe, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
+        assert container["readinessProbe"]["exec"] == probe["exec"] and container["readinessProbe"]["periodSeconds"] == 5
+        assert container["livenessProbe"]["exec"] == probe["exec"] and container["livenessProbe"]["failureThreshold"] == 4
+        assert not any("httpGet" in container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+        assert env_map(container)["TF_STAGE_INDEX"]["value"] == str(k)
+
+
+def test_startup_budget_follows_the_spec() -> None:
+    sts = by_kind(rendered(document(engine={"startupTimeoutSeconds": 1805})), "StatefulSet")[0]
+    # Never shorter than asked for: 1805 s needs 181 probes 10 s apart.
+    assert engine(sts)["startupProbe"]["failureThreshold"] == 181
+
+
+def test_engine_pod_basics() -> None:
+    for sts in by_kind(rendered(PIPELINE_2), "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        assert pod["enableServiceLinks"] is False
+        assert pod["terminationGracePeriodSeconds"] == 120
+        container = pod["containers"][0]
+        assert container["image"] == contract.WORKER_IMAGE
+        assert container["command"] == list(contract.WORKER_COMMAND)
+        assert "args" not in container
+        assert "imagePullPolicy" not in container
+    custom = document(engine={"image": "registry.example/vllm:1", "imagePullPolicy": "Always", "terminationGracePeriodSeconds": 30})
+    sts = by_kind(rendered(custom), "StatefulSet")[0]
+    assert engine(sts)["image"] == "registry.example/vllm:1"
+    assert engine(sts)["imagePullPolicy"] == "Always"
+    assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 30
+
+
+def test_no_shell_anywhere() -> None:
+    for obj in rendered(PIPELINE_2):
+        for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            argv = container["command"] + container.get("args", [])
+            assert argv[0] not in {"sh", "bash", "/bin/sh", "/bin/bash"}
+            assert "-c" not in argv
+
+
+def test_engine_env() -> None:
+    isvc = load_inference_service(PIPELINE_2)
+    plan = make_plan(isvc.spec)
+    objects = render(isvc, plan)
+    for k, sts in enumerate(by_kind(objects, "StatefulSet")):
+        env = engine(sts)["env"]
+        names = [item["name"] for item in env]
+        assert len(names) == len(set(names))
+        values = {item["name"]: item.get("value") for item in env}
+        refs = {item["name"]: item.get("valueFrom") for item in env if "valueFrom" in item}
+        assert values["TF_ENGINE_KIND"] == "vllm"
+        assert values["TF_INFERENCE_SERVICE"] == "llama"
+        assert refs["TF_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+        assert refs["TF_POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        assert refs["TF_GROUP_INDEX"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+        assert values["TF_STAGE_INDEX"] == str(k)
+        assert values["TF_LEADER_ADDRESS"] == "llama-stage-0-$(TF_GROUP_INDEX).llama-workers.$(TF_NAMESPACE).svc"
+        # Dependent expansion only sees variables defined earlier.
+        leader_at = names.index("TF_LEADER_ADDRESS")
+        assert names.index("TF_GROUP_INDEX") < leader_at and names.index("TF_NAMESPACE") < leader_at
+        assert values["TF_RAY_PORT"] == "6379"
+        assert values["TF_ENGINE_PORT"] == "8000"
+        assert values["TF_TENSOR_PARALLEL_SIZE"] == str(plan.tensor) == "4"
+        assert values["TF_PIPELINE_PARALLEL_SIZE"] == str(plan.pipeline) == "2"
+        assert values["TF_MODEL"] == LLAMA_70B
+        assert values["TF_SERVED_MODEL_NAME"] == "llama-70b"
+        assert values["TF_MODEL_REVISION"] == "main"
+        assert values["TF_DTYPE"] == plan.dtype == "bfloat16"
+        assert "TF_QUANTIZATION" not in values
+        assert values["TF_KV_CACHE_DTYPE"] == "auto"
+        assert values["TF_MAX_MODEL_LEN"] == "8192"
+        assert values["TF_GPU_MEMORY_UTILIZATION"] == "0.9"
+        assert values["TF_MAX_NUM_SEQS"] == str(plan.max_num_seqs)
+        assert json.loads(values["TF_EXTRA_ARGS"]) == ["--enable-prefix-caching", "--swap-space", "8"]
+        assert values["HF_HOME"] == contract.HF_HOME_PATH
+        # The user's variables come last, as given.
+        assert env[-1] == {"name": "NCCL_DEBUG", "value": "INFO"}
+        for item in env:
+            assert set(item) in ({"name", "value"}, {"name", "valueFrom"})
+            assert isinstance(item.get("value", ""), str)
+            assert set(item.get("valueFrom", {})) <= {"fieldRef", "secretKeyRef"}
+
+
+def test_optional_env_values() -> None:
+    doc = document(
+        model={"name": LLAMA_8B, "maxModelLen": 4096, "quantization": "fp8", "dtype": "float16"},
+        engine={
+            "kvCacheDtype": "fp8",
+            "gpuMemoryUtilization": 0.85,
+            "maxNumSeqs": 64,
+            "args": ["--enable-chunked-prefill", "--max-num-batched-tokens=4096"],
+            "env": [{"name": "TOKEN_FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}],
+        },
+    )
+    sts = by_kind(rendered(doc), "StatefulSet")[0]
+    env = env_map(engine(sts))
+    assert env["TF_SERVED_MODEL_NAME"]["value"] == LLAMA_8B
+    assert "TF_MODEL_REVISION" not in env
+    assert env["TF_QUANTIZATION"]["value"] == "fp8"
+    assert env["TF_DTYPE"]["value"] == "float16"
+    assert env["TF_KV_CACHE_DTYPE"]["value"] == "fp8"
+    assert env["TF_GPU_MEMORY_UTILIZATION"]["value"] == "0.85"
+    assert env["TF_MAX_NUM_SEQS"]["value"] == "64"
+    assert env["TF_MAX_MODEL_LEN"]["value"] == "4096"
+    assert json.loads(env["TF_EXTRA_ARGS"]["value"]) == ["--enable-chunked-prefill", "--max-num-batched-tokens=4096"]
+    assert env["TOKEN_FROM_SECRET"] == {"name": "TOKEN_FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+    assert "HF_TOKEN" not in env
+    router = one(rendered(doc), "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]
+    assert router["args"][router["args"].index("--max-concurrency-per-backend") + 1] == "64"
+
+
+def test_hf_token_only_through_a_secret_ref() -> None:
+    for sts in by_kind(rendered(PIPELINE_2), "StatefulSet"):
+        token = env_map(engine(sts))["HF_TOKEN"]
+        assert token == {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "hf"}}}
+    default_key = by_kind(rendered(document(hfTokenSecretRef={"name": "hf"})), "StatefulSet")[0]
+    assert env_map(engine(default_key))["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
+    # No Secret or ConfigMap object, and no envFrom, is ever rendered.
+    objects = rendered(PIPELINE_2)
+    assert not by_kind(objects, "Secret") and not by_kind(objects, "ConfigMap")
+    assert "envFrom" not in json.dumps(objects)
+
+
+def test_simulator_has_no_gpu() -> None:
+    objects = rendered(SIMULATOR)
+    for sts in by_kind(objects, "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["image"] == contract.CONTROL_PLANE_IMAGE
+        assert container["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}}
+        assert "affinity" not in pod
+        assert pod["tolerations"] == [{"key": "dedicated", "operator": "Equal", "value": "sim", "effect": "NoSchedule"}]
+        assert pod["nodeSelector"] == {"pool": "cpu"}
+        assert "nvidia.com" not in json.dumps(pod)
+        env = env_map(container)
+        assert env["TF_ENGINE_KIND"]["value"] == "simulator"
+        assert set(env) >= {"TF_LEADER_ADDRESS", "TF_MODEL", "TF_MAX_NUM_SEQS"}
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    bare = by_kind(rendered(document(engine={"kind": "simulator"})), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert "tolerations" not in bare and "nodeSelector" not in bare and "affinity" not in bare
+    sized = document(engine={"kind": "simulator", "resources": {"requests": {"cpu": "2"}}})
+    assert engine(by_kind(rendered(sized), "StatefulSet")[0])["resources"] == {"requests": {"cpu": "2"}}
+
+
+# --- Services, router, RBAC ------------------------------------------------------------
+
+
+def test_services() -> None:
+    objects = rendered(PIPELINE_2)
+    workers = one(objects, "Service", "llama-workers")["spec"]
+    assert workers["clusterIP"] == "None" and workers["publishNotReadyAddresses"] is True
+    assert workers["ports"] == [{"name": "ray", "port": 6379, "targetPort": "ray", "protocol": "TCP"}]
+    leaders = one(objects, "Service", "llama-engine")["spec"]
+    assert leaders["clusterIP"] == "None" and leaders["publishNotReadyAddresses"] is False
+    assert leaders["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    front = one(objects, "Service", "llama")["spec"]
+    assert front["type"] == "ClusterIP" and "clusterIP" not in front
+    assert front["ports"] == [{"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_router() -> None:
+    objects = rendered(PIPELINE_2)
+    deployment = one(objects, "Deployment", "llama-router")
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "llama-router"
+    assert pod["automountServiceAccountToken"] is True
+    [container] = pod["containers"]
+    assert container["image"] == contract.CONTROL_PLANE_IMAGE
+    assert container["command"] == list(contract.ROUTER_COMMAND)
+    assert container["args"] == [
+        "--service", "llama-engine",
+        "--namespace", "ml",
+        "--strategy", "least-pending",
+        "--port", "8080",
+        "--max-concurrency-per-backend", "1024",
+        "--model", "llama-70b",
+    ]
+    assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    security = container["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+
+    custom = document(router={
+        "replicas": 3, "strategy": "prefix-aware", "image": "example/router:2",
+        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}},
+    })
+    deployment = one(rendered(custom), "Deployment", "llama-router")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert deployment["spec"]["replicas"] == 3
+    assert container["image"] == "example/router:2"
+    assert container["args"][container["args"].index("--strategy") + 1] == "prefix-aware"
+    assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+
+
+def test_router_rbac_is_minimal() -> None:
+    objects = rendered(PIPELINE_1)
+    role = one(objects, "Role", "llama-router")
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    binding = one(objects, "RoleBinding", "llama-router")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "ml"}]
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+
+
+# --- HPA and PDB ---------------------------------------------------------------------
+
+
+def test_no_hpa_without_autoscaling() -> None:
+    assert by_kind(rendered(PIPELINE_1), "HorizontalPodAutoscaler") == []
+
+
+def test_hpa_shape_with_defaults() -> None:
+    hpa = one(rendered(PIPELINE_2), "HorizontalPodAutoscaler", "llama")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"] == {
+        "scaleTargetRef": {"apiVersion": "tensorfleet.dev/v1alpha1", "kind": "InferenceService", "name": "llama"},
+        "minReplicas": 2,
+        "maxReplicas": 6,
+        "metrics": [{
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": contract.HPA_METRIC_WAITING},
+                "target": {"type": "AverageValue", "averageValue": "4"},
+            },
+        }],
+        "behavior": {
+            "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 180}]},
+            "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+        },
+    }
+
+
+def test_hpa_behaviour_override_merges_field_by_field() -> None:
+    doc = document(autoscaling={
+        "minReplicas": 1, "maxReplicas": 4, "targetPendingRequests": 10,
+        "behavior": {
+            "scaleUp": {"policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]},
+            "scaleDown": {"stabilizationWindowSeconds": 120},
+        },
+    })
+    hpa = one(rendered(doc), "HorizontalPodAutoscaler", "llama")
+    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "10"
+    assert hpa["spec"]["behavior"] == {
+        "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]},
+        "scaleDown": {"stabilizationWindowSeconds": 120, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+    }
+    # Defaults are not shared state: a second render still has them.
+    again = one(rendered(PIPELINE_2), "HorizontalPodAutoscaler", "llama")
+    assert again["spec"]["behavior"]["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 180}]
+
+
+def test_pdb() -> None:
+    pdb = one(rendered(PIPELINE_2), "PodDisruptionBudget", "llama-engine")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {
+            "app.kubernetes.io/instance": "llama",
+            "tensorfleet.dev/inference-service": "llama",
+            "app.kubernetes.io/component": "engine",
+        }},
+    }
+
+
+# --- purity ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rendering_is_deterministic(case: str) -> None:
+    first = rendered(CASES[case])
+    second = rendered(copy.deepcopy(CASES[case]))
+    assert first == second
+    assert json.dumps(first) == json.dumps(second)
+
+
+def test_output_is_not_shared_with_the_input() -> None:
+    isvc = load_inference_service(PIPELINE_2)
+    plan = make_plan(isvc.spec)
+    before = isvc.model_dump(by_alias=True)
+    first = render(isvc, plan)
+    for obj in first:
+        obj["metadata"]["labels"].clear()
+        for container in obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", []):
+            for item in container.get("env", []):
+                item.get("valueFrom", {}).clear()
+                item["name"] = "X"
+    assert isvc.model_dump(by_alias=True) == before
+    assert render(isvc, plan) == rendered(PIPELINE_2)
+
+
+def _containers(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [value, *(c for v in value.values() for c in _containers(v))]
+    if isinstance(value, list):
+        return [value, *(c for v in value for c in _containers(v))]
+    return []
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_no_dict_or_list_is_shared(case: str) -> None:
+    """Shared sub-objects leak edits between objects and dump as YAML anchors (&id001)."""
+    objects = rendered(CASES[case])
+    ids = [id(c) for c in _containers(objects)]
+    assert len(ids) == len(set(ids))
+    assert "&id" not in yaml.safe_dump_all(objects)
