@@ -7,6 +7,7 @@ are for bugs only.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Iterator, Sequence
@@ -195,6 +196,12 @@ def _cmd_version(_: argparse.Namespace) -> int:
     return 0
 
 
+# Modules adding long-running commands (operator, router, simulator). Each
+# exposes `register(subparsers)` and imports its heavy dependencies only when
+# its command runs, so `plan` and `render` stay fast.
+COMMAND_MODULES: tuple[str, ...] = ()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tensorfleet", description="Serve LLMs on Kubernetes GPU clusters.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -220,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(func=_cmd_version)
+
+    for module in COMMAND_MODULES:
+        importlib.import_module(module).register(commands)
     return parser
 
 

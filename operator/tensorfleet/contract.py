@@ -95,7 +95,10 @@ ENV_GPU_MEMORY_UTILIZATION: Final = "TF_GPU_MEMORY_UTILIZATION"
 ENV_MAX_NUM_SEQS: Final = "TF_MAX_NUM_SEQS"
 # JSON list of strings: extra engine flags, passed through as argv items.
 ENV_EXTRA_ARGS: Final = "TF_EXTRA_ARGS"
-ENV_SIM_PROFILE: Final = "TF_SIM_PROFILE"
+# The GPU type and the planner's KV-cache size: the simulator times itself
+# from them, and the launcher logs them beside vLLM's own figure.
+ENV_ACCELERATOR: Final = "TF_ACCELERATOR"
+ENV_KV_CACHE_TOKENS: Final = "TF_KV_CACHE_TOKENS"
 ENV_GPU_METRICS_PORT: Final = "TF_GPU_METRICS_PORT"
 # Standard names read by huggingface_hub / vLLM themselves.
 ENV_HF_TOKEN: Final = "HF_TOKEN"
@@ -107,7 +110,7 @@ WORKER_ENV_VARS: Final = (
     ENV_ENGINE_PORT, ENV_TENSOR_PARALLEL, ENV_PIPELINE_PARALLEL, ENV_MODEL,
     ENV_SERVED_MODEL_NAME, ENV_MODEL_REVISION, ENV_DTYPE, ENV_QUANTIZATION,
     ENV_KV_CACHE_DTYPE, ENV_MAX_MODEL_LEN, ENV_GPU_MEMORY_UTILIZATION,
-    ENV_MAX_NUM_SEQS, ENV_EXTRA_ARGS, ENV_SIM_PROFILE, ENV_GPU_METRICS_PORT,
+    ENV_MAX_NUM_SEQS, ENV_EXTRA_ARGS, ENV_ACCELERATOR, ENV_KV_CACHE_TOKENS, ENV_GPU_METRICS_PORT,
 )
 
 # --- Commands --------------------------------------------------------------

@@ -196,6 +196,8 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         _value(contract.ENV_GPU_MEMORY_UTILIZATION, str(spec.engine.gpu_memory_utilization)),
         _value(contract.ENV_MAX_NUM_SEQS, str(plan.max_num_seqs)),
         _value(contract.ENV_EXTRA_ARGS, json.dumps(list(spec.engine.args))),
+        _value(contract.ENV_ACCELERATOR, plan.accelerator),
+        _value(contract.ENV_KV_CACHE_TOKENS, str(plan.kv_cache_tokens)),
         _value(contract.ENV_HF_HOME, contract.HF_HOME_PATH),
     ]
     token = spec.hf_token_secret_ref
