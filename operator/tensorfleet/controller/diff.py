@@ -1,0 +1,38 @@
+"""Does a live object already hold everything we would apply?
+
+The API server adds defaults (ports' protocol, terminationMessagePath, ...)
+and other managers add fields, so "equal" means: every field we render is
+present in the live object with the same value. Quantities compare by value
+("0.5" and "500m" are the same CPU). Skipping applies that would change
+nothing keeps a converged fleet at zero API writes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+
+def _same_scalar(desired: Any, live: Any) -> bool:
+    if desired == live:
+        return True
+    if isinstance(desired, str) and isinstance(live, str | int | float):
+        try:
+            return bool(parse_quantity(desired) == parse_quantity(str(live)))
+        except (ValueError, TypeError):
+            return False
+    return False
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """True when `live` holds every field and list item of `desired`."""
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return False
+        return all(key in live and contains(live[key], value) for key, value in desired.items())
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return False
+        return all(contains(l_item, d_item) for l_item, d_item in zip(live, desired, strict=True))
+    return _same_scalar(desired, live)

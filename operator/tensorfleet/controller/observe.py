@@ -1,0 +1,178 @@
+"""What the cluster shows about one InferenceService's groups. Pure functions.
+
+A group is ordinal i of every stage StatefulSet: pod NAME-stage-K-i for each
+stage K. It serves only when every one of its pods is Ready, and it runs the
+current spec only when every pod carries its stage's update revision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorfleet import contract
+
+# Container waiting reasons that will not fix themselves.
+STUCK_REASONS = frozenset({
+    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+})
+REVISION_LABEL = "controller-revision-hash"
+
+
+def _labels(obj: dict[str, Any]) -> dict[str, str]:
+    return obj.get("metadata", {}).get("labels") or {}
+
+
+def pod_group(pod: dict[str, Any]) -> int | None:
+    """The pod's ordinal: the StatefulSet pod-index label, else its name's suffix."""
+    index = _labels(pod).get(contract.LABEL_POD_INDEX)
+    if index is None:
+        index = pod.get("metadata", {}).get("name", "").rsplit("-", 1)[-1]
+    return int(index) if str(index).isdigit() else None
+
+
+def pod_stage(pod: dict[str, Any]) -> int | None:
+    stage = _labels(pod).get(contract.LABEL_STAGE)
+    return int(stage) if stage is not None and stage.isdigit() else None
+
+
+def is_terminating(obj: dict[str, Any]) -> bool:
+    return bool(obj.get("metadata", {}).get("deletionTimestamp"))
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    if is_terminating(pod):
+        return False
+    for condition in pod.get("status", {}).get("conditions") or []:
+        if condition.get("type") == "Ready":
+            return condition.get("status") == "True"
+    return False
+
+
+def pod_problem(pod: dict[str, Any]) -> str | None:
+    """Why a pod cannot become ready without someone acting, or None."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status", {})
+    if status.get("phase") == "Failed":
+        return f"pod {name} failed: {status.get('reason') or status.get('message') or 'unknown reason'}"
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                and condition.get("reason") == "Unschedulable":
+            return f"pod {name} unschedulable: {condition.get('message', '').strip() or 'no node fits'}"
+    for container in status.get("containerStatuses") or []:
+        waiting = (container.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in STUCK_REASONS:
+            restarts = container.get("restartCount", 0)
+            return f"pod {name} container {container.get('name')}: {waiting['reason']} (restarts {restarts})"
+    return None
+
+
+@dataclass
+class Group:
+    index: int
+    pods: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> pod
+
+    def complete(self, pipeline: int) -> bool:
+        return all(stage in self.pods for stage in range(pipeline))
+
+    def ready(self, pipeline: int) -> bool:
+        return self.complete(pipeline) and all(pod_ready(pod) for pod in self.pods.values())
+
+    def updated(self, revisions: dict[int, str | None]) -> bool:
+        """Every pod runs its stage's update revision (unknown revisions count as current)."""
+        for stage, pod in self.pods.items():
+            wanted = revisions.get(stage)
+            if wanted and _labels(pod).get(REVISION_LABEL) != wanted:
+                return False
+        return True
+
+    def terminating(self) -> bool:
+        return any(is_terminating(pod) for pod in self.pods.values())
+
+
+@dataclass
+class Observation:
+    pipeline: int
+    desired: int
+    groups: dict[int, Group]
+    revisions: dict[int, str | None]
+    router_available: int
+
+    @property
+    def existing(self) -> int:
+        return len(self.groups)
+
+    def _current(self) -> list[Group]:
+        return [g for i, g in sorted(self.groups.items()) if i < self.desired]
+
+    @property
+    def ready_replicas(self) -> int:
+        return sum(1 for g in self._current() if g.ready(self.pipeline))
+
+    @property
+    def updated_replicas(self) -> int:
+        return sum(1 for g in self._current() if g.complete(self.pipeline) and g.updated(self.revisions))
+
+    def problems(self) -> list[str]:
+        found = []
+        for group in self._current():
+            for stage in sorted(group.pods):
+                problem = pod_problem(group.pods[stage])
+                if problem:
+                    found.append(problem)
+        return found
+
+    def groups_to_replace(self) -> list[int]:
+        """Groups to delete now to roll a multi-stage rollout, at most one serving group at a time.
+
+        An outdated group that is not serving costs nothing to replace, so all
+        of those go at once (this also unsticks a fleet crash-looping on a bad
+        version). A serving outdated group goes only when every group is ready,
+        so capacity drops by one group at most.
+        """
+        outdated = [g for g in self._current() if not g.updated(self.revisions) and not g.terminating()]
+        idle = [g.index for g in outdated if not g.ready(self.pipeline)]
+        if idle:
+            return idle
+        serving = [g.index for g in outdated]
+        all_ready = self.ready_replicas == self.desired
+        return serving[:1] if serving and all_ready else []
+
+
+def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulsets: dict[int, dict[str, Any]],
+            router: dict[str, Any] | None) -> Observation:
+    groups: dict[int, Group] = {}
+    for pod in pods:
+        stage, index = pod_stage(pod), pod_group(pod)
+        if stage is None or index is None or stage >= pipeline:
+            continue
+        groups.setdefault(index, Group(index)).pods[stage] = pod
+    revisions = {stage: (sts.get("status") or {}).get("updateRevision") for stage, sts in statefulsets.items()}
+    available = int(((router or {}).get("status") or {}).get("availableReplicas") or 0)
+    return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions, router_available=available)
+
+
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str, message: str,
+                  generation: int | None, now: str) -> list[dict[str, Any]]:
+    """Conditions with `type_` set; lastTransitionTime moves only when the status does."""
+    previous = next((c for c in conditions if c.get("type") == type_), None)
+    changed = previous is None or previous.get("status") != status
+    entry = {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
+        "observedGeneration": generation,
+    }
+    if generation is None:
+        del entry["observedGeneration"]
+    if previous is None:
+        return [*conditions, entry]
+    # Replaced in place: a stable order keeps status writes to real changes.
+    return [entry if c is previous else c for c in conditions]
+
+
+def condition_status(conditions: list[dict[str, Any]], type_: str) -> str | None:
+    return next((c.get("status") for c in conditions if c.get("type") == type_), None)

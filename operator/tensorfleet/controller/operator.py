@@ -1,0 +1,238 @@
+"""The running operator: kopf watches feed a work queue, workers reconcile.
+
+kopf provides the watch streams (with reconnects and backoff), the resync
+timers and the admission webhook server; it is configured so that it keeps
+no state in users' objects (no finalizers, no progress or diff-base
+annotations: the handlers used here need none, and the storage prefix is
+ours if that ever changes). Periodic resync, leader election, health and
+metrics are ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+
+import kopf
+from aiohttp import web
+
+from tensorfleet import contract
+from tensorfleet.api import SpecError, load_inference_service
+from tensorfleet.controller.events import EventRecorder
+from tensorfleet.controller.kube import Connection, Kube
+from tensorfleet.controller.leader import LeaderElector, LostLease
+from tensorfleet.controller.queue import WorkQueue
+from tensorfleet.controller.reconcile import Reconciler
+from tensorfleet.controller.resources import CHILD_KINDS, INFERENCE_SERVICE, POD
+from tensorfleet.planner import make_plan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WebhookConfig:
+    port: int = 9443
+    addr: str = "0.0.0.0"
+    host: str | None = None
+    certfile: str | None = None
+    keyfile: str | None = None
+    insecure: bool = False
+    # Name of a ValidatingWebhookConfiguration for kopf to create and keep
+    # current; None when the chart (or cert-manager) manages it.
+    managed: str | None = None
+
+
+@dataclass
+class OperatorConfig:
+    namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    workers: int = 4
+    resync_seconds: float = 300.0
+    child_debounce_seconds: float = 0.5
+    leader_election: bool = True
+    lease_namespace: str = "default"
+    lease_name: str = "tensorfleet-operator"
+    identity: str = field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname())
+    health_port: int | None = 8080
+    api_timeout_seconds: float = 30.0
+    webhook: WebhookConfig | None = None
+
+
+def validate_document(document: dict) -> None:
+    """What the admission webhook checks: the same parsing and planning the reconciler does."""
+    isvc = load_inference_service(document)
+    make_plan(isvc.spec)
+
+
+def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Nothing of kopf's may land in users' objects under kopf's own prefix.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=contract.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=contract.GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{contract.GROUP}/finalizer"
+    # Our own Lease election replaces kopf's peering (which needs its own CRDs).
+    settings.peering.standalone = True
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    settings.networking.request_timeout = 60
+    if config.webhook is not None:
+        hook = config.webhook
+        settings.admission.server = kopf.WebhookServer(
+            addr=hook.addr, port=hook.port, host=hook.host, certfile=hook.certfile, pkeyfile=hook.keyfile,
+            insecure=hook.insecure)
+        if hook.managed:
+            settings.admission.managed = hook.managed
+    return settings
+
+
+class Operator:
+    def __init__(self, config: OperatorConfig, connection: Connection) -> None:
+        self.config = config
+        self.connection = connection
+        self.kube = Kube(connection, timeout=config.api_timeout_seconds)
+        self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity))
+        self.queue: WorkQueue | None = None
+        self.stop_flag = asyncio.Event()
+        self.ready_flag = asyncio.Event()
+        self.leading = False
+        self._kopf_task: asyncio.Task[None] | None = None
+
+    def registry(self, queue: WorkQueue) -> kopf.OperatorRegistry:
+        registry = kopf.OperatorRegistry()
+        connection = self.connection
+        debounce = self.config.child_debounce_seconds
+
+        # Handlers are coroutines: kopf runs plain functions in threads, away from the queue's loop.
+        @kopf.on.login(registry=registry)
+        def login(**_: object) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(
+                server=connection.server, token=connection.token, ca_path=connection.ca_file,
+                certificate_path=connection.cert_file, private_key_path=connection.key_file,
+                insecure=connection.insecure, scheme="Bearer" if connection.token else None)
+
+        @kopf.on.event(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural, registry=registry)
+        async def inference_service_changed(namespace: str, name: str, **_: object) -> None:
+            queue.add((namespace, name))
+
+        async def owner_changed(labels: dict[str, str], namespace: str, **_: object) -> None:
+            owner = labels.get(contract.LABEL_INSTANCE)
+            if owner:
+                # Our own applies echo back as events; a short delay folds them into one reconcile.
+                queue.add((namespace, owner), debounce)
+
+        for kind in (*CHILD_KINDS, POD):
+            kopf.on.event(kind.group, kind.version, kind.plural, registry=registry, id=f"owned-{kind.plural}",
+                          labels={contract.LABEL_MANAGED_BY: contract.APP_NAME})(owner_changed)
+
+        if self.config.webhook is not None:
+            @kopf.on.validate(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural,
+                              registry=registry, id="spec")
+            async def validate(body: kopf.Body, **_: object) -> None:
+                try:
+                    validate_document(dict(body))
+                except SpecError as exc:
+                    raise kopf.AdmissionError(str(exc), code=422) from None
+
+        return registry
+
+    async def run(self) -> None:
+        """Run until stopped, or until the leader lease is lost (then raise LostLease)."""
+        health = await self._serve_health()
+        try:
+            async with self.kube:
+                elector = None
+                if self.config.leader_election:
+                    elector = LeaderElector(self.kube, self.config.lease_namespace, self.config.lease_name,
+                                            self.config.identity)
+                    acquired = asyncio.create_task(elector.acquire())
+                    stopped = asyncio.create_task(self.stop_flag.wait())
+                    await asyncio.wait({acquired, stopped}, return_when=asyncio.FIRST_COMPLETED)
+                    stopped.cancel()
+                    if not acquired.done():
+                        acquired.cancel()
+                        return
+                self.leading = True
+                try:
+                    await self._lead(elector)
+                finally:
+                    self.leading = False
+                    if elector is not None:
+                        await elector.release()
+        finally:
+            if health is not None:
+                await health.cleanup()
+
+    async def _lead(self, elector: LeaderElector | None) -> None:
+        self.queue = queue = WorkQueue(self.reconciler, workers=self.config.workers)
+        namespaces = self.config.namespaces
+        self._kopf_task = asyncio.create_task(kopf.operator(
+            registry=self.registry(queue), settings=build_settings(self.config), standalone=True,
+            clusterwide=not namespaces, namespaces=namespaces, stop_flag=self.stop_flag, ready_flag=self.ready_flag,
+        ))
+        tasks = {self._kopf_task, asyncio.create_task(queue.run()), asyncio.create_task(self._resync(queue))}
+        if elector is not None:
+            tasks.add(asyncio.create_task(elector.hold()))
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task is not self._kopf_task and not task.cancelled() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+        finally:
+            self.stop_flag.set()
+            for task in tasks:
+                if task is not self._kopf_task:
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(self._kopf_task, 30)
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+    async def _resync(self, queue: WorkQueue) -> None:
+        """Re-check every InferenceService now and then, in case an event was missed.
+
+        Our own loop rather than a kopf timer: kopf guards timers with a
+        finalizer on every object, and this operator needs none.
+        """
+        while True:
+            await asyncio.sleep(self.config.resync_seconds)
+            for namespace in self.config.namespaces or [None]:
+                try:
+                    items = await self.kube.list(INFERENCE_SERVICE, namespace, {})
+                except Exception as exc:  # a failed resync is retried at the next one
+                    log.warning("resync list failed: %s", exc)
+                    continue
+                for item in items:
+                    queue.add((item["metadata"]["namespace"], item["metadata"]["name"]))
+
+    def stop(self) -> None:
+        self.stop_flag.set()
+
+    async def _serve_health(self) -> web.AppRunner | None:
+        if self.config.health_port is None:
+            return None
+
+        async def healthz(_: web.Request) -> web.Response:
+            broken = self._kopf_task is not None and self._kopf_task.done() and not self.stop_flag.is_set()
+            return web.Response(status=500 if broken else 200, text="kopf stopped\n" if broken else "ok\n")
+
+        async def readyz(_: web.Request) -> web.Response:
+            ready = self.ready_flag.is_set() if self.leading else self.config.webhook is None
+            return web.Response(status=200 if ready else 503, text="ready\n" if ready else "not ready\n")
+
+        app = web.Application()
+        app.router.add_get("/healthz", healthz)
+        app.router.add_get("/readyz", readyz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "0.0.0.0", self.config.health_port).start()
+        return runner
+
+
+__all__ = ["LostLease", "Operator", "OperatorConfig", "WebhookConfig", "build_settings", "validate_document"]

@@ -1,0 +1,89 @@
+"""Every Kubernetes resource the operator touches, and exactly the verbs it uses.
+
+This table is the single source for the API paths the client builds, the
+watches the operator opens, and the RBAC rules the Helm chart grants: a verb
+not listed here is a verb the operator never calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tensorfleet import contract
+
+
+@dataclass(frozen=True)
+class Kind:
+    group: str
+    version: str
+    plural: str
+    kind: str
+    verbs: tuple[str, ...]
+    namespaced: bool = True
+    subresources: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        if name:
+            base += f"/{name}"
+            if subresource:
+                base += f"/{subresource}"
+        return base
+
+
+_CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
+
+INFERENCE_SERVICE = Kind(
+    contract.GROUP, contract.VERSION, contract.PLURAL, contract.KIND, ("get", "list", "watch"),
+    subresources=(("status", ("get", "patch")),),
+)
+SERVICE_ACCOUNT = Kind("", "v1", "serviceaccounts", "ServiceAccount", _CHILD_VERBS)
+ROLE = Kind("rbac.authorization.k8s.io", "v1", "roles", "Role", _CHILD_VERBS)
+ROLE_BINDING = Kind("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", _CHILD_VERBS)
+SERVICE = Kind("", "v1", "services", "Service", _CHILD_VERBS)
+STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", _CHILD_VERBS)
+DEPLOYMENT = Kind("apps", "v1", "deployments", "Deployment", _CHILD_VERBS)
+HPA = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", _CHILD_VERBS)
+PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD_VERBS)
+# Pods are read for group readiness and deleted to roll multi-node groups.
+POD = Kind("", "v1", "pods", "Pod", ("get", "list", "watch", "delete"))
+EVENT = Kind("", "v1", "events", "Event", ("create", "patch"))
+LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", ("get", "create", "update"))
+# The router Role grants read access to EndpointSlices; RBAC lets a subject
+# grant only what it holds itself, so the operator needs the same.
+ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", ("get", "list", "watch"))
+# kopf lists namespaces to expand namespace patterns and checks the CRD exists.
+NAMESPACE = Kind("", "v1", "namespaces", "Namespace", ("list", "watch"), namespaced=False)
+CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
+           ("list", "watch"), namespaced=False)
+
+# What render() produces, in apply order; pruned children are found among these.
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, PDB, STATEFUL_SET, DEPLOYMENT, HPA)
+ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, LEASE, ENDPOINT_SLICE, NAMESPACE, CRD)
+
+_BY_API_KIND = {(k.api_version, k.kind): k for k in ALL_KINDS}
+
+
+def kind_of(obj: dict[str, Any]) -> Kind:
+    try:
+        return _BY_API_KIND[(obj["apiVersion"], obj["kind"])]
+    except KeyError:
+        raise ValueError(f"the operator does not manage {obj.get('apiVersion')}/{obj.get('kind')}") from None
+
+
+def rbac_rules() -> list[dict[str, Any]]:
+    """The RBAC rules the operator needs: one per resource, no wildcards."""
+    rules: list[dict[str, Any]] = []
+    for kind in ALL_KINDS:
+        rules.append({"apiGroups": [kind.group], "resources": [kind.plural], "verbs": list(kind.verbs)})
+        for sub, verbs in kind.subresources:
+            rules.append({"apiGroups": [kind.group], "resources": [f"{kind.plural}/{sub}"], "verbs": list(verbs)})
+    return rules

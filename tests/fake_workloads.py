@@ -1,0 +1,113 @@
+"""The StatefulSet and Deployment controllers and the kubelet, as far as the operator can tell.
+
+The emulator has no controllers; these stand in for them so the operator's
+reaction to pods (readiness, rollout, scaling) can be tested. Pods appear
+for every StatefulSet ordinal with the template's labels plus
+`controller-revision-hash` and `apps.kubernetes.io/pod-index`; RollingUpdate
+StatefulSets replace outdated pods themselves, OnDelete ones leave that to
+the operator; pods turn Ready when `ready(pod)` says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+from collections.abc import Callable
+from typing import Any
+
+from kube_emulator import ClusterEmulator, revision_of
+from tensorfleet import contract
+
+
+class FakeWorkloads:
+    def __init__(self, emulator: ClusterEmulator, ready: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        self.emulator = emulator
+        self.ready = ready or (lambda pod: True)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> FakeWorkloads:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await self.sync()
+            await asyncio.sleep(0.05)
+
+    async def sync(self) -> None:
+        for sts in self.emulator.all("apps/v1", "statefulsets"):
+            await self._sync_statefulset(sts)
+        for deployment in self.emulator.all("apps/v1", "deployments"):
+            replicas = deployment["spec"].get("replicas", 1)
+            status = {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
+                      "updatedReplicas": replicas, "observedGeneration": deployment["metadata"]["generation"]}
+            if deployment.get("status") != status:
+                await self.emulator.upsert("apps/v1", "deployments", {**deployment, "status": status})
+
+    async def _sync_statefulset(self, sts: dict[str, Any]) -> None:
+        meta, spec = sts["metadata"], sts["spec"]
+        namespace, name = meta["namespace"], meta["name"]
+        template = spec["template"]
+        revision = f"{name}-{revision_of(template)}"
+        replicas = spec.get("replicas", 1)
+        pods = {p["metadata"]["name"]: p for p in self.emulator.all("v1", "pods", namespace)
+                if p["metadata"]["name"].rsplit("-", 1)[0] == name}
+        for pod_name, pod in pods.items():
+            index = int(pod_name.rsplit("-", 1)[1])
+            outdated = pod["metadata"]["labels"].get("controller-revision-hash") != revision
+            rolling = spec.get("updateStrategy", {}).get("type", "RollingUpdate") == "RollingUpdate"
+            if index >= replicas or (outdated and rolling):
+                await self.emulator.remove("v1", "pods", namespace, pod_name)
+                continue
+            await self._adopt_and_ready(sts, pod)
+        for index in range(replicas):
+            pod_name = f"{name}-{index}"
+            if pod_name not in pods:
+                labels = {**template["metadata"]["labels"], "controller-revision-hash": revision,
+                          contract.LABEL_POD_INDEX: str(index)}
+                pod = {"apiVersion": "v1", "kind": "Pod",
+                       "metadata": {"name": pod_name, "namespace": namespace, "labels": labels,
+                                    "ownerReferences": [self._owner(sts)]},
+                       "spec": copy.deepcopy(template["spec"]),
+                       "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
+                await self.emulator.upsert("v1", "pods", pod)
+        live = [p for p in self.emulator.all("v1", "pods", namespace) if p["metadata"]["name"].rsplit("-", 1)[0] == name]
+        ready = sum(1 for p in live if _ready(p))
+        updated = sum(1 for p in live if p["metadata"]["labels"].get("controller-revision-hash") == revision)
+        status = {"replicas": len(live), "readyReplicas": ready, "updatedReplicas": updated,
+                  "updateRevision": revision, "observedGeneration": meta["generation"]}
+        if updated == len(live):
+            status["currentRevision"] = revision
+        if {k: v for k, v in (sts.get("status") or {}).items() if k != "currentRevision"} != \
+                {k: v for k, v in status.items() if k != "currentRevision"}:
+            await self.emulator.upsert("apps/v1", "statefulsets", {**sts, "status": {**(sts.get("status") or {}), **status}})
+
+    async def _adopt_and_ready(self, sts: dict[str, Any], pod: dict[str, Any]) -> None:
+        changed = False
+        refs = pod["metadata"].get("ownerReferences") or []
+        if not any(r.get("controller") for r in refs):  # orphaned by a recreated StatefulSet
+            pod["metadata"]["ownerReferences"] = [*refs, self._owner(sts)]
+            changed = True
+        want = self.ready(pod)
+        if _ready(pod) != want:
+            pod["status"] = {"phase": "Running" if want else "Pending",
+                             "conditions": [{"type": "Ready", "status": "True" if want else "False"}]}
+            changed = True
+        if changed:
+            await self.emulator.upsert("v1", "pods", pod)
+
+    @staticmethod
+    def _owner(sts: dict[str, Any]) -> dict[str, Any]:
+        return {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": sts["metadata"]["name"],
+                "uid": sts["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
