@@ -122,6 +122,52 @@ ROUTER_COMMAND: Final = ("tensorfleet", "router")
 # vLLM's own metric, and the name prometheus-adapter exposes it under.
 VLLM_METRIC_WAITING: Final = "vllm:num_requests_waiting"
 HPA_METRIC_WAITING: Final = "vllm_num_requests_waiting"
+# The rest of vLLM's /metrics that the simulator serves and the router reads.
+# Counters are named without `_total`; prometheus-client appends it on the wire.
+VLLM_METRIC_RUNNING: Final = "vllm:num_requests_running"
+VLLM_METRIC_KV_CACHE_USAGE: Final = "vllm:kv_cache_usage_perc"      # 0-1
+VLLM_METRIC_TTFT: Final = "vllm:time_to_first_token_seconds"
+VLLM_METRIC_ITL: Final = "vllm:inter_token_latency_seconds"
+VLLM_METRIC_E2E_LATENCY: Final = "vllm:e2e_request_latency_seconds"
+VLLM_METRIC_QUEUE_TIME: Final = "vllm:request_queue_time_seconds"
+VLLM_METRIC_PROMPT_TOKENS: Final = "vllm:prompt_tokens"
+VLLM_METRIC_GENERATION_TOKENS: Final = "vllm:generation_tokens"
+VLLM_METRIC_PREFIX_CACHE_QUERIES: Final = "vllm:prefix_cache_queries"  # in tokens
+VLLM_METRIC_PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits"        # in tokens
+VLLM_METRIC_REQUEST_SUCCESS: Final = "vllm:request_success"
+VLLM_METRIC_PREEMPTIONS: Final = "vllm:num_preemptions"
+# Info-style gauge (value 1) whose labels carry block_size and num_gpu_blocks;
+# the router sizes its prefix index per engine from it.
+VLLM_METRIC_CACHE_CONFIG: Final = "vllm:cache_config_info"
+VLLM_LABEL_MODEL_NAME: Final = "model_name"
+VLLM_LABEL_ENGINE: Final = "engine"
+VLLM_LABEL_FINISHED_REASON: Final = "finished_reason"
+
+# The router's own metrics. The pending gauge (requests queued at the router
+# for a free engine slot) is what the chart's HPA rule can use instead of the
+# engine's waiting gauge; prometheus-adapter exposes it under the same name.
+ROUTER_METRIC_REQUESTS: Final = "tensorfleet_router_requests"              # counter: backend, code
+ROUTER_METRIC_PENDING: Final = "tensorfleet_router_pending_requests"       # gauge
+ROUTER_METRIC_IN_FLIGHT: Final = "tensorfleet_router_backend_in_flight"    # gauge: backend
+ROUTER_METRIC_BACKEND_HEALTHY: Final = "tensorfleet_router_backend_healthy"  # gauge: backend, 1/0
+ROUTER_METRIC_DURATION: Final = "tensorfleet_router_request_duration_seconds"  # histogram: code
+ROUTER_METRIC_TTFT: Final = "tensorfleet_router_time_to_first_byte_seconds"    # histogram
+ROUTER_METRIC_RETRIES: Final = "tensorfleet_router_retries"                # counter: reason
+ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # counter: backend
+ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
+HPA_METRIC_ROUTER_PENDING: Final = ROUTER_METRIC_PENDING
+ROUTER_LABEL_BACKEND: Final = "backend"
+ROUTER_LABEL_CODE: Final = "code"
+
+# --- Router ----------------------------------------------------------------
+ROUTER_STRATEGIES: Final = ("least-pending", "round-robin", "session", "prefix-aware")
+DEFAULT_ROUTER_STRATEGY: Final = "least-pending"
+# Header a client sets to keep a conversation on one engine (`session`).
+SESSION_HEADER: Final = "x-session-id"
+# Response header naming the engine that served a request, for debugging.
+BACKEND_HEADER: Final = "x-tensorfleet-backend"
+# The label the EndpointSlice controller puts on every slice of a Service.
+ENDPOINTSLICE_SERVICE_LABEL: Final = "kubernetes.io/service-name"
 
 
 # --- Object names (DESIGN.md's naming contract) ----------------------------

@@ -1,0 +1,211 @@
+"""Engines the router can send to: load it knows, load it scrapes, and health.
+
+Load: `in_flight` is the router's own count of requests it has sent to an
+engine and not yet seen finish; it is exact and changes the moment a request
+is routed. The engine's `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc` are scraped every health interval; they lag by up
+to that interval but include load from other router replicas.
+
+Health is a circuit breaker per engine:
+  closed     normal; consecutive failures (5xx answers, failed health checks)
+             reaching the threshold open it; a refused connection opens it at once
+  open       ejected: no traffic for the ejection time, which doubles on every
+             consecutive ejection (capped), so a dead pod costs little
+  half-open  after the ejection time: one request (or the next health check)
+             probes it; success closes the breaker, failure reopens it
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from tensorfleet import contract
+
+CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
+
+
+@dataclass
+class BreakerPolicy:
+    failure_threshold: int = 3
+    ejection_seconds: float = 2.0
+    max_ejection_seconds: float = 30.0
+
+
+@dataclass(eq=False)
+class Backend:
+    url: str
+    in_flight: int = 0
+    # Scraped from /metrics.
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    kv_cache_tokens: int | None = None
+    # Circuit breaker.
+    state: str = CLOSED
+    failures: int = 0
+    open_until: float = 0.0
+    ejections: int = 0
+    probing: bool = False
+    # Set by the router's metrics layer; called with the new in-flight count.
+    on_change: Callable[[Backend], None] | None = field(default=None, repr=False)
+
+    @property
+    def healthy(self) -> bool:
+        return self.state == CLOSED
+
+    def routable(self, now: float) -> bool:
+        """Whether a request may go here now (ignoring the concurrency ceiling)."""
+        if self.state == CLOSED:
+            return True
+        # Half-open admits exactly one probe at a time.
+        return now >= self.open_until and not self.probing
+
+    def load(self) -> float:
+        """Least-pending score: own in-flight requests, plus the engine's queue
+        (requests it holds back for lack of KV blocks or batch slots) and its
+        KV-cache fill, which count against an engine this router alone cannot see."""
+        return self.in_flight + self.waiting + self.kv_usage
+
+
+class BackendPool:
+    """The current set of engines, keyed by base URL, in discovery order."""
+
+    def __init__(self, policy: BreakerPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy or BreakerPolicy()
+        self.clock = clock
+        self.backends: dict[str, Backend] = {}
+        self.on_added: list[Callable[[Backend], None]] = []
+        self.on_removed: list[Callable[[Backend], None]] = []
+        self.on_routable: list[Callable[[], None]] = []
+        self.on_ejected: list[Callable[[Backend], None]] = []
+
+    def __len__(self) -> int:
+        return len(self.backends)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.backends.values())
+
+    def set_urls(self, urls: Iterable[str]) -> None:
+        """Make the pool exactly `urls`. Requests in flight to a removed engine
+        finish on their own; they hold the Backend object."""
+        wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
+        for url in [u for u in self.backends if u not in wanted]:
+            backend = self.backends.pop(url)
+            for callback in self.on_removed:
+                callback(backend)
+        added = False
+        for url in wanted:
+            if url not in self.backends:
+                backend = self.backends[url] = Backend(url)
+                added = True
+                for callback in self.on_added:
+                    callback(backend)
+        if added:
+            self._notify_routable()
+
+    def routable(self, now: float | None = None) -> list[Backend]:
+        now = self.clock() if now is None else now
+        return [b for b in self.backends.values() if b.routable(now)]
+
+    # --- breaker transitions ---------------------------------------------------
+    def _notify_routable(self) -> None:
+        for callback in self.on_routable:
+            callback()
+
+    def record_success(self, backend: Backend) -> None:
+        backend.failures = 0
+        if backend.state != CLOSED:
+            backend.state = CLOSED
+            backend.ejections = 0
+            backend.probing = False
+            self._notify_routable()
+
+    def record_failure(self, backend: Backend, *, fatal: bool = False) -> None:
+        """A failed request or health check; `fatal` (connection refused or
+        reset) ejects at once instead of counting towards the threshold."""
+        backend.failures += 1
+        backend.probing = False
+        if backend.state != CLOSED or fatal or backend.failures >= self.policy.failure_threshold:
+            self.eject(backend)
+
+    def eject(self, backend: Backend) -> None:
+        policy = self.policy
+        seconds = min(policy.ejection_seconds * 2 ** backend.ejections, policy.max_ejection_seconds)
+        backend.ejections += 1
+        backend.state = OPEN
+        backend.open_until = self.clock() + seconds
+        for callback in self.on_ejected:
+            callback(backend)
+
+    def begin_probe(self, backend: Backend) -> None:
+        """Routing to a backend past its ejection time makes it half-open."""
+        if backend.state != CLOSED:
+            backend.state = HALF_OPEN
+            backend.probing = True
+
+    def tick(self) -> None:
+        """Wake waiters when an ejection time has passed (half-open is routable)."""
+        now = self.clock()
+        if any(b.state != CLOSED and now >= b.open_until and not b.probing for b in self.backends.values()):
+            self._notify_routable()
+
+
+@dataclass
+class EngineLoad:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    kv_cache_tokens: int | None = None
+
+
+_WAITING = contract.VLLM_METRIC_WAITING
+_RUNNING = contract.VLLM_METRIC_RUNNING
+_KV = contract.VLLM_METRIC_KV_CACHE_USAGE
+_CACHE_CONFIG = contract.VLLM_METRIC_CACHE_CONFIG
+
+
+def _sample_value(line: str) -> float:
+    # `name{labels} value [timestamp]`; label values may hold spaces, so cut
+    # after the closing brace when there is one.
+    rest = line[line.rindex("}") + 1:] if "}" in line else line.split(" ", 1)[1]
+    value = float(rest.split()[0])
+    return 0.0 if math.isnan(value) else value
+
+
+def _label(line: str, name: str) -> str | None:
+    key = f'{name}="'
+    start = line.find(key)
+    if start < 0:
+        return None
+    start += len(key)
+    return line[start:line.index('"', start)]
+
+
+def parse_engine_metrics(text: str) -> EngineLoad:
+    """The few samples the router needs from vLLM's /metrics, summed over
+    engines (data-parallel ranks) where there are several; KV usage averaged."""
+    load = EngineLoad()
+    kv_samples = 0
+    blocks = 0
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name == _WAITING:
+            load.waiting += _sample_value(line)
+        elif name == _RUNNING:
+            load.running += _sample_value(line)
+        elif name == _KV:
+            load.kv_usage += _sample_value(line)
+            kv_samples += 1
+        elif name == _CACHE_CONFIG:
+            size, count = _label(line, "block_size"), _label(line, "num_gpu_blocks")
+            if size and count and size.isdigit() and count.isdigit():
+                blocks += int(size) * int(count)
+    if kv_samples > 1:
+        load.kv_usage /= kv_samples
+    load.kv_cache_tokens = blocks or None
+    return load

@@ -1,0 +1,108 @@
+"""The router's Prometheus metrics (names in contract.ROUTER_METRIC_*).
+
+Per-engine gauges (in flight, healthy) are read from the pool at scrape time,
+so an engine that leaves the pool leaves /metrics too; the per-engine counters
+are removed with it. Pod IPs change on every restart, and series kept for
+every address ever seen would grow without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tensorfleet import contract
+from tensorfleet.router.backends import Backend, BackendPool
+
+# Router-side latency: sub-millisecond errors up to minutes-long generations.
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+                    80.0, 160.0, 320.0, 640.0)
+NO_BACKEND = "none"  # the `backend` label of answers the router gives itself
+CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: BackendPool, pending: Callable[[], int]) -> None:
+        self.pool = pool
+        self.pending = pending
+
+    def collect(self) -> Iterator[Metric]:
+        backend = contract.ROUTER_LABEL_BACKEND
+        pending = GaugeMetricFamily(contract.ROUTER_METRIC_PENDING,
+                                    "Requests queued at the router waiting for a free engine slot.")
+        pending.add_metric([], self.pending())
+        yield pending
+        in_flight = GaugeMetricFamily(contract.ROUTER_METRIC_IN_FLIGHT, "Requests in flight per engine.",
+                                      labels=[backend])
+        healthy = GaugeMetricFamily(contract.ROUTER_METRIC_BACKEND_HEALTHY,
+                                    "1 when the engine's circuit breaker is closed, else 0.", labels=[backend])
+        for b in self.pool:
+            in_flight.add_metric([b.url], b.in_flight)
+            healthy.add_metric([b.url], 1.0 if b.healthy else 0.0)
+        yield in_flight
+        yield healthy
+
+
+class RouterMetrics:
+    def __init__(self, pool: BackendPool, pending: Callable[[], int]) -> None:
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        reg.register(_PoolCollector(pool, pending))
+        labels = [contract.ROUTER_LABEL_BACKEND, contract.ROUTER_LABEL_CODE]
+        self._requests = Counter(contract.ROUTER_METRIC_REQUESTS, "Requests answered, by engine and HTTP status.",
+                                 labels, registry=reg)
+        self._duration = Histogram(contract.ROUTER_METRIC_DURATION,
+                                   "Time from request received to response complete, by HTTP status.",
+                                   [contract.ROUTER_LABEL_CODE], buckets=DURATION_BUCKETS, registry=reg)
+        self._ttfb = Histogram(contract.ROUTER_METRIC_TTFT,
+                               "Time from request received to the first streamed byte sent to the client "
+                               "(the first token, for streaming requests).", buckets=DURATION_BUCKETS, registry=reg)
+        self._retries = Counter(contract.ROUTER_METRIC_RETRIES,
+                                "Requests sent again to another engine before any byte reached the client.",
+                                ["reason"], registry=reg)
+        self._ejections = Counter(contract.ROUTER_METRIC_EJECTIONS, "Times an engine's circuit breaker opened.",
+                                  [contract.ROUTER_LABEL_BACKEND], registry=reg)
+        self._stream_errors = Counter(contract.ROUTER_METRIC_STREAM_ERRORS,
+                                      "Streams ended with an error event because the engine failed mid-stream.",
+                                      [contract.ROUTER_LABEL_BACKEND], registry=reg)
+        # labels() takes a lock and builds a tuple; requests reuse children.
+        self._request_children: dict[tuple[str, str], Counter] = {}
+        self._duration_children: dict[str, Histogram] = {}
+        pool.on_removed.append(self.forget)
+        pool.on_ejected.append(lambda b: self._ejections.labels(b.url).inc())
+
+    def attempt_done(self, backend: str, code: str) -> None:
+        """One answer from an engine (or from the router itself, `none`)."""
+        key = (backend, code)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self._requests.labels(backend, code)
+        child.inc()
+
+    def request_done(self, code: str, seconds: float) -> None:
+        """One client request, however many engines it took."""
+        duration = self._duration_children.get(code)
+        if duration is None:
+            duration = self._duration_children[code] = self._duration.labels(code)
+        duration.observe(seconds)
+
+    def first_byte(self, seconds: float) -> None:
+        self._ttfb.observe(seconds)
+
+    def retry(self, reason: str) -> None:
+        self._retries.labels(reason).inc()
+
+    def stream_error(self, backend: Backend) -> None:
+        self._stream_errors.labels(backend.url).inc()
+
+    def forget(self, backend: Backend) -> None:
+        for key in [k for k in self._request_children if k[0] == backend.url]:
+            del self._request_children[key]
+            self._requests.remove(*key)
+        for metric in (self._ejections, self._stream_errors):
+            try:
+                metric.remove(backend.url)
+            except KeyError:
+                pass

@@ -1,0 +1,111 @@
+"""`tensorfleet sim`: run the engine simulator where vLLM would run.
+
+The worker launcher execs it in `engine.kind: simulator` pods with vLLM-style
+flags and appends the user's `engine.args`, so flags it does not know are
+ignored (and logged once) instead of failing the pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tensorfleet import contract
+
+log = logging.getLogger("tensorfleet.sim")
+
+
+def _lenient(parser: argparse.ArgumentParser) -> None:
+    """Make PARSER keep unknown flags in `ignored_args` instead of erroring.
+
+    argparse's subcommand action hands unknown strings to the top-level parser,
+    which rejects them; answering "all known" here keeps them ours.
+    """
+    base = type(parser)
+
+    class Lenient(base):  # type: ignore[valid-type, misc]
+        def parse_known_args(self, args: Sequence[str] | None = None,
+                             namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+            parsed, extra = super().parse_known_args(args, namespace)
+            parsed.ignored_args = [*getattr(parsed, "ignored_args", []), *extra]
+            return parsed, []
+
+    parser.__class__ = Lenient
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "sim", allow_abbrev=False,
+        help="run the vLLM-compatible engine simulator (no GPU)",
+        description="Serve vLLM's OpenAI API and /metrics from a simulated engine whose capacity and timing come "
+                    "from the planner. Unknown vLLM flags are accepted and ignored.",
+    )
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=contract.ENGINE_PORT)
+    parser.add_argument("--served-model-name", required=True, help="the OpenAI `model` name to answer to")
+    parser.add_argument("--model", help="Hugging Face id of the simulated model (default: Llama-3.1-8B)")
+    parser.add_argument("--accelerator", help="GPU type, as in spec.accelerator.type (default: L4)")
+    parser.add_argument("--tensor-parallel-size", type=_positive_int)
+    parser.add_argument("--max-model-len", type=_positive_int)
+    parser.add_argument("--max-num-seqs", type=_positive_int)
+    parser.add_argument("--max-num-batched-tokens", type=_positive_int)
+    parser.add_argument("--kv-cache-tokens", type=_positive_int, help="override the planner's KV-cache size")
+    parser.add_argument("--startup-delay", type=_non_negative_float, default=0.0,
+                        help="seconds /health answers 503, like a model loading")
+    parser.add_argument("--time-scale", type=_non_negative_float, default=1.0,
+                        help="wall-clock seconds per simulated second: 0.01 runs 100x faster, 0 as fast as possible")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the generated text and lengths")
+    parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    parser.set_defaults(func=run)
+    _lenient(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiohttp import web
+    from prometheus_client import disable_created_metrics
+
+    from tensorfleet.api import SpecError
+    from tensorfleet.httpapi import run_server, setup_logging
+    from tensorfleet.sim.profile import make_profile
+    from tensorfleet.sim.server import SimConfig, SimServer
+
+    setup_logging(args.log_level)
+    # `_created` samples double the series and no dashboard reads them.
+    disable_created_metrics()
+    ignored = getattr(args, "ignored_args", [])
+    if ignored:
+        log.warning("ignoring engine flags the simulator does not model: %s", " ".join(ignored))
+    try:
+        profile = make_profile(
+            args.model, args.accelerator, tensor=args.tensor_parallel_size, max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    except SpecError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    log.info("profile: %s", profile.describe())
+    server = SimServer(profile, SimConfig(
+        served_model_name=args.served_model_name, model=args.model or profile.model,
+        startup_delay=args.startup_delay, time_scale=args.time_scale, seed=args.seed,
+    ))
+
+    async def make_app() -> web.Application:
+        return server.app()
+
+    return run_server(make_app, args.host, args.port, f"simulator {args.served_model_name!r}")

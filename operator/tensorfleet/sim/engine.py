@@ -1,0 +1,466 @@
+"""The simulated engine: vLLM v1's continuous-batching scheduler, on a clock.
+
+One asyncio task runs the scheduler loop. Each iteration is one engine step:
+
+1. Running requests are scheduled first, in admission order: a decoding
+   request needs one token of the step's budget (max_num_batched_tokens) and,
+   when its context crosses a block boundary, one more KV block. When no block
+   is free, the most recently admitted request is preempted (vLLM's default
+   "recompute" mode: its blocks are freed and it goes back to the front of the
+   waiting queue, to prefill prompt + generated tokens again).
+2. Waiting requests are admitted first-come first-served while fewer than
+   max_num_seqs run, the step has token budget left, and the KV cache has the
+   blocks for the request's whole uncached prompt. The first request that does
+   not fit stops admission (head-of-line, as vLLM does), so
+   `vllm:num_requests_waiting` is real queueing behind KV blocks and batch slots.
+   A long prompt is prefilled in chunks over several steps (chunked prefill).
+3. The step lasts `Profile.step_seconds(...)` simulated seconds (x time_scale
+   on the wall clock). At its end every decoding request gains one token, and
+   a request whose prefill completed gains its first token.
+
+Prefix caching is block-hashed like vLLM's: each full block of 16 prompt
+tokens is named by a hash chained over all tokens before it, so a block is
+shared only when the whole prefix matches. Blocks no request references stay
+cached and are evicted least-recently-used when new blocks are needed. As in
+vLLM, the last prompt token is always computed (its logits give the first
+token), so a fully cached prompt hits on all whole blocks before it. Blocks of
+generated tokens are not cached (vLLM caches them too; multi-turn prompts
+re-send the answer, which here counts as uncached).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import random
+import zlib
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tensorfleet.sim.profile import Profile
+
+log = logging.getLogger("tensorfleet.sim")
+
+# Words of one token each under the simulator's tokenizer, so a streamed answer
+# re-tokenizes to exactly the number of tokens reported in `usage`.
+_WORDS = tuple(
+    " " + w for w in (
+        "the of and to in is it that for on with as was at by be this are or from an not but all "
+        "can had her one our out day get has him his how man new now old see two way who boy did "
+        "its let put say she too use data node pod gpu fast load time real work test next safe"
+    ).split()
+)
+# Answer length when a request sets no max_tokens: a model stopping at EOS.
+_DEFAULT_MIN_TOKENS, _DEFAULT_MEAN_TOKENS = 16, 128
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never serve (vLLM answers these with 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request's state; the server reads tokens as they appear."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    block_hashes: list[int]          # chained hashes of the prompt's full blocks
+    output_words: list[str]
+    arrival: float
+    finish_reason_if_done: str       # "length" when max_tokens was set, else "stop"
+    # Scheduler state.
+    num_computed: int = 0            # tokens whose KV is in the cache
+    held_hashes: int = 0             # leading block_hashes this request references
+    uncached_blocks: int = 0         # other blocks it holds (partial tail, decode)
+    admitted: bool = False
+    first_token_at: float | None = None
+    scheduled_at: float | None = None
+    cached_tokens: int = 0           # prefix-cache hit on first admission
+    preemptions: int = 0
+    # Output.
+    generated: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def context_len(self) -> int:
+        return self.prompt_len + self.generated
+
+    @property
+    def decoding(self) -> bool:
+        """Only the last sampled token is left to process (one token per step)."""
+        return self.generated > 0 and self.num_computed == self.context_len - 1
+
+    @property
+    def text(self) -> str:
+        return "".join(self.output_words[: self.generated])
+
+    async def wait(self, seen: int) -> int:
+        """Wait until more than `seen` tokens exist or the request ends; returns the count."""
+        while self.generated <= seen and not self.finished:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        return self.generated
+
+
+class BlockPool:
+    """KV blocks: referenced cached blocks, an LRU of unreferenced cached
+    blocks (still hits until evicted), and anonymous blocks in use."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.refs: dict[int, int] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.anonymous = 0
+
+    @property
+    def used(self) -> int:
+        """Blocks some request references (what vLLM reports as usage)."""
+        return len(self.refs) + self.anonymous
+
+    @property
+    def free(self) -> int:
+        """Blocks available to new allocations, evicting cached ones if needed."""
+        return self.num_blocks - self.used
+
+    def cached_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` are in the cache."""
+        count = 0
+        for h in hashes:
+            if h not in self.refs and h not in self.evictable:
+                break
+            count += 1
+        return count
+
+    def _make_room(self) -> None:
+        # Unreferenced cached blocks are the only ones that occupy memory
+        # without being in use; evict them oldest first.
+        while self.used + len(self.evictable) >= self.num_blocks and self.evictable:
+            self.evictable.popitem(last=False)
+
+    def acquire_hashed(self, h: int) -> None:
+        if h in self.refs:
+            self.refs[h] += 1
+        elif h in self.evictable:
+            del self.evictable[h]
+            self.refs[h] = 1
+        else:
+            self._make_room()
+            self.refs[h] = 1
+
+    def acquire_anonymous(self, n: int) -> None:
+        for _ in range(n):
+            self._make_room()
+            self.anonymous += 1
+
+    def release(self, hashes: Sequence[int], anonymous: int) -> None:
+        # Reverse order, as vLLM frees: the tail of a prompt is evicted before its head.
+        for h in reversed(hashes):
+            count = self.refs[h] - 1
+            if count:
+                self.refs[h] = count
+            else:
+                del self.refs[h]
+                self.evictable[h] = None
+        self.anonymous -= anonymous
+
+    def reset(self) -> None:
+        self.evictable.clear()
+
+
+@dataclass
+class EngineStats:
+    """Cumulative figures (the metrics layer mirrors them)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+    aborted: int = 0
+    steps: int = 0
+    max_running: int = 0
+    max_waiting: int = 0
+
+
+def block_hashes(tokens: Sequence[str], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`."""
+    out: list[int] = []
+    h = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hash((h, *tokens[start:start + block_size]))
+        out.append(h)
+    return out
+
+
+class Engine:
+    """The scheduler loop and its queues. Create and use inside one event loop."""
+
+    def __init__(self, profile: Profile, *, time_scale: float = 1.0, seed: int = 0,
+                 clock: Callable[[], float] | None = None) -> None:
+        if time_scale < 0:
+            raise ValueError("time_scale must be >= 0")
+        self.profile = profile
+        self.time_scale = time_scale
+        self.seed = seed
+        self.pool = BlockPool(profile.num_blocks)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._clock = clock or asyncio.get_running_loop().time
+        # Observers the metrics layer installs: (request) -> None.
+        self.on_first_token: Callable[[SimRequest, float], None] | None = None
+        self.on_finish: Callable[[SimRequest, float], None] | None = None
+
+    # --- lifecycle -----------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    # --- requests ------------------------------------------------------------
+    def submit(self, prompt_tokens: Sequence[str], max_tokens: int | None, *, request_id: str | None = None,
+               seed: int | None = None) -> SimRequest:
+        """Queue a request; raises RequestRejected for ones vLLM would refuse."""
+        profile = self.profile
+        prompt_len = len(prompt_tokens)
+        room = profile.max_model_len - prompt_len
+        if prompt_len == 0:
+            raise RequestRejected("The prompt is empty; it must contain at least one token.", "prompt")
+        if max_tokens is not None and max_tokens < 1:
+            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_len + (max_tokens or 1)
+            raise RequestRejected(
+                f"This model's maximum context length is {profile.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({prompt_len} in the messages, {max_tokens or 1} in the completion). "
+                "Please reduce the length of the messages or completion.",
+                "messages" if room < 1 or max_tokens is None else "max_tokens",
+            )
+        # Deterministic per prompt and seed: the same request gets the same answer.
+        rng = random.Random(zlib.crc32("".join(prompt_tokens[-64:]).encode()) ^ (self.seed if seed is None else seed))
+        if max_tokens is None:
+            target = min(room, _DEFAULT_MIN_TOKENS + int(rng.expovariate(1 / _DEFAULT_MEAN_TOKENS)))
+            reason = "stop"
+        else:
+            target, reason = max_tokens, "length"
+        words = [_WORDS[rng.randrange(len(_WORDS))] for _ in range(target)]
+        request = SimRequest(
+            request_id=request_id or f"{next(self._ids):x}",
+            prompt_len=prompt_len,
+            max_tokens=target,
+            block_hashes=block_hashes(prompt_tokens, profile.block_size),
+            output_words=words,
+            arrival=self._clock(),
+            finish_reason_if_done=reason,
+        )
+        self.waiting.append(request)
+        self.stats.max_waiting = max(self.stats.max_waiting, len(self.waiting))
+        self._wakeup.set()
+        return request
+
+    def abort(self, request: SimRequest) -> None:
+        """Drop a request whose client went away; frees its KV blocks now."""
+        if request.finished:
+            return
+        if request.admitted:
+            self._free(request)
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.finished = True
+        request.finish_reason = "abort"
+        self.stats.aborted += 1
+        request._wakeup.set()
+
+    # --- gauges (read at scrape time) ----------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.used / self.pool.num_blocks if self.pool.num_blocks else 0.0
+
+    # --- the scheduler -------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.profile.block_size)
+
+    def _free(self, request: SimRequest) -> None:
+        self.pool.release(request.block_hashes[: request.held_hashes], request.uncached_blocks)
+        request.held_hashes = 0
+        request.uncached_blocks = 0
+        request.num_computed = 0
+        request.admitted = False
+
+    def _preempt(self, victim: SimRequest) -> None:
+        self._free(victim)
+        self.running.remove(victim)
+        victim.preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _grow(self, request: SimRequest, tokens: int) -> bool:
+        """Give `request` blocks for `tokens` tokens of context, preempting the
+        newest running requests if needed; False if `request` itself was."""
+        need = self._blocks_for(tokens) - request.held_hashes - request.uncached_blocks
+        while need > self.pool.free:
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        if need > 0:
+            self.pool.acquire_anonymous(need)
+            request.uncached_blocks += need
+        return True
+
+    def _try_admit(self, request: SimRequest) -> bool:
+        profile = self.profile
+        hashes = request.block_hashes
+        hit_blocks = self.pool.cached_prefix(hashes)
+        # The last token is always computed, for its logits, so hits stop at
+        # the last whole block before it (vLLM's max_cache_hit_length).
+        hit_blocks = min(hit_blocks, (request.context_len - 1) // profile.block_size)
+        hit_tokens = hit_blocks * profile.block_size
+        total = self._blocks_for(request.context_len)
+        fresh_hashed = len(hashes) - hit_blocks
+        anonymous = total - len(hashes)
+        # Hit blocks sitting in the LRU become referenced: they stop counting as free.
+        hit_evictable = sum(1 for h in hashes[:hit_blocks] if h not in self.pool.refs)
+        if fresh_hashed + anonymous + hit_evictable > self.pool.free:
+            return False
+        for h in hashes:
+            self.pool.acquire_hashed(h)
+        self.pool.acquire_anonymous(anonymous)
+        request.held_hashes = len(hashes)
+        request.uncached_blocks = anonymous
+        request.num_computed = hit_tokens
+        request.admitted = True
+        if request.scheduled_at is None:
+            request.scheduled_at = self._clock()
+            request.cached_tokens = hit_tokens
+            self.stats.prefix_queries += request.prompt_len
+            self.stats.prefix_hits += hit_tokens
+            self.stats.prompt_tokens += request.prompt_len
+        return True
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        """One step's work as (request, new tokens) pairs, vLLM v1 style: every
+        request computes what it lacks, `context_len - num_computed` tokens
+        (one when decoding, a chunk of the prompt when prefilling)."""
+        profile = self.profile
+        budget = profile.max_num_batched_tokens
+        work: list[tuple[SimRequest, int]] = []
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if not request.admitted:  # preempted by an earlier request's growth
+                continue
+            chunk = min(request.context_len - request.num_computed, budget)
+            if self._grow(request, request.num_computed + chunk):
+                work.append((request, chunk))
+                budget -= chunk
+        while self.waiting and budget > 0 and len(self.running) < profile.max_num_seqs:
+            request = self.waiting[0]
+            if not self._try_admit(request):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            chunk = min(request.context_len - request.num_computed, budget)
+            work.append((request, chunk))
+            budget -= chunk
+        # A request preempted after being picked this step must not run.
+        return [(r, c) for r, c in work if r.admitted]
+
+    def _finish(self, request: SimRequest, now: float) -> None:
+        self._free(request)
+        self.running.remove(request)
+        request.finished = True
+        request.finish_reason = request.finish_reason_if_done
+        self.stats.finished[request.finish_reason] = self.stats.finished.get(request.finish_reason, 0) + 1
+        if self.on_finish:
+            self.on_finish(request, now)
+
+    def _emit(self, request: SimRequest, now: float) -> None:
+        request.generated += 1
+        self.stats.generation_tokens += 1
+        if request.first_token_at is None:
+            request.first_token_at = now
+            if self.on_first_token:
+                self.on_first_token(request, now)
+        if request.generated >= request.max_tokens:
+            self._finish(request, now)
+        request._wakeup.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not self.running and not self.waiting:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                deadline = loop.time()
+            work = self._schedule()
+            stats = self.stats
+            stats.steps += 1
+            stats.max_running = max(stats.max_running, len(self.running))
+            stats.max_waiting = max(stats.max_waiting, len(self.waiting))
+            if not work:
+                # Cannot happen while max_model_len fits the cache (an empty
+                # engine admits any valid request); do not spin if it does.
+                log.warning("engine step scheduled nothing: %d running, %d waiting", len(self.running), len(self.waiting))
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), 0.1)
+                except TimeoutError:
+                    pass
+                deadline = loop.time()
+                continue
+            decodes = context = prefill_tokens = 0
+            for request, chunk in work:
+                if request.decoding:
+                    decodes += 1
+                    context += request.context_len
+                else:
+                    prefill_tokens += chunk
+            seconds = self.profile.step_seconds(decodes, context, prefill_tokens) * self.time_scale
+            # Sleep to an absolute deadline so the time this loop itself takes
+            # is part of the step, not added to it.
+            deadline = max(deadline + seconds, loop.time())
+            await asyncio.sleep(deadline - loop.time())
+            now = self._clock()
+            for request, chunk in work:
+                if not request.admitted:  # aborted during the step
+                    continue
+                request.num_computed += chunk
+                if request.num_computed == request.context_len:
+                    # The step sampled a token: the first one when it finished
+                    # a prefill, the next one when decoding.
+                    self._emit(request, now)

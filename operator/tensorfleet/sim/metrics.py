@@ -1,0 +1,96 @@
+"""vLLM's /metrics, with its names, labels and bucket edges, from the engine.
+
+Gauges are computed when scraped (exact, not sampled). Each server gets its
+own registry, so several simulators can share one test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tensorfleet import contract
+from tensorfleet.sim.engine import Engine, SimRequest
+
+# vLLM's bucket edges (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+ENGINE_INDEX = "0"  # vLLM labels each data-parallel engine; one engine here
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine at scrape time: exact values
+    with no bookkeeping on the request path."""
+
+    def __init__(self, engine: Engine, names: Sequence[str], values: Sequence[str]) -> None:
+        self.engine, self.names, self.values = engine, list(names), list(values)
+
+    def collect(self) -> Iterator[Metric]:
+        engine, names, values = self.engine, self.names, self.values
+        stats = engine.stats
+        for name, doc, value in (
+            (contract.VLLM_METRIC_RUNNING, "Number of requests in model execution batches.", engine.num_running),
+            (contract.VLLM_METRIC_WAITING, "Number of requests waiting to be processed.", engine.num_waiting),
+            (contract.VLLM_METRIC_KV_CACHE_USAGE, "KV-cache usage. 1 means 100 percent usage.", engine.kv_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=names)
+            gauge.add_metric(values, value)
+            yield gauge
+        info = GaugeMetricFamily(contract.VLLM_METRIC_CACHE_CONFIG, "Information of the LLMEngine CacheConfig",
+                                 labels=[*names, "block_size", "num_gpu_blocks"])
+        info.add_metric([*values, str(engine.profile.block_size), str(engine.profile.num_blocks)], 1.0)
+        yield info
+        for name, doc, total in (
+            (contract.VLLM_METRIC_PROMPT_TOKENS, "Number of prefill tokens processed.", stats.prompt_tokens),
+            (contract.VLLM_METRIC_GENERATION_TOKENS, "Number of generation tokens processed.", stats.generation_tokens),
+            (contract.VLLM_METRIC_PREFIX_CACHE_QUERIES, "Prefix cache queries, in terms of number of queried tokens.",
+             stats.prefix_queries),
+            (contract.VLLM_METRIC_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.",
+             stats.prefix_hits),
+            (contract.VLLM_METRIC_PREEMPTIONS, "Cumulative number of preemption from the engine.", stats.preemptions),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, total)
+            yield counter
+
+
+class EngineMetrics:
+    def __init__(self, engine: Engine, served_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        names = [contract.VLLM_LABEL_MODEL_NAME, contract.VLLM_LABEL_ENGINE]
+        values = (served_name, ENGINE_INDEX)
+        reg = self.registry
+        reg.register(_EngineCollector(engine, names, values))
+        success = Counter(contract.VLLM_METRIC_REQUEST_SUCCESS, "Count of successfully processed requests.",
+                          [*names, contract.VLLM_LABEL_FINISHED_REASON], registry=reg)
+        self._success = {reason: success.labels(*values, reason) for reason in ("stop", "length")}
+        self._ttft = Histogram(contract.VLLM_METRIC_TTFT, "Histogram of time to first token in seconds.", names,
+                               buckets=TTFT_BUCKETS, registry=reg).labels(*values)
+        self._e2e = Histogram(contract.VLLM_METRIC_E2E_LATENCY, "Histogram of e2e request latency in seconds.", names,
+                              buckets=LATENCY_BUCKETS, registry=reg).labels(*values)
+        self._queue = Histogram(contract.VLLM_METRIC_QUEUE_TIME, "Histogram of time spent in WAITING phase for request.",
+                                names, buckets=LATENCY_BUCKETS, registry=reg).labels(*values)
+        self._itl = Histogram(contract.VLLM_METRIC_ITL, "Histogram of inter-token latency in seconds.", names,
+                              buckets=ITL_BUCKETS, registry=reg).labels(*values)
+        engine.on_first_token = self._first_token
+        engine.on_finish = self._finished
+
+    def _first_token(self, request: SimRequest, now: float) -> None:
+        self._ttft.observe(now - request.arrival)
+        if request.scheduled_at is not None:
+            self._queue.observe(request.scheduled_at - request.arrival)
+
+    def _finished(self, request: SimRequest, now: float) -> None:
+        self._e2e.observe(now - request.arrival)
+        if request.generated > 1 and request.first_token_at is not None:
+            self._itl.observe((now - request.first_token_at) / (request.generated - 1))
+        child = self._success.get(request.finish_reason or "")
+        if child is not None:
+            child.inc()

@@ -1,0 +1,161 @@
+"""Real simulator and router servers on 127.0.0.1 for tests, on free ports.
+
+Servers run in the test's event loop (fast, and their state can be inspected);
+`spawn_sim` starts a separate `tensorfleet sim` process for tests that must
+kill an engine the way a node failure would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tensorfleet.httpapi import start_site
+from tensorfleet.router.app import Router, RouterConfig
+from tensorfleet.router.backends import BreakerPolicy
+from tensorfleet.sim.engine import Engine
+from tensorfleet.sim.profile import Profile, make_profile
+from tensorfleet.sim.server import SimConfig, SimServer
+
+MODEL = "test-model"
+# L4 + Llama-3.1-8B decode steps are ~70 ms simulated; x0.01 makes them 0.7 ms.
+FAST = 0.01
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RunningSim:
+    server: SimServer
+    runner: web.AppRunner
+    url: str
+
+    @property
+    def engine(self) -> Engine:
+        assert self.server.engine is not None
+        return self.server.engine
+
+
+@dataclass
+class RunningRouter:
+    router: Router
+    runner: web.AppRunner
+    url: str
+
+
+def small_profile(**capacity: Any) -> Profile:
+    return replace(make_profile(), **capacity) if capacity else make_profile()
+
+
+@asynccontextmanager
+async def sim(*, profile: Profile | None = None, time_scale: float = FAST, startup_delay: float = 0.0,
+              port: int = 0, seed: int = 0) -> AsyncIterator[RunningSim]:
+    server = SimServer(profile or make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
+                                                            startup_delay=startup_delay, time_scale=time_scale,
+                                                            seed=seed))
+    runner = await start_site(server.app(), "127.0.0.1", port)
+    bound = runner.addresses[0][1]
+    try:
+        yield RunningSim(server, runner, f"http://127.0.0.1:{bound}")
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def router(backends: list[str], **options: Any) -> AsyncIterator[RunningRouter]:
+    options.setdefault("model", MODEL)
+    options.setdefault("health_interval", 0.1)
+    options.setdefault("breaker", BreakerPolicy(failure_threshold=3, ejection_seconds=0.3, max_ejection_seconds=1.0))
+    config = RouterConfig(static_backends=tuple(backends), **options)
+    instance = Router(config)
+    runner = await start_site(instance.app(), "127.0.0.1", 0)
+    bound = runner.addresses[0][1]
+    try:
+        yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
+    finally:
+        await runner.cleanup()
+
+
+def chat(content: str, max_tokens: int = 8, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "stream": stream, **extra}
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float, str]]:
+    """(arrival time, data) of each SSE event as it arrives."""
+    buffer = b""
+    async for chunk in resp.content.iter_any():
+        buffer += chunk
+        while b"\n\n" in buffer:
+            event, buffer = buffer.split(b"\n\n", 1)
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    yield time.monotonic(), line[6:].decode()
+
+
+async def eventually(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Wait until predicate() (sync or async) is true, or fail."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the first sample of NAME whose labels include LABELS."""
+    for line in text.splitlines():
+        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@contextmanager
+def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`tensorfleet sim` as its own process on PORT; killed on exit."""
+    command = [sys.executable, "-m", "tensorfleet.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", MODEL, *args]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+        if process.stderr:
+            process.stderr.close()
+
+
+async def wait_healthy(url: str, timeout: float = 20.0) -> None:
+    async with aiohttp.ClientSession() as session:
+        async def ok() -> bool:
+            try:
+                async with session.get(url + "/health") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientError:
+                return False
+        await eventually(ok, timeout=timeout, interval=0.05)

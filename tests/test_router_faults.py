@@ -1,0 +1,179 @@
+"""Engines failing under the router: ejection, recovery, retries, broken streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tensorfleet import contract
+from tensorfleet.httpapi import start_site
+
+from loopback import MODEL, chat, eventually, free_port, metric_value, router, sim, spawn_sim, sse_events, wait_healthy
+
+pytestmark = pytest.mark.asyncio
+
+
+@asynccontextmanager
+async def broken_engine(mode: str) -> AsyncIterator[tuple[str, list[str]]]:
+    """An engine that fails in one way, and the paths it was asked for.
+
+    `500`: answers every request with an OpenAI-style 500.
+    `cut`: starts an SSE stream, sends one event, then drops the connection,
+    as a process killed mid-generation does.
+    """
+    calls: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        calls.append(request.path)
+        if request.path == contract.HEALTH_PATH:
+            return web.Response()
+        if mode == "500":
+            return web.json_response({"error": {"message": "CUDA error: an illegal memory access", "type":
+                                                "InternalServerError", "param": None, "code": 500}}, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"index":0,"text":" first"}]}\n\ndata: {"choi')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = await start_site(app, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", calls
+    finally:
+        await runner.cleanup()
+
+
+async def post(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:  # type: ignore[type-arg]
+    async with client.post(url + "/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get(contract.BACKEND_HEADER, "")
+
+
+async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> None:
+    port = free_port()
+    async with AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim())
+        doomed_context = sim(port=port)
+        doomed = await doomed_context.__aenter__()
+        # Health checks only at start-up: ejection and recovery come from traffic.
+        r = await stack.enter_async_context(router([doomed.url, live.url], strategy="round-robin", health_interval=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
+        assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
+        backend = r.router.pool.backends[doomed.url]
+        assert backend.healthy and doomed.engine.stats.prompt_tokens > 0
+        await doomed_context.__aexit__(None, None, None)
+        # It is gone: connection refused, nothing was sent, so the request is
+        # retried on the live engine and the client never notices.
+        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(6)]
+        assert results == [(200, live.url)] * 6
+        assert not backend.healthy
+        async with client.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        assert metric_value(text, contract.ROUTER_METRIC_BACKEND_HEALTHY, backend=backend.url) == 0
+        assert metric_value(text, contract.ROUTER_METRIC_RETRIES + "_total", reason="connect") == 1
+        assert metric_value(text, contract.ROUTER_METRIC_EJECTIONS + "_total", backend=backend.url) == 1
+        # Back on the same address: after the ejection time one request probes
+        # it (half-open), succeeds, and the breaker closes.
+        revived = await stack.enter_async_context(sim(port=port))
+        await asyncio.sleep(0.35)
+        results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
+        assert backend.healthy
+        assert Counter(url for _, url in results)[revived.url] >= 2
+
+
+async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -> None:
+    port = free_port()
+    dead_url = f"http://127.0.0.1:{port}"
+    async with AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim())
+        r = await stack.enter_async_context(router([dead_url, live.url], strategy="round-robin"))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        dead = r.router.pool.backends[dead_url]
+        await eventually(lambda: not dead.healthy)
+        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(4)]
+        assert results == [(200, live.url)] * 4
+        revived = await stack.enter_async_context(sim(port=port))
+        await eventually(lambda: dead.healthy, timeout=5)
+        results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
+        assert Counter(url for _, url in results) == {revived.url: 3, live.url: 3}
+
+
+async def test_5xx_is_retried_on_another_engine_then_ejected() -> None:
+    async with AsyncExitStack() as stack:
+        bad_url, calls = await stack.enter_async_context(broken_engine("500"))
+        live = await stack.enter_async_context(sim())
+        r = await stack.enter_async_context(router([bad_url, live.url], strategy="round-robin", health_interval=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(8)]
+        assert results == [(200, live.url)] * 8
+        posts = [p for p in calls if p.startswith("/v1/")]
+        assert len(posts) == 3  # the threshold: then ejected, no more traffic
+        assert not r.router.pool.backends[bad_url].healthy
+
+
+async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> None:
+    async with AsyncExitStack() as stack:
+        bad_url, _ = await stack.enter_async_context(broken_engine("500"))
+        r = await stack.enter_async_context(router([bad_url], health_interval=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
+            assert resp.status == 500
+            assert "CUDA error" in (await resp.json())["error"]["message"]
+
+
+async def test_failure_after_the_first_byte_is_not_retried_and_ends_with_an_error_event() -> None:
+    async with AsyncExitStack() as stack:
+        cut_url, calls = await stack.enter_async_context(broken_engine("cut"))
+        live = await stack.enter_async_context(sim())
+        r = await stack.enter_async_context(router([cut_url, live.url], strategy="round-robin", health_interval=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        async with client.post(r.url + "/v1/completions",
+                               json={"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}) as resp:
+            assert resp.status == 200 and resp.headers[contract.BACKEND_HEADER] == cut_url
+            events = [data async for _, data in sse_events(resp)]
+        assert json.loads(events[0])["choices"][0]["text"] == " first"
+        error = json.loads(events[-1])["error"]
+        assert error["code"] == 502 and "mid-stream" in error["message"]
+        assert "[DONE]" not in events
+        # Not retried: the live engine never saw it.
+        assert live.engine.stats.prompt_tokens == 0
+        assert r.router.pool.backends[cut_url].in_flight == 0
+        async with client.get(r.url + "/metrics") as m:
+            text = await m.text()
+        assert metric_value(text, contract.ROUTER_METRIC_STREAM_ERRORS + "_total", backend=cut_url) == 1
+
+
+async def test_killed_engine_process_mid_stream_surfaces_an_error_and_the_next_request_succeeds() -> None:
+    port = free_port()
+    engine_url = f"http://127.0.0.1:{port}"
+    with spawn_sim(port, "--time-scale", "0.2") as process:
+        await wait_healthy(engine_url)
+        async with AsyncExitStack() as stack:
+            live = await stack.enter_async_context(sim())
+            r = await stack.enter_async_context(router([engine_url, live.url], strategy="round-robin"))
+            client = await stack.enter_async_context(aiohttp.ClientSession())
+            async with client.post(r.url + "/v1/chat/completions", json=chat("long", max_tokens=1000, stream=True)) as resp:
+                assert resp.headers[contract.BACKEND_HEADER] == engine_url
+                events = []
+                async for _, data in sse_events(resp):
+                    events.append(data)
+                    if len(events) == 3:
+                        process.send_signal(signal.SIGKILL)
+            assert "error" in json.loads(events[-1])
+            assert all("error" not in json.loads(e) for e in events[:3])
+            # Killed: the next requests go to the live engine, no client error.
+            for i in range(4):
+                assert await post(client, r.url, chat(f"after {i}", max_tokens=2)) == (200, live.url)
