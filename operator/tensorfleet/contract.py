@@ -71,6 +71,9 @@ METRICS_PATH: Final = "/metrics"
 SHM_PATH: Final = "/dev/shm"
 CACHE_PATH: Final = "/cache"
 HF_HOME_PATH: Final = f"{CACHE_PATH}/huggingface"
+# Written by the worker launcher, read by `tensorfleet-worker health` (the
+# exec probe of stages > 0): the launcher's phase and the GPU XID errors it saw.
+WORKER_STATE_PATH: Final = "/tmp/tensorfleet-worker/state.json"
 
 # --- Worker launcher env (renderer writes, launcher reads) -----------------
 ENV_ENGINE_KIND: Final = "TF_ENGINE_KIND"
@@ -113,10 +116,33 @@ WORKER_ENV_VARS: Final = (
     ENV_MAX_NUM_SEQS, ENV_EXTRA_ARGS, ENV_ACCELERATOR, ENV_KV_CACHE_TOKENS, ENV_GPU_METRICS_PORT,
 )
 
+# --- GPU health exporter (the launcher, on WORKER_METRICS_PORT) --------------
+# Gauges read with pynvml, labelled `gpu` (index), `uuid` and `device` (NVML
+# name). Counters are named without `_total`; prometheus-client appends it.
+GPU_METRIC_NVML_UP: Final = "tensorfleet_gpu_nvml_up"                    # 1 when NVML answers
+GPU_METRIC_VISIBLE: Final = "tensorfleet_gpus_visible"
+GPU_METRIC_EXPECTED: Final = "tensorfleet_gpus_expected"                 # tensor-parallel size
+GPU_METRIC_ALL_HEALTHY: Final = "tensorfleet_gpus_healthy"               # 1 when `health` would pass
+GPU_METRIC_HEALTHY: Final = "tensorfleet_gpu_healthy"
+GPU_METRIC_TEMPERATURE: Final = "tensorfleet_gpu_temperature_celsius"
+GPU_METRIC_TEMPERATURE_LIMIT: Final = "tensorfleet_gpu_temperature_limit_celsius"
+GPU_METRIC_MEMORY_USED: Final = "tensorfleet_gpu_memory_used_bytes"
+GPU_METRIC_MEMORY_TOTAL: Final = "tensorfleet_gpu_memory_total_bytes"
+GPU_METRIC_UTILIZATION: Final = "tensorfleet_gpu_utilization_ratio"      # 0-1
+GPU_METRIC_POWER: Final = "tensorfleet_gpu_power_watts"
+GPU_METRIC_POWER_LIMIT: Final = "tensorfleet_gpu_power_limit_watts"
+GPU_METRIC_ECC_UNCORRECTABLE: Final = "tensorfleet_gpu_ecc_uncorrectable_volatile_errors"
+GPU_METRIC_RETIRED_PAGES_PENDING: Final = "tensorfleet_gpu_retired_pages_pending"
+GPU_METRIC_ROW_REMAP_PENDING: Final = "tensorfleet_gpu_row_remap_pending"
+GPU_METRIC_ROW_REMAP_FAILURE: Final = "tensorfleet_gpu_row_remap_failure"
+GPU_METRIC_XID_ERRORS: Final = "tensorfleet_gpu_xid_errors"              # counter: gpu, xid
+
 # --- Commands --------------------------------------------------------------
 WORKER_COMMAND: Final = ("tensorfleet-worker",)
 WORKER_HEALTH_COMMAND: Final = ("tensorfleet-worker", "health")
 ROUTER_COMMAND: Final = ("tensorfleet", "router")
+# The CPU-only engine the launcher runs for engine.kind: simulator.
+SIMULATOR_COMMAND: Final = ("tensorfleet", "sim")
 
 # --- Metrics ---------------------------------------------------------------
 # vLLM's own metric, and the name prometheus-adapter exposes it under.

@@ -198,8 +198,11 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         _value(contract.ENV_EXTRA_ARGS, json.dumps(list(spec.engine.args))),
         _value(contract.ENV_ACCELERATOR, plan.accelerator),
         _value(contract.ENV_KV_CACHE_TOKENS, str(plan.kv_cache_tokens)),
-        _value(contract.ENV_HF_HOME, contract.HF_HOME_PATH),
     ]
+    if is_gpu(ctx):
+        # The launcher serves GPU health gauges (pynvml) on this port.
+        env.append(_value(contract.ENV_GPU_METRICS_PORT, str(contract.WORKER_METRICS_PORT)))
+    env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
     token = spec.hf_token_secret_ref
     if token is not None:
         env.append({

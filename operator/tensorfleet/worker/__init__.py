@@ -1,0 +1,21 @@
+"""The launcher that runs inside every engine pod (`tensorfleet-worker`).
+
+It reads its role from the env the renderer writes (`tensorfleet.contract`),
+then, per role:
+
+- pipeline 1: runs `vllm serve` (or `tensorfleet sim`) with flags from the env;
+- pipeline > 1, stage 0: starts the Ray head, waits for the whole group to join,
+  then runs `vllm serve ... --distributed-executor-backend ray`;
+- pipeline > 1, stage k > 0: waits for the leader, joins its Ray cluster with
+  `ray start --block`, and exits non-zero when the leader goes away.
+
+It stays PID 1 of the container: it forwards SIGTERM to the engine after the
+in-flight requests drain, reaps orphans, keeps a state file for
+`tensorfleet-worker health` (the exec probe of stages > 0) and serves GPU
+health gauges read with pynvml.
+
+Modules: `role` (env -> Role), `command` (Role -> argv), `raywait` (cluster
+and leader waits), `supervise` (child process, signals, drain), `gpu`
+(NVML sampling and health rules), `metrics` (Prometheus exporter), `state`
+(the state file), `launcher` (the flows), `cli` (the command line).
+"""

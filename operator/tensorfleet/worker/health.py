@@ -1,0 +1,131 @@
+"""`tensorfleet-worker health`: the exec probe of stages > 0, and a command for people.
+
+Checks, in order: the launcher's state (when it runs in this container: it
+must be running its engine or Ray worker, not still waiting), then every GPU
+through NVML (skipped in simulator mode). Exit codes:
+
+  0  healthy (warnings may be printed)
+  1  unhealthy: a threshold crossed, an XID, fewer GPUs than tensor parallel
+     needs, or the launcher not (yet) running its engine
+  2  bad flags
+  3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.worker import gpu as gpus
+from tensorfleet.worker import state as statefile
+from tensorfleet.worker.errors import EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
+from tensorfleet.worker.role import health_settings
+
+GiB = 1024**3
+
+
+@dataclass
+class HealthResult:
+    code: int
+    lines: list[str]
+    document: dict[str, Any]
+
+
+def _launcher_check(state: dict[str, Any] | None, path: str | None) -> tuple[bool | None, str]:
+    """(ok, line). ok None: no launcher state here, nothing to judge."""
+    if state is None:
+        return None, f"launcher: no state at {path} (not running under the launcher here)" if path else "launcher: not checked"
+    phase = str(state.get("phase", "unknown"))
+    since = state.get("since")
+    age = f" for {time.time() - since:.0f}s" if isinstance(since, (int, float)) else ""
+    detail = f": {state['detail']}" if state.get("detail") else ""
+    if not statefile.pid_alive(state.get("pid")):
+        return False, f"launcher: not running (pid {state.get('pid')} is gone; last phase {phase})"
+    if phase == statefile.PHASE_RUNNING:
+        return True, f"launcher: {phase}{age}{detail}"
+    return False, f"launcher: {phase}{age}{detail}"
+
+
+def _gib(value: int | None) -> str:
+    return "?" if value is None else f"{value / GiB:.1f}"
+
+
+def gpu_line(g: gpus.GpuSample, report: gpus.Report) -> str:
+    if g.error:
+        return f"GPU {g.index}  {g.name}  UNREADABLE: {g.error}"
+    parts = [f"GPU {g.index}", g.name, g.uuid]
+    if g.temperature_c is not None:
+        parts.append(f"{g.temperature_c:.0f} C (limit {report.thresholds.temperature_limit(g):.0f} C)")
+    if g.memory_total_bytes:
+        percent = 100.0 * (g.memory_used_bytes or 0) / g.memory_total_bytes
+        parts.append(f"memory {_gib(g.memory_used_bytes)}/{_gib(g.memory_total_bytes)} GiB ({percent:.0f}%)")
+    if g.utilization_percent is not None:
+        parts.append(f"util {g.utilization_percent:.0f}%")
+    if g.power_watts is not None:
+        limit = f"/{g.power_limit_watts:.0f}" if g.power_limit_watts is not None else ""
+        parts.append(f"power {g.power_watts:.0f}{limit} W")
+    parts.append(f"ECC uncorrectable {g.ecc_uncorrectable if g.ecc_uncorrectable is not None else 'n/a'}")
+    parts.append("ok" if report.gpu_healthy(g.index) else "UNHEALTHY")
+    return "  ".join(p for p in parts if p)
+
+
+def check(
+    environ: Mapping[str, str],
+    *,
+    thresholds: gpus.Thresholds,
+    state_path: str | None,
+    min_gpus: int | None = None,
+) -> HealthResult:
+    kind, tensor = health_settings(environ)
+    state = statefile.read_state(state_path)
+    launcher_ok, launcher_line = _launcher_check(state, state_path)
+    lines = [launcher_line]
+    doc: dict[str, Any] = {"engine": kind, "launcher": {"ok": launcher_ok, "state": state}}
+    launcher_bad = launcher_ok is False
+
+    if kind == "simulator":
+        lines.append(f"simulator mode ({contract.ENV_ENGINE_KIND}=simulator): no GPUs to check")
+        healthy = not launcher_bad
+        lines.append("healthy" if healthy else "unhealthy: the launcher is not running its engine")
+        doc["healthy"] = healthy
+        return HealthResult(EXIT_OK if healthy else EXIT_UNHEALTHY, lines, doc)
+
+    wanted = min_gpus if min_gpus is not None else tensor
+    limits = gpus.Thresholds(
+        max_temperature_c=thresholds.max_temperature_c,
+        max_ecc_uncorrectable=thresholds.max_ecc_uncorrectable,
+        max_memory_percent=thresholds.max_memory_percent,
+        min_gpus=wanted,
+        fatal_xids=thresholds.fatal_xids,
+    )
+    try:
+        snapshot = gpus.sample()
+    except gpus.NvmlUnavailable as exc:
+        lines.append(f"cannot check GPU health: {exc}. This container has no NVIDIA driver or no GPU assigned "
+                     f"(engine pods request nvidia.com/gpu; run this where GPUs are visible)")
+        doc.update(healthy=None, nvml=str(exc))
+        return HealthResult(EXIT_NO_NVML, lines, doc)
+
+    report = gpus.evaluate(snapshot, limits, (state or {}).get("xids", []))
+    if snapshot.driver:
+        lines.append(f"driver {snapshot.driver}, {len(snapshot.gpus)} GPU(s) visible")
+    lines += [gpu_line(g, report) for g in snapshot.gpus]
+    problems = [f for f in report.findings if f.level != gpus.OK]
+    # Warnings get their own lines; what makes the pod unhealthy is the last line.
+    lines += [f"{f.level}: {f.message}" for f in problems if f.level == gpus.WARNING]
+    healthy = report.healthy and not launcher_bad
+    need = f"; tensor parallel needs {wanted}" if wanted is not None else ""
+    ok_count = sum(1 for g in snapshot.gpus if report.gpu_healthy(g.index))
+    if healthy:
+        lines.append(f"healthy: {ok_count} of {len(snapshot.gpus)} GPU(s) ok{need}")
+    else:
+        reasons = [f.message for f in problems if f.level == gpus.UNHEALTHY]
+        if launcher_bad:
+            reasons.insert(0, launcher_line)
+        lines.append("unhealthy: " + "; ".join(reasons))
+    doc.update(report.to_json())
+    doc["healthy"] = healthy
+    return HealthResult(EXIT_OK if healthy else EXIT_UNHEALTHY, lines, doc)

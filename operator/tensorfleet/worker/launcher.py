@@ -1,0 +1,209 @@
+"""The launcher's flows, one per role (see the package docstring)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.worker import command, raywait
+from tensorfleet.worker import gpu as gpus
+from tensorfleet.worker import state as statefile
+from tensorfleet.worker.errors import EXIT_LEADER_LOST, EXIT_NOT_FOUND, EXIT_START_FAILED, WorkerError
+from tensorfleet.worker.role import Role
+from tensorfleet.worker.supervise import EngineDrain, Signals, run_child
+
+RAY_START_TIMEOUT_SECONDS = 300.0
+RAY_STOP_TIMEOUT_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class Options:
+    state_path: str | None = contract.WORKER_STATE_PATH
+    cluster_timeout: float = 1800.0     # leader: every stage joined Ray
+    leader_timeout: float = 1800.0      # worker: the leader answers
+    leader_lost_after: float = 30.0     # worker: leader unreachable this long -> restart
+    poll: float = 2.0                   # between checks while waiting
+    log_every: float = 10.0             # between progress lines while waiting
+    watch_interval: float = 5.0         # between leader checks once joined
+    supervise_poll: float = 0.5         # child-process loop
+
+
+class Launcher:
+    def __init__(self, role: Role, environ: Mapping[str, str], options: Options,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.role, self.environ, self.options = role, dict(environ), options
+        self.log = log or self._stderr
+        self.signals = Signals()
+        self.state = statefile.StateFile(options.state_path)
+        self._stop_background = threading.Event()
+        self._metrics_server: Any = None
+
+    def _stderr(self, message: str) -> None:
+        role = self.role
+        sys.stderr.write(f"tensorfleet-worker [{role.name} g{role.group_index} s{role.stage_index}]: {message}\n")
+        sys.stderr.flush()
+
+    # --- entry ---------------------------------------------------------------
+    def run(self) -> int:
+        self.signals.install()
+        self.state.phase(statefile.PHASE_STARTING, self.role.describe())
+        try:
+            self._announce()
+            if not self.role.simulator:
+                self._gpu_side()
+            if self.role.multi_node and not self.role.leader:
+                return self._worker()
+            if self.role.multi_node and not self.role.simulator:
+                return self._leader()
+            return self._engine()
+        except raywait.Stopped:
+            self.log("stop requested before the engine started; exiting")
+            return 0
+        finally:
+            self._stop_background.set()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+            self.state.phase(statefile.PHASE_EXITED)
+            self.signals.restore()
+
+    # --- flows ---------------------------------------------------------------
+    def _engine(self) -> int:
+        argv = command.engine_argv(self.role)
+        self.state.phase(statefile.PHASE_RUNNING, f"engine `{' '.join(argv[:2])}`")
+        return self._serve(argv)
+
+    def _leader(self) -> int:
+        role = self.role
+        self._run_checked(command.ray_head_argv(role))
+        try:
+            self.state.phase(statefile.PHASE_WAITING_CLUSTER,
+                             f"{role.pipeline_parallel_size} nodes, {role.expected_gpus} GPUs")
+            raywait.wait_for_cluster(
+                role, self.environ, stop=self.signals.event, timeout=self.options.cluster_timeout,
+                poll=self.options.poll, log_every=self.options.log_every, log=self.log,
+            )
+            argv = command.engine_argv(role)
+            self.state.phase(statefile.PHASE_RUNNING, f"engine `{' '.join(argv[:2])}` over Ray")
+            return self._serve(argv)
+        finally:
+            self._ray_stop()
+
+    def _worker(self) -> int:
+        role = self.role
+        host, port = role.leader_address or "", role.leader_port
+        self.state.phase(statefile.PHASE_WAITING_LEADER, f"{host}:{port}")
+        addresses = raywait.wait_for_leader(
+            role, stop=self.signals.event, timeout=self.options.leader_timeout,
+            poll=self.options.poll, log_every=self.options.log_every, log=self.log,
+        )
+        argv = command.idle_argv() if role.simulator else command.ray_worker_argv(role)
+        what = "idle stand-in for a Ray worker" if role.simulator else "Ray worker"
+        self.state.phase(statefile.PHASE_RUNNING, f"{what} joined to {host}:{port}")
+        watch = raywait.LeaderWatch(host, port, addresses, lost_after=self.options.leader_lost_after,
+                                    interval=self.options.watch_interval, log=self.log)
+        drain = raywait.LeaderGone(host, port, log=self.log, log_every=self.options.log_every)
+        try:
+            code, reason = run_child(argv, self.environ, signals=self.signals, log=self.log,
+                                     poll=self.options.supervise_poll, drain=drain, watch=watch)
+        finally:
+            if not role.simulator:
+                self._ray_stop()
+        if reason:
+            raise WorkerError(reason, EXIT_LEADER_LOST)
+        if self.signals.stopping:
+            return self._stopped_code(code)
+        raise WorkerError(
+            f"the {what} exited with code {code} while the group was up: the leader restarted or went away; "
+            "exiting so the pod restarts and rejoins",
+            EXIT_LEADER_LOST,
+        )
+
+    def _serve(self, argv: list[str]) -> int:
+        drain = EngineDrain(self.role.engine_port, log=self.log, log_every=self.options.log_every)
+        code, _ = run_child(argv, self.environ, signals=self.signals, log=self.log,
+                            poll=self.options.supervise_poll, drain=drain)
+        if self.signals.stopping:
+            self.state.phase(statefile.PHASE_STOPPING)
+            code = self._stopped_code(code)
+            self.log(f"engine stopped (exit {code})")
+        else:
+            self.log(f"engine exited on its own with code {code}")
+        return code
+
+    # --- helpers -------------------------------------------------------------
+    @staticmethod
+    def _stopped_code(code: int) -> int:
+        # Killed by the SIGTERM we forwarded: a clean stop.
+        return 0 if code == 128 + signal.SIGTERM else code
+
+    def _announce(self) -> None:
+        role = self.role
+        self.log(f"starting: {role.describe()}; model {role.model} served as {role.served_model_name}")
+        if role.kv_cache_tokens is not None:
+            on = f" on {role.accelerator}" if role.accelerator else ""
+            then = ("the simulator sizes its KV cache from it" if role.simulator
+                    else "compare with vLLM's `GPU KV cache size: N tokens` line below")
+            self.log(f"the planner expects {role.kv_cache_tokens:,} KV-cache tokens per replica{on}; {then}")
+
+    def _gpu_side(self) -> None:
+        hf_home = self.environ.get(contract.ENV_HF_HOME)
+        if hf_home:
+            path = Path(hf_home)
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                writable = os.access(path, os.W_OK)
+            except OSError:
+                writable = False
+            if not writable:
+                self.log(f"warning: {contract.ENV_HF_HOME}={hf_home} is not writable by uid {os.getuid()}: "
+                         "downloads will fail; give the pod securityContext.fsGroup so the cache volume is group-writable")
+        try:
+            snapshot = gpus.sample()
+        except gpus.NvmlUnavailable as exc:
+            self.log(f"warning: GPUs cannot be checked: {exc}")
+            snapshot = None
+        if snapshot is not None:
+            self.log(f"{len(snapshot.gpus)} GPU(s) visible: {', '.join(sorted({g.name for g in snapshot.gpus})) or 'none'}")
+            mismatch = gpus.accelerator_mismatch(snapshot, self.role.accelerator)
+            if mismatch:
+                self.log(f"warning: {mismatch}")
+            gpus.XidWatcher(lambda index, xid: self.state.add_xid(index, xid), self._stop_background, log=self.log).start()
+        if self.role.gpu_metrics_port:
+            from tensorfleet.worker import metrics
+
+            collector = metrics.GpuCollector(
+                gpus.Thresholds(min_gpus=self.role.tensor_parallel_size),
+                xids=lambda: self.state.snapshot().get("xids", []),
+            )
+            try:
+                self._metrics_server = metrics.serve(self.role.gpu_metrics_port, collector)
+                self.log(f"GPU metrics on :{self.role.gpu_metrics_port}{contract.METRICS_PATH}")
+            except OSError as exc:
+                self.log(f"warning: GPU metrics not served on :{self.role.gpu_metrics_port}: {exc}")
+
+    def _run_checked(self, argv: list[str]) -> None:
+        self.log(f"running `{' '.join(argv)}`")
+        try:
+            done = subprocess.run(argv, env=self.environ, timeout=RAY_START_TIMEOUT_SECONDS, check=False)
+        except FileNotFoundError:
+            raise WorkerError(f"{argv[0]}: command not found on PATH; the worker image must contain Ray", EXIT_NOT_FOUND) from None
+        except subprocess.TimeoutExpired:
+            raise WorkerError(f"`{' '.join(argv)}` did not finish within {RAY_START_TIMEOUT_SECONDS:.0f}s", EXIT_START_FAILED) from None
+        if done.returncode != 0:
+            raise WorkerError(f"`{' '.join(argv)}` failed with exit code {done.returncode} (its output is above)", EXIT_START_FAILED)
+
+    def _ray_stop(self) -> None:
+        argv = command.ray_stop_argv()
+        try:
+            subprocess.run(argv, env=self.environ, timeout=RAY_STOP_TIMEOUT_SECONDS, check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            pass

@@ -1,0 +1,257 @@
+"""The launcher's role, parsed from the env the renderer writes.
+
+Every variable name comes from `tensorfleet.contract`; `ENV_FIELDS` is the
+complete list of what the launcher reads, and a test checks it against what
+the renderer sets, both ways. Values are checked here, so a bad value stops
+the pod with one line naming the variable instead of a vLLM traceback later.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tensorfleet import contract
+from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
+
+# env var -> Role field. Everything the launcher reads from its env.
+ENV_FIELDS: dict[str, str] = {
+    contract.ENV_ENGINE_KIND: "engine_kind",
+    contract.ENV_INFERENCE_SERVICE: "inference_service",
+    contract.ENV_NAMESPACE: "namespace",
+    contract.ENV_POD_NAME: "pod_name",
+    contract.ENV_GROUP_INDEX: "group_index",
+    contract.ENV_STAGE_INDEX: "stage_index",
+    contract.ENV_LEADER_ADDRESS: "leader_address",
+    contract.ENV_RAY_PORT: "ray_port",
+    contract.ENV_ENGINE_PORT: "engine_port",
+    contract.ENV_TENSOR_PARALLEL: "tensor_parallel_size",
+    contract.ENV_PIPELINE_PARALLEL: "pipeline_parallel_size",
+    contract.ENV_MODEL: "model",
+    contract.ENV_SERVED_MODEL_NAME: "served_model_name",
+    contract.ENV_MODEL_REVISION: "model_revision",
+    contract.ENV_DTYPE: "dtype",
+    contract.ENV_QUANTIZATION: "quantization",
+    contract.ENV_KV_CACHE_DTYPE: "kv_cache_dtype",
+    contract.ENV_MAX_MODEL_LEN: "max_model_len",
+    contract.ENV_GPU_MEMORY_UTILIZATION: "gpu_memory_utilization",
+    contract.ENV_MAX_NUM_SEQS: "max_num_seqs",
+    contract.ENV_EXTRA_ARGS: "extra_args",
+    contract.ENV_ACCELERATOR: "accelerator",
+    contract.ENV_KV_CACHE_TOKENS: "kv_cache_tokens",
+    contract.ENV_GPU_METRICS_PORT: "gpu_metrics_port",
+}
+FIELD_ENV = {field: env for env, field in ENV_FIELDS.items()}
+
+# Where each value comes from, for error messages.
+_SOURCE: dict[str, str] = {
+    contract.ENV_TENSOR_PARALLEL: "spec.parallelism.tensor",
+    contract.ENV_PIPELINE_PARALLEL: "spec.parallelism.pipeline",
+    contract.ENV_MODEL: "spec.model.name",
+    contract.ENV_SERVED_MODEL_NAME: "spec.model.servedName",
+    contract.ENV_MAX_MODEL_LEN: "spec.model.maxModelLen",
+    contract.ENV_GPU_MEMORY_UTILIZATION: "spec.engine.gpuMemoryUtilization",
+    contract.ENV_MAX_NUM_SEQS: "spec.engine.maxNumSeqs",
+    contract.ENV_EXTRA_ARGS: "spec.engine.args",
+    contract.ENV_ENGINE_KIND: "spec.engine.kind",
+}
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+_ORDINAL = re.compile(r"-(\d+)$")
+
+
+class Role(BaseModel):
+    """What this pod runs: its place in the group and the engine's settings."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine_kind: Literal["vllm", "simulator"] = "vllm"
+    inference_service: str | None = None
+    namespace: str | None = None
+    pod_name: str | None = None
+    group_index: int = Field(default=0, ge=0)
+    stage_index: int = Field(default=0, ge=0)
+    leader_address: str | None = None
+    ray_port: int = Field(default=contract.RAY_PORT, ge=1, le=65535)
+    engine_port: int = Field(default=contract.ENGINE_PORT, ge=1, le=65535)
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    model: str = Field(min_length=1)
+    served_model_name: str = Field(min_length=1)
+    model_revision: str | None = None
+    dtype: str | None = None
+    quantization: str | None = None
+    kv_cache_dtype: str | None = None
+    max_model_len: int | None = Field(default=None, ge=1)
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    extra_args: tuple[str, ...] = ()
+    accelerator: str | None = None
+    kv_cache_tokens: int | None = Field(default=None, ge=0)
+    gpu_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+
+    @property
+    def simulator(self) -> bool:
+        return self.engine_kind == "simulator"
+
+    @property
+    def multi_node(self) -> bool:
+        return self.pipeline_parallel_size > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def name(self) -> str:
+        """leader / worker, as the pods are labelled."""
+        return contract.ROLE_LEADER if self.leader else contract.ROLE_WORKER
+
+    @property
+    def expected_gpus(self) -> int:
+        """GPUs the whole group holds: tensor x pipeline."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def leader_port(self) -> int:
+        """The leader's port a worker joins and watches: Ray's GCS, or the simulator's HTTP port."""
+        return self.engine_port if self.simulator else self.ray_port
+
+    def describe(self) -> str:
+        where = f"{self.name}, group {self.group_index}, stage {self.stage_index} of {self.pipeline_parallel_size}"
+        return f"{where}, tensor {self.tensor_parallel_size}, engine {self.engine_kind}"
+
+
+def _get(environ: Mapping[str, str], name: str) -> str | None:
+    value = environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def expand_references(value: str, environ: Mapping[str, str], overrides: Mapping[str, str] | None = None) -> str:
+    """Expand `$(VAR)` as the kubelet does (for env copied from a pod spec and run by hand)."""
+    overrides = overrides or {}
+
+    def sub(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name in overrides:
+            return overrides[name]
+        found = environ.get(name)
+        return found if found is not None else match.group(0)
+
+    return _VAR_REF.sub(sub, value.replace("$$", "\0")).replace("\0", "$")
+
+
+def _extra_args(raw: str | None) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise WorkerError(
+            f"{contract.ENV_EXTRA_ARGS}={raw!r}: must be a JSON list of strings, one flag or value per item "
+            f"(e.g. [\"--enable-prefix-caching\"]); the operator writes it from spec.engine.args",
+            EXIT_CONFIG,
+        )
+    return tuple(value)
+
+
+def _group_index(environ: Mapping[str, str], pod_name: str | None) -> tuple[str | None, bool]:
+    """(group index, derived-from-pod-name)."""
+    raw = _get(environ, contract.ENV_GROUP_INDEX)
+    if raw is not None:
+        return raw, False
+    # Kubernetes < 1.28 has no pod-index label, so the fieldRef yields "":
+    # a StatefulSet pod's name ends with its ordinal, which is the same number.
+    if pod_name and (match := _ORDINAL.search(pod_name)):
+        return match.group(1), True
+    return None, False
+
+
+def _leader_address(raw: str | None, environ: Mapping[str, str], group: str | None, isvc: str | None, derived: bool) -> str | None:
+    if raw is None:
+        return None
+    overrides = {contract.ENV_GROUP_INDEX: group} if group is not None else {}
+    address = expand_references(raw, environ, overrides)
+    if derived and isvc and group is not None:
+        # The kubelet expanded an empty pod-index label: `NAME-stage-0-.NAME-workers...`.
+        broken = f"{contract.stage_name(isvc, 0)}-."
+        if address.startswith(broken):
+            address = f"{contract.stage_name(isvc, 0)}-{group}.{address[len(broken):]}"
+    return address
+
+
+def role_from_env(environ: Mapping[str, str]) -> Role:
+    """Parse and check the launcher's env; raise WorkerError naming the variable."""
+    raw = {field: _get(environ, env) for env, field in ENV_FIELDS.items()}
+    if raw["model"] is None:
+        raise WorkerError(
+            f"{contract.ENV_MODEL} is not set: the operator sets it from spec.model.name; "
+            "to run the launcher by hand, set it to a Hugging Face model id or a path",
+        )
+    group, derived = _group_index(environ, raw["pod_name"])
+    raw["group_index"] = group
+    if environ.get(contract.ENV_GROUP_INDEX) is not None and group is None:
+        raise WorkerError(
+            f"{contract.ENV_GROUP_INDEX} is empty and {contract.ENV_POD_NAME} has no ordinal: the pod lacks the "
+            f"{contract.LABEL_POD_INDEX} label (Kubernetes >= 1.28 sets it on StatefulSet pods)",
+        )
+    raw["leader_address"] = _leader_address(raw["leader_address"], environ, group, raw["inference_service"], derived)
+    raw["extra_args"] = _extra_args(raw["extra_args"])
+    raw["served_model_name"] = raw["served_model_name"] or raw["model"]
+    values = {field: value for field, value in raw.items() if value is not None}
+    try:
+        role = Role.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = str(error["loc"][0]) if error["loc"] else ""
+        env = FIELD_ENV.get(field, field)
+        source = f" (the operator sets it from {_SOURCE[env]})" if env in _SOURCE else ""
+        given = environ.get(env)
+        raise WorkerError(f"{env}={given!r}: {error['msg'].lower()}{source}") from None
+    if role.stage_index >= role.pipeline_parallel_size:
+        raise WorkerError(
+            f"{contract.ENV_STAGE_INDEX}={role.stage_index}: must be below "
+            f"{contract.ENV_PIPELINE_PARALLEL}={role.pipeline_parallel_size}",
+        )
+    if role.multi_node and not role.leader_address:
+        raise WorkerError(
+            f"{contract.ENV_LEADER_ADDRESS} is not set: pipeline {role.pipeline_parallel_size} needs the "
+            "group leader's DNS name (the operator sets it from the NAME-workers Service)",
+        )
+    if role.leader_address and "$(" in role.leader_address:
+        raise WorkerError(
+            f"{contract.ENV_LEADER_ADDRESS}={role.leader_address!r}: holds an unexpanded $(VAR) reference; "
+            f"set the variables it names ({', '.join(_VAR_REF.findall(role.leader_address))})",
+        )
+    return role
+
+
+def health_settings(environ: Mapping[str, str]) -> tuple[str, int | None]:
+    """(engine kind, tensor size) for `health`, leniently: it also runs by hand on any GPU box."""
+    kind = _get(environ, contract.ENV_ENGINE_KIND) or "vllm"
+    tensor_raw = _get(environ, contract.ENV_TENSOR_PARALLEL)
+    tensor = int(tensor_raw) if tensor_raw and tensor_raw.isdigit() and int(tensor_raw) > 0 else None
+    return kind, tensor
+
+
+def worker_hosts(role: Role) -> list[tuple[int, str]]:
+    """(stage, DNS name) of the other stages' pods in this group, derived like the leader's name."""
+    if not role.inference_service:
+        return []
+    leader_host = f"{contract.stage_name(role.inference_service, 0)}-{role.group_index}"
+    rest = ""
+    if role.leader_address and role.leader_address.startswith(leader_host + "."):
+        rest = role.leader_address[len(leader_host):]
+    return [
+        (stage, f"{contract.stage_name(role.inference_service, stage)}-{role.group_index}{rest}")
+        for stage in range(1, role.pipeline_parallel_size)
+    ]

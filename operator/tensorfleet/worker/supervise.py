@@ -1,0 +1,194 @@
+"""Running the engine as a child of the launcher, which stays PID 1.
+
+Why not exec: the launcher must (1) hold SIGTERM until in-flight requests have
+drained, since vLLM aborts them on SIGTERM unless told otherwise, (2) reap the
+Ray daemons that `ray start` leaves behind as orphans, and (3) watch the leader
+from a worker. Signals: the first SIGTERM/SIGINT starts the drain and then
+forwards SIGTERM; a second forwards SIGTERM at once; a third sends SIGKILL.
+The pod's termination grace period bounds the whole sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from types import FrameType
+
+from tensorfleet import contract
+from tensorfleet.worker.errors import EXIT_NOT_FOUND, WorkerError
+
+Log = Callable[[str], None]
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Signals:
+    """Counts stop signals; `event` wakes every wait in the launcher."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.count = 0
+        self.last: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> Signals:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        self.last = signum
+        self.event.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self.count > 0
+
+
+def exit_code(status: int) -> int:
+    """A wait status as a shell reports it: the exit code, or 128 + the signal number."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+def spawn(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    try:
+        # Its own session: a terminal's Ctrl-C reaches the launcher only,
+        # which decides when the engine gets it.
+        return subprocess.Popen(list(argv), env=dict(env), start_new_session=True)
+    except FileNotFoundError:
+        raise WorkerError(f"{argv[0]}: command not found on PATH (needed to run `{' '.join(argv[:2])}`)", EXIT_NOT_FOUND) from None
+    except PermissionError:
+        raise WorkerError(f"{argv[0]}: not executable", EXIT_NOT_FOUND) from None
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> int | None:
+    """Exit code of `proc` if it has exited; as PID 1 also reap every orphan."""
+    if os.getpid() == 1:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            if pid == proc.pid:
+                proc.returncode = exit_code(status)
+        return proc.returncode
+    try:
+        pid, status = os.waitpid(proc.pid, os.WNOHANG)
+    except ChildProcessError:
+        return proc.returncode if proc.returncode is not None else 0
+    if pid == proc.pid:
+        proc.returncode = exit_code(status)
+    return proc.returncode
+
+
+def _send(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def run_child(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    signals: Signals,
+    log: Log,
+    poll: float = 0.5,
+    drain: Callable[[], bool] | None = None,
+    watch: Callable[[], str | None] | None = None,
+) -> tuple[int, str | None]:
+    """Run argv until it exits; return (exit code, the watch's reason if it stopped the child)."""
+    proc = spawn(argv, env)
+    log(f"started `{' '.join(argv[:3])}` (pid {proc.pid})")
+    forwarded = 0   # signals forwarded: 0 none, 1 SIGTERM, 2 SIGKILL
+    reason: str | None = None
+    while True:
+        code = _reap(proc)
+        if code is not None:
+            return code, reason
+        if signals.count >= 3 and forwarded < 2:
+            log("third stop signal: killing the engine")
+            _send(proc, signal.SIGKILL)
+            forwarded = 2
+        elif signals.count >= 1 and forwarded < 1:
+            if signals.count >= 2 or drain is None or drain():
+                log(f"forwarding SIGTERM to `{argv[0]}` (pid {proc.pid})")
+                _send(proc, signal.SIGTERM)
+                forwarded = 1
+        elif not signals.stopping and watch is not None and reason is None:
+            reason = watch()
+            if reason:
+                log(f"stopping `{argv[0]}` (pid {proc.pid}): the leader is gone")
+                _send(proc, signal.SIGTERM)
+                forwarded = 1
+        signals.event.wait(poll)
+        if signals.stopping:
+            # Keep the event set only while a new signal is unhandled.
+            signals.event.clear()
+
+
+def in_flight(port: int, timeout: float = 2.0) -> int | None:
+    """Requests running + waiting in the engine, from its /metrics; None if it does not answer."""
+    url = f"http://127.0.0.1:{port}{contract.METRICS_PATH}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback http)
+            text = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    total = 0.0
+    names = (contract.VLLM_METRIC_RUNNING, contract.VLLM_METRIC_WAITING)
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                total += float(line.rsplit(" ", 1)[-1])
+            except ValueError:
+                continue
+    return int(total)
+
+
+class EngineDrain:
+    """Drain rule for the serving stage: SIGTERM only once no request is in flight.
+
+    The pod is already out of its Services' ready endpoints while terminating,
+    so the router sends nothing new; requests in flight finish first. If the
+    engine's /metrics does not answer (still loading, or gone) there is
+    nothing to wait for.
+    """
+
+    def __init__(self, port: int, *, log: Log, log_every: float, probe: Callable[[int], int | None] = in_flight) -> None:
+        self.port, self.log, self.log_every, self.probe = port, log, log_every, probe
+        self.started: float | None = None
+        self.last_log: float | None = None
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        count = self.probe(self.port)
+        if count is None or count <= 0:
+            waited = f" after {now - self.started:.0f}s" if now - self.started >= 1 else ""
+            self.log(f"no request in flight{waited}; stopping the engine")
+            return True
+        if self.last_log is None or now - self.last_log >= self.log_every:
+            self.log(f"draining: {count} request(s) in flight; the engine stops when they finish "
+                     "(the pod's termination grace period bounds the wait; signal again to stop now)")
+            self.last_log = now
+        return False

@@ -1,0 +1,384 @@
+"""`tensorfleet-worker health` and the GPU gauges, against a fake NVML.
+
+The fake replaces pynvml's functions one by one (the real nvidia-ml-py module
+stays: its error classes and constants are the real ones), so the code under
+test makes the same calls it makes on a GPU node. The no-NVML case uses the
+real pynvml on this machine, which has no driver.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tensorfleet import contract
+from tensorfleet.worker import cli, metrics
+from tensorfleet.worker import gpu as gpus
+from tensorfleet.worker import state as statefile
+from tensorfleet.worker.errors import EXIT_CONFIG, EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
+from worker_helpers import free_port
+
+GiB = 1024**3
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@dataclass
+class FakeGpu:
+    name: str = H100
+    temperature: int = 45
+    slowdown: int | None = 87
+    used: int = 70 * GiB
+    total: int = 80 * GiB
+    util: int = 93
+    power_mw: int = 350_000
+    limit_mw: int = 700_000
+    ecc: int | None = 0                 # None: ECC not supported
+    retired_pending: bool = False
+    remap: tuple[int, int, int, int] | None = (0, 0, 0, 0)
+    lost: bool = False
+
+
+class _Mem:
+    def __init__(self, used: int, total: int) -> None:
+        self.used, self.total, self.free = used, total, total - used
+
+
+class _Util:
+    def __init__(self, gpu: int) -> None:
+        self.gpu, self.memory = gpu, 10
+
+
+def _err(code: int) -> pynvml.NVMLError:
+    return pynvml.NVMLError(code)
+
+
+def install_fake_nvml(monkeypatch: pytest.MonkeyPatch, devices: list[FakeGpu], *, xids: list[tuple[int, int]] | None = None) -> dict[str, int]:
+    calls = {"init": 0, "shutdown": 0}
+
+    def dev(handle: int) -> FakeGpu:
+        gpu = devices[handle]
+        if gpu.lost:
+            raise _err(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    def init() -> None:
+        calls["init"] += 1
+
+    def shutdown() -> None:
+        calls["shutdown"] += 1
+
+    def ecc(handle: int, error_type: int, counter: int) -> int:
+        assert (error_type, counter) == (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC)
+        value = dev(handle).ecc
+        if value is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return value
+
+    def remap(handle: int) -> tuple[int, int, int, int]:
+        value = dev(handle).remap
+        if value is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return value
+
+    def threshold(handle: int, kind: int) -> int:
+        assert kind == pynvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN
+        value = dev(handle).slowdown
+        if value is None:
+            raise _err(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return value
+
+    pending = list(xids or [])
+
+    class _Event:
+        def __init__(self, device: int, data: int) -> None:
+            self.device, self.eventData = device, data
+
+    def wait(_events: object, _timeout_ms: int) -> _Event:
+        if pending:
+            device, xid = pending.pop(0)
+            return _Event(device, xid)
+        raise _err(pynvml.NVML_ERROR_TIMEOUT)
+
+    fakes: dict[str, Any] = {
+        "nvmlInit": init,
+        "nvmlShutdown": shutdown,
+        "nvmlSystemGetDriverVersion": lambda: "570.124.06",
+        "nvmlDeviceGetCount": lambda: len(devices),
+        "nvmlDeviceGetHandleByIndex": lambda i: i,
+        "nvmlDeviceGetIndex": lambda h: h,
+        "nvmlDeviceGetName": lambda h: dev(h).name,
+        "nvmlDeviceGetUUID": lambda h: f"GPU-0000000{h}-fake",
+        "nvmlDeviceGetTemperature": lambda h, sensor: dev(h).temperature,
+        "nvmlDeviceGetTemperatureThreshold": threshold,
+        "nvmlDeviceGetMemoryInfo": lambda h: _Mem(dev(h).used, dev(h).total),
+        "nvmlDeviceGetUtilizationRates": lambda h: _Util(dev(h).util),
+        "nvmlDeviceGetPowerUsage": lambda h: dev(h).power_mw,
+        "nvmlDeviceGetEnforcedPowerLimit": lambda h: dev(h).limit_mw,
+        "nvmlDeviceGetTotalEccErrors": ecc,
+        "nvmlDeviceGetRetiredPagesPendingStatus": lambda h: int(dev(h).retired_pending),
+        "nvmlDeviceGetRemappedRows": remap,
+        "nvmlEventSetCreate": lambda: object(),
+        "nvmlDeviceRegisterEvents": lambda h, kinds, events: None,
+        "nvmlEventSetWait": wait,
+    }
+    for name, fn in fakes.items():
+        assert hasattr(pynvml, name), name    # only patch functions the real module has
+        monkeypatch.setattr(pynvml, name, fn)
+    return calls
+
+
+@pytest.fixture
+def run_health(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(contract.ENV_TENSOR_PARALLEL, "2")
+    monkeypatch.setenv(contract.ENV_ENGINE_KIND, "vllm")
+
+    def run(*args: str) -> tuple[int, str, str]:
+        code = cli.main(["health", "--state-file", str(tmp_path / "absent.json"), *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_healthy(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    calls = install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(temperature=51)])
+    code, out, err = run_health()
+    assert code == EXIT_OK, out
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[-1] == "healthy: 2 of 2 GPU(s) ok; tensor parallel needs 2"
+    assert "driver 570.124.06, 2 GPU(s) visible" in out
+    assert (f"GPU 0  {H100}  GPU-00000000-fake  45 C (limit 87 C)  memory 70.0/80.0 GiB (88%)  util 93%  "
+            "power 350/700 W  ECC uncorrectable 0  ok") in lines
+    assert calls["init"] == calls["shutdown"] == 1
+
+
+def test_hot_gpu(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(temperature=91)])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY
+    assert out.splitlines()[-1] == "unhealthy: GPU 1 is hot: 91 C >= 87 C"
+    # The threshold is configurable.
+    code, out, _ = run_health("--max-temperature", "95")
+    assert code == EXIT_OK
+    code, out, _ = run_health("--max-temperature", "40")
+    assert code == EXIT_UNHEALTHY
+    assert out.splitlines()[-1] == "unhealthy: GPU 0 is hot: 45 C >= 40 C; GPU 1 is hot: 91 C >= 40 C"
+
+
+def test_temperature_limit_falls_back_when_nvml_has_none(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(slowdown=None, temperature=86), FakeGpu(slowdown=None)])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY and f"GPU 0 is hot: 86 C >= {gpus.FALLBACK_MAX_TEMPERATURE_C:.0f} C" in out
+
+
+def test_ecc_errors(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(ecc=3), FakeGpu(ecc=None)])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY
+    assert "GPU 0 has 3 uncorrectable ECC error(s) since the driver loaded (more than 0)" in out
+    # ECC unsupported on GPU 1 is unknown, not a failure.
+    assert "ECC uncorrectable n/a  ok" in out
+    code, _, _ = run_health("--max-ecc-uncorrectable", "5")
+    assert code == EXIT_OK
+
+
+def test_row_remap_and_retired_pages(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(remap=(0, 1, 1, 0), retired_pending=True), FakeGpu(remap=None)])
+    code, out, _ = run_health()
+    assert code == EXIT_OK    # pending until reset: warnings
+    assert "warning: GPU 0: a row remap is pending until the GPU is reset" in out
+    assert "warning: GPU 0: retired pages pending until the GPU is reset" in out
+    install_fake_nvml(monkeypatch, [FakeGpu(remap=(0, 1, 0, 1)), FakeGpu()])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY and "GPU 0: row remapping failed" in out
+
+
+def test_missing_gpu(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu()])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY
+    assert out.splitlines()[-1].startswith("unhealthy: 1 GPU(s) visible but tensor parallel needs 2")
+    code, _, _ = run_health("--min-gpus", "1")
+    assert code == EXIT_OK
+
+
+def test_lost_gpu(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(lost=True)])
+    code, out, _ = run_health()
+    assert code == EXIT_UNHEALTHY
+    assert "GPU 1 cannot be read: GPU is lost" in out
+
+
+def test_memory_threshold_is_opt_in(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(used=79 * GiB), FakeGpu()])
+    assert run_health()[0] == EXIT_OK
+    code, out, _ = run_health("--max-memory-percent", "95")
+    assert code == EXIT_UNHEALTHY and "GPU 0 memory 99% used > 95%" in out
+
+
+def test_json_output(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(temperature=99)])
+    code, out, _ = run_health("--json")
+    doc = json.loads(out)
+    assert code == EXIT_UNHEALTHY and doc["healthy"] is False
+    assert [g["healthy"] for g in doc["gpus"]] == [True, False]
+    assert doc["gpus"][1]["temperature_c"] == 99 and doc["gpus"][1]["temperatureLimitC"] == 87
+
+
+def test_no_nvml(run_health: Any) -> None:
+    """This machine has no NVIDIA driver: the real pynvml cannot load libnvidia-ml."""
+    code, out, err = run_health()
+    assert code == EXIT_NO_NVML
+    assert "Traceback" not in out + err
+    assert "cannot check GPU health: NVML did not start (NVML Shared Library Not Found)" in out
+    assert "no NVIDIA driver or no GPU assigned" in out
+
+
+def test_no_pynvml_module(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    code, out, _ = run_health()
+    assert code == EXIT_NO_NVML and "the pynvml module is not installed" in out
+
+
+def test_simulator_mode_needs_no_nvml(monkeypatch: pytest.MonkeyPatch, run_health: Any) -> None:
+    monkeypatch.setenv(contract.ENV_ENGINE_KIND, "simulator")
+    code, out, _ = run_health()
+    assert code == EXIT_OK
+    assert "simulator mode" in out and out.splitlines()[-1] == "healthy"
+
+
+def test_launcher_state_gates_health(monkeypatch: pytest.MonkeyPatch, run_health: Any, tmp_path: Path) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu()])
+    path = tmp_path / "state.json"
+    state = statefile.StateFile(path)
+    state.phase(statefile.PHASE_WAITING_LEADER, "leader.svc:6379")
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_UNHEALTHY
+    assert out.splitlines()[0].startswith("launcher: waiting-for-leader for ")
+    state.phase(statefile.PHASE_RUNNING, "Ray worker joined")
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_OK and out.startswith("launcher: running")
+    # A fatal XID the launcher saw makes the GPU unhealthy; a harmless one is a warning.
+    state.add_xid(1, 31)
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_OK and "warning: GPU 1 reported XID 31" in out
+    state.add_xid(1, 79)
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_UNHEALTHY and "GPU 1 reported XID 79 (fatal" in out
+    code, out, _ = run_health("--state-file", str(path), "--fatal-xids", "48")
+    assert code == EXIT_OK
+    # A launcher that died leaves a stale file: unhealthy.
+    data = json.loads(path.read_text())
+    data["pid"] = 2**22 + 12345
+    path.write_text(json.dumps(data))
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_UNHEALTHY and "launcher: not running" in out
+
+
+def test_bad_health_flag(run_health: Any) -> None:
+    with pytest.raises(SystemExit) as caught:
+        run_health("--fatal-xids", "79,oops")
+    assert caught.value.code == EXIT_CONFIG
+
+
+def test_xid_watcher_records_events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu()], xids=[(1, 79), (0, 13)])
+    state = statefile.StateFile(tmp_path / "s.json")
+    stop = threading.Event()
+    logs: list[str] = []
+    seen: list[tuple[int, int]] = []
+
+    def on_xid(gpu: int, xid: int) -> None:
+        seen.append((gpu, xid))
+        state.add_xid(gpu, xid)
+        if len(seen) == 2:
+            stop.set()
+
+    watcher = gpus.XidWatcher(on_xid, stop, log=logs.append, timeout_ms=10)
+    watcher.start()
+    watcher.join(timeout=10)
+    assert not watcher.is_alive()
+    assert seen == [(1, 79), (0, 13)]
+    assert [(x["gpu"], x["xid"]) for x in statefile.read_state(tmp_path / "s.json")["xids"]] == seen
+    assert "GPU 1 reported XID 79" in logs
+
+
+# --- Prometheus gauges -----------------------------------------------------------
+
+def _families(text: str) -> dict[str, Any]:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_metrics_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(temperature=92, ecc=2)])
+    collector = metrics.GpuCollector(gpus.Thresholds(min_gpus=2), xids=lambda: [{"gpu": 1, "xid": 79}, {"gpu": 1, "xid": 79}])
+    fams = _families(metrics.exposition(collector))
+
+    def value(name: str, gpu: str | None = None) -> float:
+        samples = [s for s in fams[name].samples if gpu is None or s.labels.get("gpu") == gpu]
+        assert len(samples) == 1, (name, gpu, fams[name].samples)
+        return samples[0].value
+
+    assert value(contract.GPU_METRIC_NVML_UP) == 1
+    assert value(contract.GPU_METRIC_VISIBLE) == 2 and value(contract.GPU_METRIC_EXPECTED) == 2
+    assert value(contract.GPU_METRIC_ALL_HEALTHY) == 0
+    assert value(contract.GPU_METRIC_HEALTHY, "0") == 1 and value(contract.GPU_METRIC_HEALTHY, "1") == 0
+    assert value(contract.GPU_METRIC_TEMPERATURE, "1") == 92
+    assert value(contract.GPU_METRIC_TEMPERATURE_LIMIT, "1") == 87
+    assert value(contract.GPU_METRIC_MEMORY_USED, "0") == 70 * GiB
+    assert value(contract.GPU_METRIC_MEMORY_TOTAL, "0") == 80 * GiB
+    assert value(contract.GPU_METRIC_UTILIZATION, "0") == pytest.approx(0.93)
+    assert value(contract.GPU_METRIC_POWER, "0") == 350 and value(contract.GPU_METRIC_POWER_LIMIT, "0") == 700
+    assert value(contract.GPU_METRIC_ECC_UNCORRECTABLE, "1") == 2
+    assert value(contract.GPU_METRIC_ROW_REMAP_FAILURE, "0") == 0
+    xid = [s for s in fams[contract.GPU_METRIC_XID_ERRORS].samples if s.name.endswith("_total")]
+    assert [(s.labels, s.value) for s in xid] == [({"gpu": "1", "xid": "79"}, 2)]
+    labels = fams[contract.GPU_METRIC_TEMPERATURE].samples[0].labels
+    assert labels == {"gpu": "0", "uuid": "GPU-00000000-fake", "device": H100}
+
+
+def test_metrics_without_nvml() -> None:
+    fams = _families(metrics.exposition(metrics.GpuCollector(gpus.Thresholds(min_gpus=8))))
+    assert fams[contract.GPU_METRIC_NVML_UP].samples[0].value == 0
+    assert fams[contract.GPU_METRIC_EXPECTED].samples[0].value == 8
+    assert contract.GPU_METRIC_TEMPERATURE not in fams
+
+
+def test_metrics_served_over_http(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu()])
+    port = free_port()
+    server = metrics.serve(port, metrics.GpuCollector(gpus.Thresholds(min_gpus=1)), addr="127.0.0.1")
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{contract.METRICS_PATH}", timeout=5) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+    fams = _families(text)
+    assert fams[contract.GPU_METRIC_ALL_HEALTHY].samples[0].value == 1
+    assert fams[contract.GPU_METRIC_TEMPERATURE].samples[0].value == 45
+
+
+def test_metrics_command_prints_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu()])
+    monkeypatch.setenv(contract.ENV_TENSOR_PARALLEL, "1")
+    assert cli.main(["metrics"]) == 0
+    fams = _families(capsys.readouterr().out)
+    assert fams[contract.GPU_METRIC_ALL_HEALTHY].samples[0].value == 1
+
+
+def test_accelerator_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu(name="NVIDIA A100-SXM4-80GB")])
+    snapshot = gpus.sample()
+    assert gpus.accelerator_mismatch(snapshot, "A100-80GB") is None
+    message = gpus.accelerator_mismatch(snapshot, "H100-80GB")
+    assert message and "plan was made for H100-80GB" in message and "NVIDIA A100-SXM4-80GB" in message
