@@ -19,10 +19,13 @@ each gap is filled here, each as the Kubernetes API documents it:
 - DELETE honours `preconditions.uid` (409 on mismatch) and garbage-collects
   dependents by ownerReferences (Background/Foreground: deleted;
   Orphan: their ownerReference is removed);
-- LIST honours equality-based `labelSelector`s.
+- LIST and WATCH honour equality-based `labelSelector`s;
+- `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces
+  that objects live in, as kopf expects when it watches chosen namespaces.
 
-It also injects faults on a share of writes (HTTP 500, 409, and timeouts
-after which the write may or may not have happened), deterministic per seed.
+It also injects faults on a share of one client's writes (HTTP 500, 409,
+and timeouts after which the write may or may not have happened),
+deterministic per seed.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import json
 import random
 import uuid
 from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp.web
@@ -67,6 +71,7 @@ class Faults:
     kinds: tuple[str, ...] = ("500", "409", "timeout")
     hang_seconds: float = 3.0
     plurals: frozenset[str] | None = None  # None: every resource
+    user_agent: str = "tensorfleet-operator"  # only this client's writes fail
     injected: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -219,6 +224,29 @@ class ClusterEmulator(KubernetesEmulator):
     def _response(obj: dict[str, Any], status: int = 200) -> aiohttp.web.Response:
         return aiohttp.web.json_response(obj, status=status)
 
+    # --- namespaces ------------------------------------------------------------------
+
+    async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        if raw_request.path.rstrip("/") == "/api/v1/namespaces":
+            return await self._namespaces(raw_request)
+        return await super().__call__(raw_request)
+
+    async def _namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        names = sorted({ns for (_, ns, _), obj in self._objects.items() if ns and not obj.deleted} | {"default"})
+        items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n, "resourceVersion": "1"}}
+                 for n in names]
+        if raw_request.query.get("watch") != "true":
+            return aiohttp.web.json_response({"apiVersion": "v1", "kind": "NamespaceList",
+                                              "metadata": {"resourceVersion": "1"}, "items": items})
+        response = aiohttp.web.StreamResponse()
+        await response.prepare(raw_request)
+        for item in items:
+            await response.write(json.dumps({"type": "ADDED", "object": item}).encode() + b"\n")
+        # New namespaces are not emulated; hold the stream until the client leaves.
+        while raw_request.transport is not None and not raw_request.transport.is_closing():
+            await asyncio.sleep(0.2)
+        return response
+
     # --- dispatch ---------------------------------------------------------------------
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
@@ -226,7 +254,8 @@ class ClusterEmulator(KubernetesEmulator):
             return await super()._handle(request)
         method = str(request.method.value).upper()
         outcome = None
-        if self.faults is not None and method in WRITE_METHODS:
+        agent = request.headers.get("User-Agent", "")
+        if self.faults is not None and method in WRITE_METHODS and agent.startswith(self.faults.user_agent):
             outcome = self.faults.pick(request.resource.plural)
             if outcome == "500":
                 raise KubernetesError(status=500, reason="InternalError", message="injected fault")
@@ -417,6 +446,15 @@ class ClusterEmulator(KubernetesEmulator):
                                if _matches(item.get("metadata", {}).get("labels") or {}, selector)]
         result["items"] = copy.deepcopy(result["items"])
         return result
+
+    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+        selector = request.params.get("labelSelector")
+        async for event in super()._serve_watch(request):
+            if selector and isinstance(event, dict):
+                labels = (event.get("object") or {}).get("metadata", {}).get("labels") or {}
+                if not _matches(labels, selector):
+                    continue
+            yield event
 
 
 def revision_of(template: dict[str, Any]) -> str:

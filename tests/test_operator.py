@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -9,7 +10,10 @@ import pytest
 
 from conftest import isvc_doc
 from fake_workloads import FakeWorkloads
+from kube_emulator import Faults
 from operator_harness import cluster, eventually, running_operator
+from tensorfleet.controller.kube import Connection
+from tensorfleet.controller.operator import Operator, OperatorConfig
 from tensorfleet import contract
 
 pytestmark = pytest.mark.asyncio
@@ -26,7 +30,7 @@ def sim_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 async def test_create_makes_every_child_owned_and_reports_status() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(sim_doc())
         uid = c.isvc("demo")["metadata"]["uid"]
         expected = {
@@ -56,7 +60,7 @@ async def test_create_makes_every_child_owned_and_reports_status() -> None:
 
 
 async def test_update_rolls_into_children() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(sim_doc())
         await eventually(lambda: c.get(*STS, "demo-stage-0"))
         await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2", "args": ["--foo"]},
@@ -75,7 +79,7 @@ async def test_update_rolls_into_children() -> None:
 
 
 async def test_scale_subresource_drives_every_stage() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
         await eventually(lambda: c.get(*STS, "demo-stage-1"))
         scale = await c.scale("demo", 3)
@@ -86,7 +90,7 @@ async def test_scale_subresource_drives_every_stage() -> None:
 
 
 async def test_hpa_owns_replicas_and_is_never_fought() -> None:
-    async with cluster() as c, running_operator(c) as op, FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c) as op:
         doc = sim_doc(autoscaling={"minReplicas": 1, "maxReplicas": 5})
         del doc["spec"]["replicas"]
         await c.create(doc)
@@ -133,6 +137,14 @@ async def _converged(c: Any, name: str = "demo") -> None:
     await eventually(done, message=f"{name} converged")
 
 
+async def _new_revision(c: Any, change: dict[str, Any]) -> None:
+    """Apply a spec change and wait until both stage StatefulSets carry a new update revision."""
+    before = {k: c.get(*STS, f"demo-stage-{k}")["status"]["updateRevision"] for k in (0, 1)}
+    await c.patch("demo", {"spec": change})
+    await eventually(lambda: all(c.get(*STS, f"demo-stage-{k}")["status"]["updateRevision"] != before[k] for k in (0, 1)),
+                     message="new revision")
+
+
 async def _roll_one_group_at_a_time(c: Any, gate: ReadyGate, groups: int, stop_after: int | None = None) -> int:
     """Drive a multi-stage rollout, checking at most one group is down at any moment; returns groups rolled."""
     rolled: list[int] = []
@@ -164,13 +176,12 @@ async def _roll_one_group_at_a_time(c: Any, gate: ReadyGate, groups: int, stop_a
 
 async def test_pipeline_groups_roll_one_at_a_time() -> None:
     gate = ReadyGate()
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator, gate):
+    async with cluster() as c, FakeWorkloads(c.emulator, gate), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3))
         await _converged(c)
         assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         gate.auto = False
-        await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
-        await eventually(lambda: c.isvc("demo")["status"]["observedGeneration"] == c.isvc("demo")["metadata"]["generation"])
+        await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
         assert await _roll_one_group_at_a_time(c, gate, groups=3) == 3
         await _converged(c)
         status = c.isvc("demo")["status"]
@@ -181,11 +192,11 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
 
 async def test_scaling_during_a_rollout() -> None:
     gate = ReadyGate()
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator, gate):
+    async with cluster() as c, FakeWorkloads(c.emulator, gate), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=2))
         await _converged(c)
         gate.auto = False
-        await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
+        await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
         await _roll_one_group_at_a_time(c, gate, groups=2, stop_after=1)
         await c.scale("demo", 3)
         gate.auto = True
@@ -202,7 +213,7 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
             await _converged(c)
             before = set(c.children("demo"))
             gate.auto = False
-            await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
+            await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
             assert await _roll_one_group_at_a_time(c, gate, groups=3, stop_after=1) == 1
         # Operator gone mid-rollout; a new one takes over from what the cluster shows.
         async with running_operator(c):
@@ -216,7 +227,7 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
 
 
 async def test_drift_is_restored_without_waiting_for_resync() -> None:
-    async with cluster() as c, running_operator(c, resync_seconds=3600), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c, resync_seconds=3600):
         await c.create(sim_doc())
         await _converged(c)
         await c.emulator.remove("v1", "services", "default", "demo-engine")
@@ -233,7 +244,7 @@ async def test_drift_is_restored_without_waiting_for_resync() -> None:
 
 
 async def test_invalid_spec_creates_nothing_then_recovers() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(isvc_doc({"parallelism": {"tensor": 3}}))  # 3 does not divide 32 heads
         condition = await eventually(lambda: c.condition("demo", "PlanValid"))
         assert condition["status"] == "False" and condition["reason"] == "InvalidSpec"
@@ -248,7 +259,7 @@ async def test_invalid_spec_creates_nothing_then_recovers() -> None:
 
 
 async def test_invalid_update_keeps_the_running_version() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(sim_doc())
         await _converged(c)
         image = c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -259,7 +270,7 @@ async def test_invalid_update_keeps_the_running_version() -> None:
 
 
 async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> None:
-    async with cluster() as c, running_operator(c), FakeWorkloads(c.emulator):
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 3}))
         await eventually(lambda: c.get(*STS, "demo-stage-2"))
         await c.patch("demo", {"spec": {"parallelism": {"pipeline": 1}}})
@@ -267,3 +278,142 @@ async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> No
         assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
         await c.delete("demo")
         await eventually(lambda: not c.children("demo") and not _pods(c), message="children collected")
+
+
+def _desired_state(c: Any, name: str = "demo") -> dict[tuple[str, str], Any]:
+    """Children without server-set fields: what must match with and without faults."""
+    out = {}
+    for key, obj in c.children(name).items():
+        meta = {k: v for k, v in obj["metadata"].items()
+                if k in ("name", "namespace", "labels", "annotations")}
+        out[key] = {**{k: v for k, v in obj.items() if k not in ("metadata", "status")}, "metadata": meta}
+    return out
+
+
+async def _scenario(c: Any) -> None:
+    """Create, update, scale, and wait for convergence."""
+    await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, autoscaling={"minReplicas": 1, "maxReplicas": 4}))
+    await _converged(c)
+    await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}, "router": {"replicas": 2}})
+    await c.scale("demo", 3)
+    await eventually(lambda: c.isvc("demo")["status"].get("updatedReplicas") == 3
+                     and c.isvc("demo")["status"]["observedGeneration"] == c.isvc("demo")["metadata"]["generation"],
+                     timeout=60, message="rolled out")
+    await _converged(c)
+
+
+async def test_injected_api_faults_converge_to_the_same_state() -> None:
+    async with cluster() as clean, FakeWorkloads(clean.emulator), running_operator(clean):
+        await _scenario(clean)
+        expected = _desired_state(clean)
+        expected_status = {k: v for k, v in clean.isvc("demo")["status"].items() if k != "conditions"}
+    async with cluster() as faulty, FakeWorkloads(faulty.emulator), \
+            running_operator(faulty, api_timeout_seconds=1.0) as op:
+        faulty.emulator.faults = Faults(rate=0.25, seed=11, hang_seconds=1.5)
+        await _scenario(faulty)
+        injected = dict(faulty.emulator.faults.injected)
+        faulty.emulator.faults = None
+        op.queue.add(("default", "demo"))
+        await op.queue.wait_idle()
+        assert sum(injected.values()) >= 5, injected
+        assert {"500", "409"} <= set(injected) and injected.keys() & {"timeout-lost", "timeout-stored"}, injected
+        assert _desired_state(faulty) == expected
+        assert {k: v for k, v in faulty.isvc("demo")["status"].items() if k != "conditions"} == expected_status
+        pods = _pods(faulty)
+        assert sorted(pods) == sorted(f"demo-stage-{k}-{i}" for k in (0, 1) for i in range(3))
+
+
+async def test_no_writes_when_nothing_changes() -> None:
+    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c) as op:
+        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
+        await _converged(c)
+        await op.queue.wait_idle()
+        writes = sum(op.kube.writes.values())
+        for _ in range(5):
+            op.queue.add(("default", "demo"))
+            await op.queue.wait_idle()
+        assert sum(op.kube.writes.values()) == writes, op.kube.writes
+        # The watches on children and pods are filtered by the API server, not after the fact.
+        watches = [r for r in list(c.emulator) if r.params.get("watch") == "true" and r.resource
+                   and r.resource.plural in ("pods", "statefulsets")]
+        assert watches and all(r.params.get("labelSelector") == f"{contract.LABEL_MANAGED_BY}={contract.APP_NAME}"
+                               for r in watches)
+
+
+async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
+    async with cluster() as c, FakeWorkloads(c.emulator):
+        def replica(identity: str) -> Operator:
+            config = OperatorConfig(leader_election=True, lease_namespace="default", lease_name="tf", identity=identity,
+                                    lease_duration_seconds=3, lease_renew_seconds=0.2, health_port=None,
+                                    child_debounce_seconds=0.05)
+            return Operator(config, Connection(server=c.url))
+
+        replicas = [replica("a"), replica("b")]
+        # Both start together, as two pods of one Deployment do.
+        tasks = [asyncio.create_task(r.run()) for r in replicas]
+        try:
+            await eventually(lambda: any(r.leading for r in replicas), message="a leader")
+            leader, standby = sorted(replicas, key=lambda r: not r.leading)
+            await c.create(sim_doc())
+            await eventually(lambda: c.get(*STS, "demo-stage-0"))
+            assert not standby.leading
+            assert {k: n for k, n in standby.kube.writes.items() if k[1] != "Lease"} == {}, "the standby reconciled"
+            lease = c.get("coordination.k8s.io/v1", "leases", "tf")["spec"]
+            assert lease["holderIdentity"] == leader.config.identity
+            # The leader stops (rollout, node drain): it releases the lease and the standby takes over.
+            leader.stop()
+            await tasks[replicas.index(leader)]
+            await eventually(lambda: standby.leading, timeout=10, message="standby took over")
+            await c.emulator.remove("v1", "services", "default", "demo-engine")
+            await eventually(lambda: c.get("v1", "services", "demo-engine"), message="restored by the new leader")
+            assert c.get("coordination.k8s.io/v1", "leases", "tf")["spec"]["holderIdentity"] == standby.config.identity
+        finally:
+            for r in replicas:
+                r.stop()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
+    import aiohttp
+
+    from tensorfleet.controller.operator import WebhookConfig
+
+    port = _free_port()
+    webhook = WebhookConfig(addr="127.0.0.1", port=port, insecure=True)
+    async with cluster() as c, running_operator(c, webhook=webhook):
+        async def review(document: dict[str, Any]) -> dict[str, Any]:
+            body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "0f6c", "operation": "CREATE", "object": document, "userInfo": {"username": "alice"},
+                "kind": {"group": contract.GROUP, "version": contract.VERSION, "kind": contract.KIND},
+                "resource": {"group": contract.GROUP, "version": contract.VERSION, "resource": contract.PLURAL},
+                "name": document["metadata"]["name"], "namespace": "default"}}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{port}/spec", json=body) as response:
+                    assert response.status == 200
+                    return (await response.json())["response"]
+
+        async def listening() -> bool:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.close()
+                return True
+            except OSError:
+                return False
+
+        for _ in range(200):  # kopf starts its webhook server shortly after the watches
+            if await listening():
+                break
+            await asyncio.sleep(0.05)
+        good = await review(sim_doc())
+        assert good["allowed"] is True and good["uid"] == "0f6c"
+        bad = await review(isvc_doc({"parallelism": {"tensor": 16}}))
+        assert bad["allowed"] is False
+        assert bad["status"]["code"] == 422
+        assert bad["status"]["message"].startswith("spec.parallelism.tensor: 16 exceeds the 8 GPUs")

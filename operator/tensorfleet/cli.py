@@ -199,7 +199,7 @@ def _cmd_version(_: argparse.Namespace) -> int:
 # Modules adding long-running commands (operator, router, simulator). Each
 # exposes `register(subparsers)` and imports its heavy dependencies only when
 # its command runs, so `plan` and `render` stay fast.
-COMMAND_MODULES: tuple[str, ...] = ("tensorfleet.sim.cli", "tensorfleet.router.cli")
+COMMAND_MODULES: tuple[str, ...] = ("tensorfleet.controller.cli", "tensorfleet.sim.cli", "tensorfleet.router.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from tensorfleet.controller.resources import Kind, kind_of
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 MERGE_CONTENT_TYPE = "application/merge-patch+json"
 CREDENTIAL_REFRESH_SECONDS = 60.0
+USER_AGENT = f"tensorfleet-operator/{contract.__version__}"
 
 
 class ApiError(Exception):
@@ -82,7 +83,9 @@ class Connection:
         def refresh() -> None:
             if cfg.refresh_api_key_hook is not None:
                 cfg.refresh_api_key_hook(cfg)
-            header = cfg.get_api_key_with_prefix("authorization")
+            # The key's name differs across client versions; its header does not.
+            header = next((auth["value"] for auth in cfg.auth_settings().values()
+                           if auth.get("in") == "header" and auth.get("key", "").lower() == "authorization"), None)
             connection.token = header.removeprefix("Bearer ").strip() if header else None
 
         refresh()
@@ -131,7 +134,7 @@ class Kube:
                        body: Any = None, content_type: str = "application/json") -> Any:
         assert self._session is not None, "use `async with Kube(...)`"
         await self._refresh_credentials()
-        headers = {"Accept": "application/json"}
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         if self.connection.token:
             headers["Authorization"] = f"Bearer {self.connection.token}"
         data = None

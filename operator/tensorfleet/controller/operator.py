@@ -55,6 +55,8 @@ class OperatorConfig:
     leader_election: bool = True
     lease_namespace: str = "default"
     lease_name: str = "tensorfleet-operator"
+    lease_duration_seconds: int = 15
+    lease_renew_seconds: float = 5.0
     identity: str = field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname())
     health_port: int | None = 8080
     api_timeout_seconds: float = 30.0
@@ -77,10 +79,16 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     # Our own Lease election replaces kopf's peering (which needs its own CRDs).
     settings.peering.standalone = True
     settings.posting.level = logging.WARNING
+    settings.queueing.idle_timeout = 1.0
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
     settings.networking.request_timeout = 60
+    # Watch only our own children and pods, filtered by the API server: an
+    # operator must not stream every pod of a large cluster.
+    for kind in (*CHILD_KINDS, POD):
+        settings.watching.label_selectors[(kind.group, kind.version, kind.plural)] = \
+            f"{contract.LABEL_MANAGED_BY}={contract.APP_NAME}"
     if config.webhook is not None:
         hook = config.webhook
         settings.admission.server = kopf.WebhookServer(
@@ -149,7 +157,8 @@ class Operator:
                 elector = None
                 if self.config.leader_election:
                     elector = LeaderElector(self.kube, self.config.lease_namespace, self.config.lease_name,
-                                            self.config.identity)
+                                            self.config.identity, lease_seconds=self.config.lease_duration_seconds,
+                                            renew_seconds=self.config.lease_renew_seconds)
                     acquired = asyncio.create_task(elector.acquire())
                     stopped = asyncio.create_task(self.stop_flag.wait())
                     await asyncio.wait({acquired, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -162,37 +171,44 @@ class Operator:
                     await self._lead(elector)
                 finally:
                     self.leading = False
-                    if elector is not None:
-                        await elector.release()
         finally:
             if health is not None:
                 await health.cleanup()
 
     async def _lead(self, elector: LeaderElector | None) -> None:
         self.queue = queue = WorkQueue(self.reconciler, workers=self.config.workers)
+        ours = {asyncio.create_task(queue.run()), asyncio.create_task(self._resync(queue))}
+        if elector is not None:
+            ours.add(asyncio.create_task(elector.hold()))
+        # kopf treats every task created after it starts as its own and cancels
+        # them at exit; let ours (and the queue's workers) exist before it starts.
+        await asyncio.sleep(0)
         namespaces = self.config.namespaces
-        self._kopf_task = asyncio.create_task(kopf.operator(
+        self._kopf_task = kopf_task = asyncio.create_task(kopf.operator(
             registry=self.registry(queue), settings=build_settings(self.config), standalone=True,
             clusterwide=not namespaces, namespaces=namespaces, stop_flag=self.stop_flag, ready_flag=self.ready_flag,
         ))
-        tasks = {self._kopf_task, asyncio.create_task(queue.run()), asyncio.create_task(self._resync(queue))}
-        if elector is not None:
-            tasks.add(asyncio.create_task(elector.hold()))
+        stopping = asyncio.create_task(self.stop_flag.wait())
         try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task is not self._kopf_task and not task.cancelled() and task.exception() is not None:
+            done, _ = await asyncio.wait({kopf_task, stopping, *ours}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done - {kopf_task, stopping}:
+                if not task.cancelled() and task.exception() is not None:
                     raise task.exception()  # type: ignore[misc]
         finally:
             self.stop_flag.set()
-            for task in tasks:
-                if task is not self._kopf_task:
-                    task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-                await asyncio.wait_for(self._kopf_task, 30)
-            for task in tasks:
+            stopping.cancel()
+            for task in ours:
+                task.cancel()
+            for task in ours:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+            if elector is not None:
+                await elector.release()
+            # Our connections closed first: kopf waits for every task it did not
+            # start (their server-side ends included, where the API is in-process).
+            await self.kube.close()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(kopf_task, 30)
 
     async def _resync(self, queue: WorkQueue) -> None:
         """Re-check every InferenceService now and then, in case an event was missed.

@@ -1,0 +1,112 @@
+"""`tensorfleet run`: the operator process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any
+
+
+def _env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def register(commands: Any) -> None:
+    run = commands.add_parser("run", help="run the operator (against KUBECONFIG or the in-cluster service account)")
+    scope = run.add_argument_group("scope")
+    scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=None,
+                       help="watch only this namespace (repeatable; env WATCH_NAMESPACES=a,b); default: all namespaces")
+    scope.add_argument("--context", help="kubeconfig context (outside a cluster)")
+    tuning = run.add_argument_group("reconciling")
+    tuning.add_argument("--workers", type=int, default=4, help="InferenceServices reconciled in parallel (default 4)")
+    tuning.add_argument("--resync-seconds", type=float, default=300.0,
+                        help="re-check every InferenceService this often, besides watch events (default 300)")
+    election = run.add_argument_group("leader election")
+    election.add_argument("--no-leader-election", action="store_true",
+                          help="reconcile without holding the Lease (only for a single replica)")
+    election.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                          help="namespace of the Lease (default: $POD_NAMESPACE, else default)")
+    election.add_argument("--lease-name", default="tensorfleet-operator", help="name of the Lease")
+    serving = run.add_argument_group("endpoints")
+    serving.add_argument("--health-port", type=int, default=8080, help="/healthz and /readyz port (default 8080)")
+    serving.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off (default 9090)")
+    serving.add_argument("--log-format", choices=("plain", "json"), default="plain", help="log line format (default plain)")
+    serving.add_argument("--verbose", action="store_true", help="debug logging")
+    hook = run.add_argument_group("validating admission webhook (off unless --webhook-port is given)")
+    hook.add_argument("--webhook-port", type=int, help="serve the webhook on this port")
+    hook.add_argument("--webhook-cert", help="TLS certificate file (e.g. from cert-manager)")
+    hook.add_argument("--webhook-key", help="TLS private key file")
+    hook.add_argument("--webhook-host", help="hostname the API server uses to reach the webhook")
+    hook.add_argument("--webhook-managed", metavar="NAME",
+                      help="create and keep current a ValidatingWebhookConfiguration of this name "
+                           "(leave out when the Helm chart manages it)")
+    run.set_defaults(func=_cmd_run)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from tensorfleet.controller.operator import OperatorConfig, WebhookConfig
+
+    webhook = None
+    if args.webhook_port:
+        if bool(args.webhook_cert) != bool(args.webhook_key):
+            raise ValueError("--webhook-cert and --webhook-key go together")
+        webhook = WebhookConfig(port=args.webhook_port, certfile=args.webhook_cert, keyfile=args.webhook_key,
+                                host=args.webhook_host, managed=args.webhook_managed)
+    return OperatorConfig(
+        namespaces=args.namespaces or _env_list("WATCH_NAMESPACES"),
+        workers=args.workers,
+        resync_seconds=args.resync_seconds,
+        leader_election=not args.no_leader_election,
+        lease_namespace=args.lease_namespace,
+        lease_name=args.lease_name,
+        health_port=args.health_port or None,
+        webhook=webhook,
+    )
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    import kopf
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
+    logging.getLogger("tensorfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from prometheus_client import start_http_server
+
+    from tensorfleet.controller.kube import Connection
+    from tensorfleet.controller.leader import LostLease
+    from tensorfleet.controller.operator import Operator
+
+    try:
+        config = _config(args)
+    except ValueError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    try:
+        connection = Connection.from_environment(context=args.context)
+    except Exception as exc:  # no kubeconfig, unreadable file, unknown context
+        sys.stderr.write(f"error: cannot find a Kubernetes API to talk to: {exc}\n")
+        return 1
+    _configure_logging(args)
+    if args.metrics_port:
+        try:
+            start_http_server(args.metrics_port)
+        except OSError as exc:
+            sys.stderr.write(f"error: metrics port {args.metrics_port}: {exc.strerror}\n")
+            return 1
+    operator = Operator(config, connection)
+    try:
+        asyncio.run(operator.run())
+    except OSError as exc:  # a port already taken, mostly
+        sys.stderr.write(f"error: {exc}\n")
+        return 1
+    except LostLease as exc:
+        sys.stderr.write(f"error: {exc}; exiting so a fresh process rejoins the election\n")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
