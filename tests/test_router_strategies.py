@@ -131,6 +131,9 @@ def test_breaker_ejects_probes_and_recovers() -> None:
     assert a.state == CLOSED
     pool.record_failure(a)
     assert a.state == OPEN and [b.url for b in pool.routable()] == ["http://b"]
+    until = a.open_until
+    pool.record_failure(a)                        # late failures do not extend it
+    assert a.open_until == until and a.ejections == 1
     clock.now += 1.0
     assert a in pool.routable()                   # half-open: one probe
     pool.begin_probe(a)

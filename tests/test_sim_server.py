@@ -215,3 +215,21 @@ async def test_time_scale_zero_runs_without_sleeping() -> None:
         post = client.post(s.url + "/v1/chat/completions", json=chat("x", max_tokens=200))
         async with await asyncio.wait_for(post, 10) as resp:
             assert (await resp.json())["usage"]["completion_tokens"] == 200
+
+
+@pytest.mark.asyncio
+async def test_next_turn_hits_on_the_answer_blocks_too() -> None:
+    async with sim() as s, aiohttp.ClientSession() as client:
+        messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "First question?"}]
+        async with client.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 40}) as resp:
+            first = await resp.json()
+        messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And then?"}]
+        async with client.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 4}) as resp:
+            second = await resp.json()
+    # Everything the first turn computed (its prompt and all but the last
+    # answer token), in whole blocks, is a hit.
+    computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed // 16 * 16

@@ -144,6 +144,11 @@ class Router:
 
     async def _check(self, backend: Backend) -> None:
         assert self.session is not None
+        if backend.state != CLOSED:
+            if not backend.routable(self.pool.clock()):
+                return  # ejected, or a probe is already out: nothing to learn yet
+            # Past its ejection time: this check is the half-open probe.
+            self.pool.begin_probe(backend)
         timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_SECONDS)
         try:
             async with self.session.get(backend.url + contract.HEALTH_PATH, timeout=timeout) as resp:
@@ -158,12 +163,11 @@ class Router:
         except (aiohttp.ClientConnectorError, ConnectionError):
             self.pool.record_failure(backend, fatal=True)
             return
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except Exception:  # noqa: BLE001 - a check that fails in any way has failed
             ok = False
         if not ok:
             self.pool.record_failure(backend)
-        elif backend.state != CLOSED and self.pool.clock() >= backend.open_until:
-            # The health check is the half-open probe.
+        elif backend.state != CLOSED:
             self.pool.record_success(backend)
 
     # --- plain endpoints ---------------------------------------------------------------

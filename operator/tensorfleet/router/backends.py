@@ -126,9 +126,13 @@ class BackendPool:
     def record_failure(self, backend: Backend, *, fatal: bool = False) -> None:
         """A failed request or health check; `fatal` (connection refused or
         reset) ejects at once instead of counting towards the threshold."""
+        if backend.state == OPEN:
+            # Already ejected (a request sent before the ejection failing
+            # late): the ejection stands as it is, neither extended nor doubled.
+            return
         backend.failures += 1
         backend.probing = False
-        if backend.state != CLOSED or fatal or backend.failures >= self.policy.failure_threshold:
+        if backend.state == HALF_OPEN or fatal or backend.failures >= self.policy.failure_threshold:
             self.eject(backend)
 
     def eject(self, backend: Backend) -> None:

@@ -23,9 +23,9 @@ tokens is named by a hash chained over all tokens before it, so a block is
 shared only when the whole prefix matches. Blocks no request references stay
 cached and are evicted least-recently-used when new blocks are needed. As in
 vLLM, the last prompt token is always computed (its logits give the first
-token), so a fully cached prompt hits on all whole blocks before it. Blocks of
-generated tokens are not cached (vLLM caches them too; multi-turn prompts
-re-send the answer, which here counts as uncached).
+token), so a fully cached prompt hits on all whole blocks before it. Blocks
+filled by generated tokens are cached too, so the next turn of a conversation,
+which re-sends the answer, hits on it.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class SimRequest:
     """One request's state; the server reads tokens as they appear."""
 
     request_id: str
-    prompt_len: int
+    prompt_tokens: Sequence[str]
     max_tokens: int
     block_hashes: list[int]          # chained hashes of the prompt's full blocks
     output_words: list[str]
@@ -89,6 +89,10 @@ class SimRequest:
     finished: bool = False
     finish_reason: str | None = None
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_tokens)
 
     @property
     def context_len(self) -> int:
@@ -161,8 +165,15 @@ class BlockPool:
             self._make_room()
             self.anonymous += 1
 
-    def release(self, hashes: Sequence[int], anonymous: int) -> None:
-        # Reverse order, as vLLM frees: the tail of a prompt is evicted before its head.
+    def release(self, hashes: Sequence[int], anonymous: int, filled: Sequence[int] = ()) -> None:
+        """Drop a request's references. `filled` names anonymous blocks that
+        became full of computed tokens (its answer): they stay cached too."""
+        self.anonymous -= anonymous
+        # Tail first into the LRU, as vLLM frees, so a prompt's head, the
+        # part other prompts share, is evicted last.
+        for h in reversed(filled):
+            if h not in self.refs and h not in self.evictable:
+                self.evictable[h] = None
         for h in reversed(hashes):
             count = self.refs[h] - 1
             if count:
@@ -170,7 +181,6 @@ class BlockPool:
             else:
                 del self.refs[h]
                 self.evictable[h] = None
-        self.anonymous -= anonymous
 
     def reset(self) -> None:
         self.evictable.clear()
@@ -267,7 +277,7 @@ class Engine:
         words = [_WORDS[rng.randrange(len(_WORDS))] for _ in range(target)]
         request = SimRequest(
             request_id=request_id or f"{next(self._ids):x}",
-            prompt_len=prompt_len,
+            prompt_tokens=prompt_tokens,
             max_tokens=target,
             block_hashes=block_hashes(prompt_tokens, profile.block_size),
             output_words=words,
@@ -314,7 +324,15 @@ class Engine:
         return -(-tokens // self.profile.block_size)
 
     def _free(self, request: SimRequest) -> None:
-        self.pool.release(request.block_hashes[: request.held_hashes], request.uncached_blocks)
+        held = request.block_hashes[: request.held_hashes]
+        filled: list[int] = []
+        full = request.num_computed // self.profile.block_size
+        if request.generated and request.held_hashes == len(request.block_hashes) and full > len(held):
+            # Blocks the answer filled are cached as vLLM caches them, so the
+            # next turn of a conversation, which re-sends it, hits on them.
+            tokens = [*request.prompt_tokens, *request.output_words[: request.generated]]
+            filled = block_hashes(tokens, self.profile.block_size)[len(held):full]
+        self.pool.release(held, request.uncached_blocks, filled)
         request.held_hashes = 0
         request.uncached_blocks = 0
         request.num_computed = 0

@@ -3,7 +3,10 @@
 Real tokenizers average about four characters of English per token; this one
 splits text into runs of at most four letters or three digits (with the
 leading space attached, as BPE vocabularies do), single punctuation marks and
-whitespace runs, which lands close to that. No vocabulary or weights are
+whitespace runs (leaving the last space to the word after it, as GPT-2's
+pattern does, so text re-tokenizes the same wherever it is embedded: an
+answer sent back in the next turn's prompt gives the tokens generated), which
+lands close to that. No vocabulary or weights are
 loaded. The simulator only needs counts and stable pieces to hash into
 prefix-cache blocks, so pieces stay strings rather than ids.
 """
@@ -14,7 +17,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-_PIECES = re.compile(r" ?[^\W\d_]{1,4}| ?\d{1,3}| ?[^\w\s]|\s+|_")
+_PIECES = re.compile(r" ?[^\W\d_]{1,4}| ?\d{1,3}| ?[^\w\s]|\s+(?!\S)|\s+|_")
 
 # Chat template markers: a few tokens per message, like Llama 3's header ids.
 _ROLE_OPEN = "<|start|>"
