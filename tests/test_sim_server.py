@@ -233,3 +233,14 @@ async def test_next_turn_hits_on_the_answer_blocks_too() -> None:
     # answer token), in whole blocks, is a hit.
     computed = first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] - 1
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == computed // 16 * 16
+
+
+def test_registering_the_commands_imports_no_server_code() -> None:
+    # `tensorfleet plan` must stay fast: sim and router load aiohttp only when run.
+    import subprocess
+    import sys
+
+    code = ("import sys; from tensorfleet.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aiohttp', 'uvloop', 'prometheus_client')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

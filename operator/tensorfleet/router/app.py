@@ -231,6 +231,11 @@ class Router:
             return response
         except _ClientGone as gone:
             return gone.response
+        except Exception:
+            # A bug, not an engine failure: still an OpenAI-shaped answer.
+            log.exception("router error serving %s", request.path)
+            code = "500"
+            return error_response(500, "internal router error; the router's log has the details")
         finally:
             self.metrics.request_done(code, self._now() - start)
 
@@ -307,7 +312,11 @@ class Router:
             raise _Failed("upstream", f"{backend.url} failed before answering: {exc!r}") from None
         try:
             if upstream.status >= 500:
-                payload = await upstream.read()
+                try:
+                    payload = await upstream.read()
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    self.pool.record_failure(backend, fatal=True)
+                    raise _Failed("upstream", f"{backend.url} failed mid-answer: {exc!r}") from None
                 self.pool.record_failure(backend)
                 final = web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
                 raise _Failed("status", f"{backend.url} answered HTTP {upstream.status}", final)

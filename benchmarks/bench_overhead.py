@@ -1,0 +1,136 @@
+"""Benchmark 1: what the router costs.
+
+One simulator at --time-scale 0 (no simulated GPU time: every microsecond of
+latency is software) is loaded by the same generator directly and through the
+router: wrk for throughput and latency (non-streaming and streaming, several
+concurrency levels), an async Python client for streaming time to first token
+at concurrency 1, and a long wrk run of 200k+ requests through the router with
+its resident memory sampled as it goes.
+
+Goals (issue 4): through-router throughput >= 50% of direct; p50 added latency
+< 1 ms at low concurrency; router memory growth < 10 MB over 200k requests.
+
+    python benchmarks/bench_overhead.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+import aiohttp
+
+from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy, wrk, write_results
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 16}
+
+
+def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict]:  # type: ignore[type-arg]
+    rows = []
+    for stream in (False, True):
+        body = json.dumps({**BODY, "stream": stream})
+        for connections in levels:
+            d = wrk(direct, connections=connections, seconds=seconds, body=body)
+            r = wrk(routed, connections=connections, seconds=seconds, body=body)
+            rows.append({
+                "mode": "stream" if stream else "json", "connections": connections,
+                "direct_rps": d.rps, "router_rps": r.rps, "ratio": r.rps / d.rps,
+                "direct_p50_ms": d.p50 * 1e3, "router_p50_ms": r.p50 * 1e3, "added_p50_ms": (r.p50 - d.p50) * 1e3,
+                "direct_p99_ms": d.p99 * 1e3, "router_p99_ms": r.p99 * 1e3,
+                "errors": d.non_2xx + d.errors + r.non_2xx + r.errors,
+            })
+            print(f"  {rows[-1]['mode']:6} c={connections:<3} direct {d.rps:7.0f} rps  router {r.rps:7.0f} rps",
+                  flush=True)
+    return rows
+
+
+async def ttft(direct: str, routed: str, count: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    async with aiohttp.ClientSession() as session:
+        for label, url in (("direct", direct), ("router", routed)):
+            for _ in range(50):  # warm connections and code paths
+                await stream_chat(session, url, BODY["messages"], 16)
+            samples = []
+            for _ in range(count):
+                result = await stream_chat(session, url, BODY["messages"], 16)
+                assert result.status == 200 and result.ttft is not None, result
+                samples.append(result.ttft)
+            out[f"{label}_ttft_p50_ms"] = percentile(samples, 50) * 1e3
+            out[f"{label}_ttft_p99_ms"] = percentile(samples, 99) * 1e3
+    out["added_ttft_p50_ms"] = out["router_ttft_p50_ms"] - out["direct_ttft_p50_ms"]
+    return out
+
+
+def memory(router, routed: str, target: int, chunk_seconds: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    body = json.dumps(BODY)
+    warm = wrk(routed, connections=32, seconds=5, body=body)
+    start_rss = router.rss_bytes()
+    done, samples, errors = 0, [(0, start_rss)], 0
+    started = time.monotonic()
+    while done < target:
+        result = wrk(routed, connections=32, seconds=chunk_seconds, body=body)
+        done += result.requests
+        errors += result.non_2xx + result.errors
+        samples.append((done, router.rss_bytes()))
+        print(f"  {done:>7} requests  router RSS {samples[-1][1] / 2**20:6.1f} MiB", flush=True)
+    return {
+        "warmup_requests": warm.requests, "requests": done, "errors": errors,
+        "seconds": time.monotonic() - started,
+        "rss_after_warmup_mib": start_rss / 2**20, "rss_end_mib": samples[-1][1] / 2**20,
+        "rss_growth_mib": (samples[-1][1] - start_rss) / 2**20,
+        "rss_max_mib": max(s[1] for s in samples) / 2**20,
+        "samples": [{"requests": n, "rss_mib": rss / 2**20} for n, rss in samples],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not figures)")
+    args = parser.parse_args()
+    seconds = 3 if args.quick else 10
+    levels = [1, 16, 64]
+    with cluster("overhead") as c:
+        engine = c.sim("engine", time_scale=0.0)
+        router = c.router([engine], "--max-concurrency-per-backend", "256")
+        asyncio.run(wait_healthy(engine, router))
+        time.sleep(2.5)  # a health/scrape round so the router has seen the engine
+        print("wrk, one simulator at --time-scale 0, direct vs through the router:")
+        rows = run_wrk_matrix(engine.url, router.url, seconds, levels)
+        print("streaming TTFT at concurrency 1 (Python client):")
+        latency = asyncio.run(ttft(engine.url, router.url, 200 if args.quick else 1000))
+        print("router memory over a long run:")
+        mem = memory(router, router.url, 20_000 if args.quick else 200_000, 5 if args.quick else 20)
+        router_rss = router.rss_bytes()
+    print()
+    print(table(["mode", "conns", "direct rps", "router rps", "ratio", "direct p50 ms", "router p50 ms",
+                 "added p50 ms", "direct p99 ms", "router p99 ms", "errors"],
+                [[r["mode"], r["connections"], r["direct_rps"], r["router_rps"], r["ratio"], r["direct_p50_ms"],
+                  r["router_p50_ms"], r["added_p50_ms"], r["direct_p99_ms"], r["router_p99_ms"], r["errors"]]
+                 for r in rows]))
+    print()
+    print(table(["stream TTFT (c=1)", "direct p50 ms", "router p50 ms", "added p50 ms", "direct p99 ms",
+                 "router p99 ms"],
+                [["", latency["direct_ttft_p50_ms"], latency["router_ttft_p50_ms"], latency["added_ttft_p50_ms"],
+                  latency["direct_ttft_p99_ms"], latency["router_ttft_p99_ms"]]]))
+    print()
+    print(table(["requests", "errors", "RSS after warm-up MiB", "RSS end MiB", "growth MiB", "max MiB"],
+                [[mem["requests"], mem["errors"], mem["rss_after_warmup_mib"], mem["rss_end_mib"],
+                  mem["rss_growth_mib"], mem["rss_max_mib"]]]))
+    worst = min(r["ratio"] for r in rows)
+    low = max(r["added_p50_ms"] for r in rows if r["connections"] == 1)
+    goals = {
+        "throughput_ratio_min": worst, "throughput_goal_met": worst >= 0.5,
+        "added_p50_ms_c1_max": low, "latency_goal_met": low < 1.0 and latency["added_ttft_p50_ms"] < 1.0,
+        "memory_growth_mib": mem["rss_growth_mib"], "memory_goal_met": mem["rss_growth_mib"] < 10 * 1e6 / 2**20,
+    }
+    print()
+    print(json.dumps(goals, indent=2))
+    path = write_results("overhead", {"quick": args.quick, "wrk": rows, "ttft": latency, "memory": mem,
+                                      "router_rss_final_mib": router_rss / 2**20, "goals": goals})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Shared plumbing for the benchmarks: processes on loopback, load, figures.
+
+Every server runs as its own process (`tensorfleet sim`, `tensorfleet router`)
+on 127.0.0.1, as in production, so the router's costs are not hidden in the
+load generator's event loop. Nothing here talks to anything but loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent
+RESULTS = ROOT / "results"
+MODEL = "bench"
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the process, from /proc (Linux)."""
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class Cluster:
+    """The processes of one benchmark run; all stopped on exit."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+        self.procs: list[Proc] = []
+        self.logs = RESULTS / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def _spawn(self, name: str, args: Sequence[str], port: int) -> Proc:
+        log = self.logs / f"{self.tag}-{name}.log"
+        command = [sys.executable, "-m", "tensorfleet.cli", *args]
+        process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = Proc(name, f"http://{HOST}:{port}", process, log)
+        self.procs.append(proc)
+        return proc
+
+    def sim(self, name: str, *extra: str, time_scale: float = 1.0, port: int | None = None) -> Proc:
+        port = port or free_port()
+        return self._spawn(name, ["sim", "--host", HOST, "--port", str(port), "--served-model-name", MODEL,
+                                  "--time-scale", str(time_scale), "--log-level", "warning", *extra], port)
+
+    def router(self, backends: Sequence[Proc | str], *extra: str, strategy: str = "least-pending") -> Proc:
+        port = free_port()
+        args = ["router", "--host", HOST, "--port", str(port), "--model", MODEL, "--strategy", strategy,
+                "--log-level", "warning", *extra]
+        for backend in backends:
+            args += ["--backend", backend if isinstance(backend, str) else backend.url]
+        return self._spawn(f"router-{strategy}", args, port)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs.clear()
+
+
+@contextmanager
+def cluster(tag: str) -> Iterator[Cluster]:
+    c = Cluster(tag)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+async def wait_healthy(*procs: Proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        for proc in procs:
+            while True:
+                if proc.process.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited: {proc.log.read_text()[-2000:]}")
+                try:
+                    async with session.get(proc.url + "/health") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{proc.name} not healthy after {timeout}s")
+                await asyncio.sleep(0.05)
+
+
+async def scrape(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+        return await resp.text()
+
+
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+@dataclass
+class StreamResult:
+    status: int
+    text: str = ""
+    ttft: float | None = None       # first content token
+    total: float = 0.0
+    tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None         # transport or mid-stream error
+    started: bool = False            # the client received any byte of the answer
+    done: bool = False               # the stream ended with [DONE]
+    backend: str = ""
+    sent_at: float = 0.0
+
+
+async def stream_chat(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]], max_tokens: int,
+                      headers: dict[str, str] | None = None, timeout: float = 300.0) -> StreamResult:
+    """One streaming chat request; times the first token and the whole answer."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    result = StreamResult(status=0, sent_at=start)
+    try:
+        async with session.post(url + "/v1/chat/completions", json=body, headers=headers,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            result.status = resp.status
+            result.backend = resp.headers.get("x-tensorfleet-backend", "")
+            if resp.status != 200:
+                await resp.read()
+                result.total = time.perf_counter() - start
+                return result
+            buffer = b""
+            parts: list[str] = []
+            async for chunk in resp.content.iter_any():
+                result.started = True
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if event == b"data: [DONE]":
+                        result.done = True
+                        continue
+                    if not event.startswith(b"data: "):
+                        continue
+                    data = json.loads(event[6:])
+                    if "error" in data:
+                        result.error = data["error"]["message"]
+                        continue
+                    if data.get("usage"):
+                        result.tokens = data["usage"]["completion_tokens"]
+                        details = data["usage"].get("prompt_tokens_details") or {}
+                        result.cached_tokens = details.get("cached_tokens", 0)
+                    for choice in data.get("choices", []):
+                        content = choice.get("delta", {}).get("content")
+                        if content:
+                            if result.ttft is None:
+                                result.ttft = time.perf_counter() - start
+                            parts.append(content)
+            result.text = "".join(parts)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        result.error = f"{exc.__class__.__name__}: {exc}"
+    result.total = time.perf_counter() - start
+    return result
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import uvloop  # noqa: F401
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    # Other work on the machine skews every figure; the load average says how much there was.
+    return {"cpus": os.cpu_count(), "cpu": cpu, "python": platform.python_version(), "kernel": platform.release(),
+            "event_loop": loop, "wrk": shutil.which("wrk") is not None, "loadavg_at_end": os.getloadavg()}
+
+
+def write_results(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {"benchmark": name, "machine": machine(), "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **payload}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:
+            return "-"
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+# --- wrk ---------------------------------------------------------------------------
+
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+
+
+def _seconds(text: str) -> float:
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if not match:
+        raise ValueError(text)
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+@dataclass
+class WrkResult:
+    requests: int
+    rps: float
+    p50: float
+    p99: float
+    non_2xx: int
+    errors: int
+    raw: str = field(repr=False, default="")
+
+
+def wrk(url: str, *, connections: int, seconds: float, body: str, path: str = "/v1/chat/completions",
+        threads: int = 1) -> WrkResult:
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not installed: apt-get install wrk")
+    env = {**os.environ, "WRK_BODY": body, "WRK_PATH": path}
+    out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s",
+                          "-s", str(ROOT / "post.lua"), url], capture_output=True, text=True, env=env, check=True).stdout
+    latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    non_2xx = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]
+    socket_errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    errors = sum(int(g) for g in socket_errors.groups()) if socket_errors else 0
+    return WrkResult(requests, rps, _seconds(latency["50"]), _seconds(latency["99"]), non_2xx, errors, out)

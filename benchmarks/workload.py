@@ -1,0 +1,147 @@
+"""A chat workload with heterogeneous lengths and multi-turn sessions sharing prefixes.
+
+Each session belongs to one of a few tenants whose system prompt (~400 tokens)
+every session of that tenant shares; it carries its own document (0-2,500
+tokens, uniform) and asks 1-6 questions (10-150 tokens) in turn, each prompt
+re-sending the whole conversation so far, as chat clients do. Answer lengths
+are log-normal (median 100, 8-600 tokens). Sessions arrive as a Poisson
+process; inside a session each turn waits for the previous answer plus an
+exponential think time. Everything is drawn from one seed, so every strategy
+sees the same sessions; the simulators answer a given prompt identically on
+any engine, so conversations are identical too.
+
+Words are four random letters, one token each under the simulator's
+tokenizer, so lengths in tokens are what the generator asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from common import StreamResult, stream_chat
+
+TENANTS = 4
+SYSTEM_TOKENS = 400
+DOC_TOKENS = (0, 2500)
+TURNS = (1, 6)
+QUESTION_TOKENS = (10, 150)
+ANSWER_MEDIAN, ANSWER_SIGMA, ANSWER_RANGE = 100, 0.8, (8, 600)
+THINK_MEAN_SECONDS = 2.0  # simulated
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choices(string.ascii_lowercase, k=4)) for _ in range(n))
+
+
+@dataclass
+class Turn:
+    question: str
+    max_tokens: int
+
+
+@dataclass
+class SessionPlan:
+    key: str
+    system: str
+    document: str
+    turns: list[Turn]
+    think: list[float]
+
+
+@dataclass
+class Record:
+    session: str
+    turn: int
+    result: StreamResult
+
+
+@dataclass
+class Workload:
+    seed: int
+    systems: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self.systems = [f"You are assistant {t} of tenant {t}. " + _words(rng, SYSTEM_TOKENS) for t in range(TENANTS)]
+        self._rng = random.Random(self.seed + 1)
+        self._count = 0
+
+    def session(self) -> SessionPlan:
+        rng = self._rng
+        self._count += 1
+        turns = [Turn(_words(rng, rng.randint(*QUESTION_TOKENS)) + "?",
+                      int(min(max(rng.lognormvariate(0, ANSWER_SIGMA) * ANSWER_MEDIAN, ANSWER_RANGE[0]), ANSWER_RANGE[1])))
+                 for _ in range(rng.randint(*TURNS))]
+        return SessionPlan(
+            key=f"session-{self.seed}-{self._count}",
+            system=self.systems[rng.randrange(TENANTS)],
+            document=_words(rng, rng.randint(*DOC_TOKENS)),
+            turns=turns,
+            think=[rng.expovariate(1 / THINK_MEAN_SECONDS) for _ in turns],
+        )
+
+
+async def run_session(http: aiohttp.ClientSession, url: str, plan: SessionPlan, records: list[Record],
+                      time_scale: float, stop_at: float) -> None:
+    messages: list[dict[str, Any]] = [{"role": "system", "content": plan.system}]
+    for index, turn in enumerate(plan.turns):
+        if time.perf_counter() >= stop_at:
+            return
+        content = (f"Document:\n{plan.document}\n\n" if index == 0 and plan.document else "") + turn.question
+        messages.append({"role": "user", "content": content})
+        result = await stream_chat(http, url, messages, turn.max_tokens, headers={"x-session-id": plan.key})
+        records.append(Record(plan.key, index, result))
+        if result.status != 200 or result.error:
+            return
+        messages.append({"role": "assistant", "content": result.text})
+        await asyncio.sleep(plan.think[index] * time_scale)
+
+
+async def open_loop(url: str, workload: Workload, sessions_per_second: float, seconds: float, time_scale: float,
+                    drain_seconds: float = 120.0) -> tuple[list[Record], float]:
+    """Start sessions at Poisson times for `seconds`; stop new turns then; wait."""
+    records: list[Record] = []
+    rng = random.Random(workload.seed + 2)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+        stop_at = start + seconds
+        tasks = []
+        next_at = start
+        while True:
+            next_at += rng.expovariate(sessions_per_second)
+            if next_at >= stop_at:
+                break
+            await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(run_session(http, url, workload.session(), records, time_scale, stop_at)))
+        done, pending = await asyncio.wait(tasks, timeout=drain_seconds) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return records, start
+
+
+async def closed_loop(url: str, workload: Workload, concurrency: int, seconds: float,
+                      time_scale: float) -> tuple[list[Record], float]:
+    """`concurrency` sessions back to back, no think time: saturates the fleet."""
+    records: list[Record] = []
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        start = time.perf_counter()
+        stop_at = start + seconds
+
+        async def worker() -> None:
+            while time.perf_counter() < stop_at:
+                plan = workload.session()
+                plan.think = [0.0] * len(plan.turns)
+                await run_session(http, url, plan, records, time_scale, stop_at)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return records, start
