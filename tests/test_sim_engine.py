@@ -245,3 +245,15 @@ async def test_same_prompt_and_seed_give_the_same_answer() -> None:
         assert unbounded.finish_reason == "stop" and unbounded.generated >= 16
     finally:
         await engine.stop()
+
+
+def test_models_the_planner_cannot_size_still_get_an_engine() -> None:
+    from tensorfleet.sim.profile import resilient_profile
+
+    unknown = resilient_profile("acme/Private-13B", "H100-80GB", kv_cache_tokens=50_000, max_num_seqs=64)
+    assert unknown.model == "acme/Private-13B" and unknown.accelerator == "H100-80GB"
+    assert unknown.kv_cache_tokens == 50_000 and unknown.max_num_seqs == 64
+    too_big = resilient_profile("meta-llama/Llama-3.1-405B-Instruct", "L4", tensor=1)
+    assert too_big.kv_cache_tokens > 0
+    exact = resilient_profile("meta-llama/Llama-3.1-8B-Instruct", "H100-80GB")
+    assert exact == make_profile("meta-llama/Llama-3.1-8B-Instruct", "H100-80GB")

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tensorfleet.api import SpecError
     from tensorfleet.httpapi import run_server, setup_logging
-    from tensorfleet.sim.profile import make_profile
+    from tensorfleet.sim.profile import resilient_profile
     from tensorfleet.sim.server import SimConfig, SimServer
 
     setup_logging(args.log_level)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     if ignored:
         log.warning("ignoring engine flags the simulator does not model: %s", " ".join(ignored))
     try:
-        profile = make_profile(
+        profile = resilient_profile(
             args.model, args.accelerator, tensor=args.tensor_parallel_size, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -164,6 +164,35 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
     )
 
 
+def resilient_profile(model: str | None, accelerator: str | None, **options: int | None) -> Profile:
+    """make_profile, falling back to the default model's (then GPU's) timing
+    when the planner cannot size MODEL on ACCELERATOR.
+
+    A simulator pod must start whatever the InferenceService names: a model
+    outside the catalog (sized from spec.model.architecture) or a layout the
+    planner would refuse still gets an engine, with a warning that its timing
+    is borrowed. Capacity overrides (--kv-cache-tokens, ...) still apply.
+    """
+    attempts = [(model, accelerator, options)]
+    attempts.append((DEFAULT_MODEL, accelerator, {**options, "tensor": None}))
+    attempts.append((DEFAULT_MODEL, DEFAULT_ACCELERATOR, {**options, "tensor": None, "max_model_len": None}))
+    first_error: SpecError | None = None
+    for name, gpu, opts in attempts:
+        try:
+            profile = make_profile(name, gpu, **opts)  # type: ignore[arg-type]
+        except SpecError as exc:
+            first_error = first_error or exc
+            continue
+        if first_error is not None:
+            log.warning("cannot size %s on %s (%s); simulating with the timing of %s on %s",
+                        model or DEFAULT_MODEL, accelerator or DEFAULT_ACCELERATOR, first_error,
+                        profile.model, profile.accelerator)
+            profile = replace(profile, model=model or profile.model)
+        return profile
+    assert first_error is not None
+    raise first_error
+
+
 def with_capacity(profile: Profile, *, kv_cache_tokens: int | None = None, max_num_seqs: int | None = None) -> Profile:
     """The same timing with other capacity figures (tests shrink the cache)."""
     return replace(
