@@ -176,7 +176,7 @@ class Session(Strategy):
             return self._fallback.pick(candidates, routable, info)
         # The ring spans every routable engine, not only those with a free
         # slot, so a momentarily full engine does not remap its sessions.
-        self._ring({b.url for b in routable} | {b.url for b in candidates})
+        self._ring(frozenset(b.url for b in (*routable, *candidates)))
         by_url = {b.url: b for b in candidates}
         bound = _bound(routable)
         start = bisect.bisect(self._points, _stable_hash(info.session_key))

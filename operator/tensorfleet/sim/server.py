@@ -230,8 +230,11 @@ class SimServer:
                 break
         if sim.finish_reason == "abort":
             return response
-        final = {"index": 0, "logprobs": None, "finish_reason": sim.finish_reason}
-        final.update({"delta": {}} if chat else {"text": ""})
+        final: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": sim.finish_reason}
+        if chat:
+            final["delta"] = {}
+        else:
+            final["text"] = ""
         chunk = {"id": response_id, "object": obj, "created": created, "model": name, "choices": [final]}
         out = sse_event(chunk)
         if include_usage:
