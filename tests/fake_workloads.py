@@ -21,9 +21,11 @@ from tensorfleet import contract
 
 
 class FakeWorkloads:
-    def __init__(self, emulator: ClusterEmulator, ready: Callable[[dict[str, Any]], bool] | None = None) -> None:
+    def __init__(self, emulator: ClusterEmulator, ready: Callable[[dict[str, Any]], bool] | None = None,
+                 interval: float = 0.05) -> None:
         self.emulator = emulator
         self.ready = ready or (lambda pod: True)
+        self.interval = interval
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> FakeWorkloads:
@@ -39,11 +41,16 @@ class FakeWorkloads:
     async def _loop(self) -> None:
         while True:
             await self.sync()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(self.interval)
 
     async def sync(self) -> None:
+        pods_by_owner: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for pod in self.emulator.all("v1", "pods"):
+            meta = pod["metadata"]
+            pods_by_owner.setdefault((meta["namespace"], meta["name"].rsplit("-", 1)[0]), {})[meta["name"]] = pod
         for sts in self.emulator.all("apps/v1", "statefulsets"):
-            await self._sync_statefulset(sts)
+            key = (sts["metadata"]["namespace"], sts["metadata"]["name"])
+            await self._sync_statefulset(sts, pods_by_owner.get(key, {}))
         for deployment in self.emulator.all("apps/v1", "deployments"):
             replicas = deployment["spec"].get("replicas", 1)
             status = {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
@@ -51,14 +58,13 @@ class FakeWorkloads:
             if deployment.get("status") != status:
                 await self.emulator.upsert("apps/v1", "deployments", {**deployment, "status": status})
 
-    async def _sync_statefulset(self, sts: dict[str, Any]) -> None:
+    async def _sync_statefulset(self, sts: dict[str, Any], pods: dict[str, dict[str, Any]]) -> None:
         meta, spec = sts["metadata"], sts["spec"]
         namespace, name = meta["namespace"], meta["name"]
         template = spec["template"]
         revision = f"{name}-{revision_of(template)}"
         replicas = spec.get("replicas", 1)
-        pods = {p["metadata"]["name"]: p for p in self.emulator.all("v1", "pods", namespace)
-                if p["metadata"]["name"].rsplit("-", 1)[0] == name}
+        live: list[dict[str, Any]] = []
         for pod_name, pod in pods.items():
             index = int(pod_name.rsplit("-", 1)[1])
             outdated = pod["metadata"]["labels"].get("controller-revision-hash") != revision
@@ -66,7 +72,7 @@ class FakeWorkloads:
             if index >= replicas or (outdated and rolling):
                 await self.emulator.remove("v1", "pods", namespace, pod_name)
                 continue
-            await self._adopt_and_ready(sts, pod)
+            live.append(await self._adopt_and_ready(sts, pod))
         for index in range(replicas):
             pod_name = f"{name}-{index}"
             if pod_name not in pods:
@@ -77,8 +83,7 @@ class FakeWorkloads:
                                     "ownerReferences": [self._owner(sts)]},
                        "spec": copy.deepcopy(template["spec"]),
                        "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
-                await self.emulator.upsert("v1", "pods", pod)
-        live = [p for p in self.emulator.all("v1", "pods", namespace) if p["metadata"]["name"].rsplit("-", 1)[0] == name]
+                live.append(await self.emulator.upsert("v1", "pods", pod))
         ready = sum(1 for p in live if _ready(p))
         updated = sum(1 for p in live if p["metadata"]["labels"].get("controller-revision-hash") == revision)
         status = {"replicas": len(live), "readyReplicas": ready, "updatedReplicas": updated,
@@ -89,7 +94,7 @@ class FakeWorkloads:
                 {k: v for k, v in status.items() if k != "currentRevision"}:
             await self.emulator.upsert("apps/v1", "statefulsets", {**sts, "status": {**(sts.get("status") or {}), **status}})
 
-    async def _adopt_and_ready(self, sts: dict[str, Any], pod: dict[str, Any]) -> None:
+    async def _adopt_and_ready(self, sts: dict[str, Any], pod: dict[str, Any]) -> dict[str, Any]:
         changed = False
         refs = pod["metadata"].get("ownerReferences") or []
         if not any(r.get("controller") for r in refs):  # orphaned by a recreated StatefulSet
@@ -101,7 +106,8 @@ class FakeWorkloads:
                              "conditions": [{"type": "Ready", "status": "True" if want else "False"}]}
             changed = True
         if changed:
-            await self.emulator.upsert("v1", "pods", pod)
+            return await self.emulator.upsert("v1", "pods", pod)
+        return pod
 
     @staticmethod
     def _owner(sts: dict[str, Any]) -> dict[str, Any]:

@@ -19,6 +19,9 @@ each gap is filled here, each as the Kubernetes API documents it:
 - DELETE honours `preconditions.uid` (409 on mismatch) and garbage-collects
   dependents by ownerReferences (Background/Foreground: deleted;
   Orphan: their ownerReference is removed);
+- StatefulSet spec fields other than replicas, template, updateStrategy,
+  minReadySeconds, ordinals and persistentVolumeClaimRetentionPolicy are
+  immutable (422 Invalid, as the apps/v1 validation says);
 - LIST and WATCH honour equality-based `labelSelector`s;
 - `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces
   that objects live in, as kopf expects when it watches chosen namespaces.
@@ -55,6 +58,8 @@ WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 NO_STATUS_SUBRESOURCE = {"events", "leases", "serviceaccounts", "roles", "rolebindings", "namespaces",
                          "customresourcedefinitions", "endpointslices"}
 # scale subresource paths: plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
+STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySeconds", "ordinals",
+                       "persistentVolumeClaimRetentionPolicy"}
 SCALE_PATHS = {
     "inferenceservices": ("spec.replicas", "status.replicas", "status.selector"),
     "statefulsets": ("spec.replicas", "status.replicas", None),
@@ -210,6 +215,13 @@ class ClusterEmulator(KubernetesEmulator):
 
     def _successor(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """`new` with the server-owned metadata of `old` and the generation rule applied."""
+        if old.get("kind") == "StatefulSet":
+            frozen = {k for k in {*old.get("spec", {}), *new.get("spec", {})} if k not in STATEFULSET_MUTABLE}
+            if any(old.get("spec", {}).get(k) != new.get("spec", {}).get(k) for k in frozen):
+                raise KubernetesError(status=422, reason="Invalid", message=(
+                    "StatefulSet.apps is invalid: spec: Forbidden: updates to statefulset spec for fields other than "
+                    "'replicas', 'ordinals', 'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' "
+                    "and 'minReadySeconds' are forbidden"))
         meta = new.setdefault("metadata", {})
         for key in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp"):
             if key in old.get("metadata", {}):
@@ -280,7 +292,31 @@ class ClusterEmulator(KubernetesEmulator):
             return await self._put(request)
         if method == "DELETE" and request.name:
             return await self._delete(request)
+        if method == "GET" and request.subresource is None:
+            return await self._read(request)
         return await super()._handle(request)
+
+    async def _read(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """GET, LIST and WATCH straight from storage.
+
+        kmock's generic path matches each request against its recorded history,
+        which grows with every request; the benchmark's thousands of objects
+        would make that quadratic. The semantics are kmock's own serve functions'.
+        """
+        if request.params.get("watch") == "true":
+            raw = request._raw_request
+            response = aiohttp.web.StreamResponse()
+            await response.prepare(raw)
+            try:
+                async for event in self._serve_watch(request):
+                    if isinstance(event, dict):
+                        await response.write(json.dumps(event).encode() + b"\n")
+            except (ConnectionResetError, RuntimeError):
+                pass  # the client went away
+            return response
+        if request.name is None:
+            return self._response(await self._serve_list(request))
+        return self._response(await self._serve_fetch(request))
 
     # --- writes ---------------------------------------------------------------------
 

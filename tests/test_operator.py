@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from conftest import isvc_doc
-from fake_workloads import FakeWorkloads
 from kube_emulator import Faults
 from operator_harness import cluster, eventually, running_operator
 from tensorfleet.controller.kube import Connection
@@ -30,7 +29,7 @@ def sim_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 async def test_create_makes_every_child_owned_and_reports_status() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
         uid = c.isvc("demo")["metadata"]["uid"]
         expected = {
@@ -60,7 +59,7 @@ async def test_create_makes_every_child_owned_and_reports_status() -> None:
 
 
 async def test_update_rolls_into_children() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
         await eventually(lambda: c.get(*STS, "demo-stage-0"))
         await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2", "args": ["--foo"]},
@@ -79,7 +78,7 @@ async def test_update_rolls_into_children() -> None:
 
 
 async def test_scale_subresource_drives_every_stage() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
         await eventually(lambda: c.get(*STS, "demo-stage-1"))
         scale = await c.scale("demo", 3)
@@ -90,7 +89,7 @@ async def test_scale_subresource_drives_every_stage() -> None:
 
 
 async def test_hpa_owns_replicas_and_is_never_fought() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c) as op:
+    async with cluster() as c, c.workloads(), running_operator(c) as op:
         doc = sim_doc(autoscaling={"minReplicas": 1, "maxReplicas": 5})
         del doc["spec"]["replicas"]
         await c.create(doc)
@@ -108,7 +107,7 @@ async def test_hpa_owns_replicas_and_is_never_fought() -> None:
 
 
 def _pods(c: Any, name: str = "demo") -> dict[str, dict[str, Any]]:
-    return {p["metadata"]["name"]: p for p in c.emulator.all("v1", "pods", "default")
+    return {p["metadata"]["name"]: p for p in c.all("v1", "pods", "default")
             if p["metadata"]["labels"].get(contract.LABEL_INSTANCE) == name}
 
 
@@ -176,7 +175,7 @@ async def _roll_one_group_at_a_time(c: Any, gate: ReadyGate, groups: int, stop_a
 
 async def test_pipeline_groups_roll_one_at_a_time() -> None:
     gate = ReadyGate()
-    async with cluster() as c, FakeWorkloads(c.emulator, gate), running_operator(c):
+    async with cluster() as c, c.workloads(gate), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3))
         await _converged(c)
         assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
@@ -192,7 +191,7 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
 
 async def test_scaling_during_a_rollout() -> None:
     gate = ReadyGate()
-    async with cluster() as c, FakeWorkloads(c.emulator, gate), running_operator(c):
+    async with cluster() as c, c.workloads(gate), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=2))
         await _converged(c)
         gate.auto = False
@@ -207,7 +206,7 @@ async def test_scaling_during_a_rollout() -> None:
 
 async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphans() -> None:
     gate = ReadyGate()
-    async with cluster() as c, FakeWorkloads(c.emulator, gate):
+    async with cluster() as c, c.workloads(gate):
         async with running_operator(c):
             await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3))
             await _converged(c)
@@ -227,16 +226,16 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
 
 
 async def test_drift_is_restored_without_waiting_for_resync() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c, resync_seconds=3600):
+    async with cluster() as c, c.workloads(), running_operator(c, resync_seconds=3600):
         await c.create(sim_doc())
         await _converged(c)
-        await c.emulator.remove("v1", "services", "default", "demo-engine")
+        await c.remove("v1", "services", "default", "demo-engine")
         restored = await eventually(lambda: c.get("v1", "services", "demo-engine"), message="service restored")
         assert restored["spec"]["clusterIP"] == "None"
         sts = c.get(*STS, "demo-stage-0")
         tampered = copy.deepcopy(sts)
         tampered["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/image:latest"
-        await c.emulator.upsert("apps/v1", "statefulsets", tampered)
+        await c.upsert("apps/v1", "statefulsets", tampered)
         await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
                          != "evil/image:latest", message="edit reverted")
         reasons = {e["reason"] for e in c.events("demo")}
@@ -244,14 +243,14 @@ async def test_drift_is_restored_without_waiting_for_resync() -> None:
 
 
 async def test_invalid_spec_creates_nothing_then_recovers() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(isvc_doc({"parallelism": {"tensor": 3}}))  # 3 does not divide 32 heads
         condition = await eventually(lambda: c.condition("demo", "PlanValid"))
         assert condition["status"] == "False" and condition["reason"] == "InvalidSpec"
         assert "spec.parallelism.tensor" in condition["message"]
         warning = await eventually(lambda: [e for e in c.events("demo") if e["reason"] == "PlanRejected"])
         assert warning[0]["type"] == "Warning"
-        assert not c.children("demo") and not c.emulator.all(*STS)
+        assert not c.children("demo") and not c.all(*STS)
         await c.patch("demo", {"spec": {"parallelism": {"tensor": 2}}})
         await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("status") == "True")
         await eventually(lambda: c.get(*STS, "demo-stage-0"))
@@ -259,7 +258,7 @@ async def test_invalid_spec_creates_nothing_then_recovers() -> None:
 
 
 async def test_invalid_update_keeps_the_running_version() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
         await _converged(c)
         image = c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
@@ -270,7 +269,7 @@ async def test_invalid_update_keeps_the_running_version() -> None:
 
 
 async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c):
+    async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 3}))
         await eventually(lambda: c.get(*STS, "demo-stage-2"))
         await c.patch("demo", {"spec": {"parallelism": {"pipeline": 1}}})
@@ -303,11 +302,11 @@ async def _scenario(c: Any) -> None:
 
 
 async def test_injected_api_faults_converge_to_the_same_state() -> None:
-    async with cluster() as clean, FakeWorkloads(clean.emulator), running_operator(clean):
+    async with cluster() as clean, clean.workloads(), running_operator(clean):
         await _scenario(clean)
         expected = _desired_state(clean)
         expected_status = {k: v for k, v in clean.isvc("demo")["status"].items() if k != "conditions"}
-    async with cluster() as faulty, FakeWorkloads(faulty.emulator), \
+    async with cluster() as faulty, faulty.workloads(), \
             running_operator(faulty, api_timeout_seconds=1.0) as op:
         faulty.emulator.faults = Faults(rate=0.25, seed=11, hang_seconds=1.5)
         await _scenario(faulty)
@@ -324,7 +323,7 @@ async def test_injected_api_faults_converge_to_the_same_state() -> None:
 
 
 async def test_no_writes_when_nothing_changes() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator), running_operator(c) as op:
+    async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
         await _converged(c)
         await op.queue.wait_idle()
@@ -334,14 +333,14 @@ async def test_no_writes_when_nothing_changes() -> None:
             await op.queue.wait_idle()
         assert sum(op.kube.writes.values()) == writes, op.kube.writes
         # The watches on children and pods are filtered by the API server, not after the fact.
-        watches = [r for r in list(c.emulator) if r.params.get("watch") == "true" and r.resource
+        watches = [r for r in c.requests() if r.params.get("watch") == "true" and r.resource
                    and r.resource.plural in ("pods", "statefulsets")]
         assert watches and all(r.params.get("labelSelector") == f"{contract.LABEL_MANAGED_BY}={contract.APP_NAME}"
                                for r in watches)
 
 
 async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
-    async with cluster() as c, FakeWorkloads(c.emulator):
+    async with cluster() as c, c.workloads():
         def replica(identity: str) -> Operator:
             config = OperatorConfig(leader_election=True, lease_namespace="default", lease_name="tf", identity=identity,
                                     lease_duration_seconds=3, lease_renew_seconds=0.2, health_port=None,
@@ -364,7 +363,7 @@ async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
             leader.stop()
             await tasks[replicas.index(leader)]
             await eventually(lambda: standby.leading, timeout=10, message="standby took over")
-            await c.emulator.remove("v1", "services", "default", "demo-engine")
+            await c.remove("v1", "services", "default", "demo-engine")
             await eventually(lambda: c.get("v1", "services", "demo-engine"), message="restored by the new leader")
             assert c.get("coordination.k8s.io/v1", "leases", "tf")["spec"]["holderIdentity"] == standby.config.identity
         finally:
@@ -417,3 +416,62 @@ async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
         assert bad["allowed"] is False
         assert bad["status"]["code"] == 422
         assert bad["status"]["message"].startswith("spec.parallelism.tensor: 16 exceeds the 8 GPUs")
+
+
+def _verb(request: Any) -> str:
+    method = str(request.method.value).upper()
+    if method == "GET":
+        return "watch" if request.params.get("watch") == "true" else ("get" if request.name else "list")
+    return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete"}[method]
+
+
+async def test_every_api_call_is_covered_by_the_rbac_rules() -> None:
+    """The RBAC table in controller/resources.py against what the running operator actually calls."""
+    from tensorfleet.controller.resources import rbac_rules
+
+    allowed = {(group, resource, verb) for rule in rbac_rules()
+               for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]}
+    gate = ReadyGate()
+    async with cluster() as c, c.workloads(gate):
+        async with running_operator(c, leader_election=True, lease_namespace="default", lease_renew_seconds=0.2):
+            await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2},
+                                   autoscaling={"minReplicas": 1, "maxReplicas": 3}))
+            await _converged(c)
+            gate.auto = False
+            await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
+            gate.auto = True
+            await c.patch("demo", {"spec": {"autoscaling": None, "replicas": 1, "parallelism": {"pipeline": 1}}})
+            await eventually(lambda: c.get(*STS, "demo-stage-1") is None)
+            await c.patch("demo", {"spec": {"accelerator": {"type": "Z100"}}})  # rejected: a Warning event
+            await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("status") == "False")
+        requests = c.requests()
+    used = set()
+    for request in requests:
+        agent = request.headers.get("User-Agent", "")
+        if request.resource is None or request.resource.plural is None \
+                or not agent.startswith(("tensorfleet-operator", "kopf")):
+            continue
+        plural = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        used.add((request.resource.group, plural, _verb(request)))
+    assert used, "no API calls recorded"
+    missing = sorted(u for u in used if u not in allowed)
+    assert not missing, f"API calls the RBAC rules do not allow: {missing}"
+
+
+async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> None:
+    async with cluster() as c, c.workloads(), running_operator(c):
+        await c.create(sim_doc(replicas=2))
+        await _converged(c)
+        old_sts = c.get(*STS, "demo-stage-0")
+        old_pods = {n: p["metadata"]["uid"] for n, p in _pods(c).items()}
+        await c.patch("demo", {"spec": {"cache": {"size": "100Gi"}}})
+        sts = await eventually(lambda: (s := c.get(*STS, "demo-stage-0")) and s.get("spec", {}).get("volumeClaimTemplates")
+                               and s, message="recreated with a claim template")
+        assert sts["metadata"]["uid"] != old_sts["metadata"]["uid"]
+        assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "100Gi"
+        events = [e for e in c.events("demo") if e["reason"] == "StatefulSetRecreated"]
+        assert events, "no StatefulSetRecreated event"
+        # The orphaned pods were adopted by the new StatefulSet, not deleted with the old one.
+        adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
+                                               == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))
+        assert set(adopted) == set(old_pods)

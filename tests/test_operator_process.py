@@ -44,12 +44,14 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "nobody"}}],
         }))
         health, metrics = _port(), _port()
+        log = open(tmp_path / "operator.log", "wb")  # a file, not a pipe: a full pipe would block the operator
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tensorfleet.cli", "run", "--namespace", "default",
             "--health-port", str(health), "--metrics-port", str(metrics), "--lease-namespace", "default",
             "--log-format", "json",
             env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=log, stderr=asyncio.subprocess.STDOUT)
+        failure: BaseException | None = None
         try:
             await c.create(isvc_doc({"engine": {"kind": "simulator"}, "accelerator": {"type": "L4"}}))
             await eventually(lambda: c.get("apps/v1", "statefulsets", "demo-stage-0"), timeout=30, message="reconciled")
@@ -61,10 +63,17 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
             assert status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text
             assert "tensorfleet_api_requests_total" in text and 'tensorfleet_leader 1.0' in text
             # The token from the kubeconfig reached the API server.
-            assert any(r.headers.get("Authorization") == "Bearer t0ken" for r in list(c.emulator))
+            assert any(r.headers.get("Authorization") == "Bearer t0ken" for r in c.requests())
+        except BaseException as exc:  # re-raised below with the operator's own output attached
+            failure = exc
         finally:
-            process.send_signal(signal.SIGTERM)
-            output, _ = await asyncio.wait_for(process.communicate(), 30)
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(process.wait(), 30)
+            log.close()
+        output = (tmp_path / "operator.log").read_bytes()
+        if failure is not None:
+            raise AssertionError(f"{failure}\n--- operator output ---\n{output.decode()[-3000:]}") from failure
         assert process.returncode == 0, output.decode()[-2000:]
         assert "Traceback" not in output.decode()
         # The lease is released on a clean exit, so a standby need not wait for it to expire.

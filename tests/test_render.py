@@ -370,7 +370,9 @@ def test_leader_and_worker_pods() -> None:
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "ray", "containerPort": 6379, "protocol": "TCP"},
+        {"name": "gpu-metrics", "containerPort": 9400, "protocol": "TCP"},
     ]
+    assert leader["spec"]["template"]["spec"]["securityContext"] == {"fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"}
     http = {"httpGet": {"path": "/health", "port": "http"}}
     assert container["startupProbe"] == {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
     assert container["readinessProbe"] == {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
@@ -379,7 +381,8 @@ def test_leader_and_worker_pods() -> None:
 
     for k, sts in enumerate(workers, start=1):
         container = engine(sts)
-        assert container["ports"] == [{"name": "ray", "containerPort": 6379, "protocol": "TCP"}]
+        assert container["ports"] == [{"name": "ray", "containerPort": 6379, "protocol": "TCP"},
+                                      {"name": "gpu-metrics", "containerPort": 9400, "protocol": "TCP"}]
         probe = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
         assert container["startupProbe"] == {**probe, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
         assert container["readinessProbe"]["exec"] == probe["exec"] and container["readinessProbe"]["periodSeconds"] == 5

@@ -65,6 +65,8 @@ def test_runs_as_non_root() -> None:
     assert users, "no USER"
     user = re.sub(r"\$\{(\w+)\}", lambda m: _args()[m.group(1)], users[-1])
     assert user.isdigit() and int(user) != 0, "USER must be a numeric non-root uid (runAsNonRoot checks it)"
+    # The renderer gives engine pods this fsGroup so the model cache volume is writable.
+    assert int(user) == contract.WORKER_UID
 
 
 def test_exposes_the_contract_ports() -> None:

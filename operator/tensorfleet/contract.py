@@ -64,6 +64,9 @@ WORKER_METRICS_PORT: Final = 9400  # GPU health exporter beside the engine
 PORT_NAME_HTTP: Final = "http"
 PORT_NAME_RAY: Final = "ray"
 PORT_NAME_GPU_METRICS: Final = "gpu-metrics"
+# The worker image's non-root user (worker-image/Dockerfile ARG TENSORFLEET_UID);
+# engine pods use it as fsGroup so a PVC-backed model cache is writable.
+WORKER_UID: Final = 10001
 
 # --- Paths -----------------------------------------------------------------
 HEALTH_PATH: Final = "/health"

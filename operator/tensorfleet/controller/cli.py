@@ -45,6 +45,67 @@ def register(commands: Any) -> None:
                            "(leave out when the Helm chart manages it)")
     run.set_defaults(func=_cmd_run)
 
+    rbac = commands.add_parser("rbac", help="print the RBAC the operator needs (ClusterRole, or Role per namespace)")
+    rbac.add_argument("--service-account", default="tensorfleet-operator", help="subject to bind (default tensorfleet-operator)")
+    rbac.add_argument("--service-account-namespace", default="tensorfleet-system",
+                      help="namespace of that ServiceAccount (default tensorfleet-system)")
+    rbac.add_argument("-n", "--namespace", dest="namespaces", action="append", default=None,
+                      help="namespaced mode: a Role and RoleBinding in each watched namespace instead of cluster-wide")
+    rbac.add_argument("--webhook-managed", action="store_true",
+                      help="also allow managing the ValidatingWebhookConfiguration (tensorfleet run --webhook-managed)")
+    rbac.set_defaults(func=_cmd_rbac)
+
+
+def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None,
+                 managed_webhook: bool = False) -> list[dict[str, Any]]:
+    """RBAC objects granting exactly controller.resources' verbs; cluster-wide unless namespaces are given."""
+    from tensorfleet import contract
+    from tensorfleet.controller.resources import rbac_rules
+
+    name = "tensorfleet-operator"
+    labels = {contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: "operator"}
+    subject = {"kind": "ServiceAccount", "name": service_account, "namespace": service_account_namespace}
+    rules = rbac_rules(managed_webhook)
+    if not namespaces:
+        return [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+             "metadata": {"name": name, "labels": labels}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+             "metadata": {"name": name, "labels": labels},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+             "subjects": [subject]},
+        ]
+    cluster_scoped = [r for r in rules if r["resources"][0] in
+                      ("namespaces", "customresourcedefinitions", "validatingwebhookconfigurations")]
+    namespaced = [r for r in rules if r not in cluster_scoped]
+    objects: list[dict[str, Any]] = [
+        # kopf lists namespaces and CRDs even when it watches chosen namespaces.
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": f"{name}-discovery", "labels": labels}, "rules": cluster_scoped},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": f"{name}-discovery", "labels": labels},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": f"{name}-discovery"},
+         "subjects": [subject]},
+    ]
+    for namespace in dict.fromkeys([*namespaces, service_account_namespace]):
+        objects += [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": name, "namespace": namespace, "labels": labels}, "rules": namespaced},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": name, "namespace": namespace, "labels": labels},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+             "subjects": [subject]},
+        ]
+    return objects
+
+
+def _cmd_rbac(args: argparse.Namespace) -> int:
+    import yaml
+
+    objects = rbac_objects(args.service_account, args.service_account_namespace, args.namespaces, args.webhook_managed)
+    sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
+    return 0
+
 
 def _config(args: argparse.Namespace) -> Any:
     from tensorfleet.controller.operator import OperatorConfig, WebhookConfig
@@ -72,6 +133,9 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.PLAIN)
     logging.getLogger("tensorfleet").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    # kopf logs every handler call; ours run on every watch event, so that is
+    # noise unless debugging. The reconciler logs what it changes.
+    logging.getLogger("kopf.objects").setLevel(logging.DEBUG if args.verbose else logging.WARNING)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

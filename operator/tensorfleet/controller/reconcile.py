@@ -140,6 +140,7 @@ class Reconciler:
             await self.events.normal(owner, "StatefulSetRecreated",
                                      f"{name}: an immutable field changed; recreated it keeping its pods")
             return applied
+        log.info("%s %s %s/%s", "created" if live is None else "updated", kind.kind, obj["metadata"]["namespace"], name)
         if live is None and not first_time:
             await self.events.warning(owner, "ChildRestored", f"{kind.kind} {name} was missing; recreated it")
         elif live is not None and spec_unchanged:
@@ -162,6 +163,7 @@ class Reconciler:
                 if not any(ref.get("uid") == uid and ref.get("controller") for ref in owners):
                     continue  # carries our labels but is not ours: leave it alone
                 await self.kube.delete(kind, live["metadata"]["namespace"], name, uid=live["metadata"].get("uid"))
+                log.info("pruned %s %s/%s", kind.kind, live["metadata"]["namespace"], name)
                 await self.events.normal(owner, "Pruned", f"deleted {kind.kind} {name}, no longer part of the spec")
 
     async def _roll_groups(self, owner: dict[str, Any], obs: Observation) -> None:
@@ -171,6 +173,7 @@ class Reconciler:
             for pod in group.pods.values():
                 meta = pod["metadata"]
                 await self.kube.delete(POD, meta["namespace"], meta["name"], uid=meta.get("uid"))
+            log.info("replacing group %d of %s/%s", index, owner["metadata"]["namespace"], owner["metadata"]["name"])
             await self.events.normal(
                 owner, "RolloutGroupReplaced",
                 f"replacing group {index} (all {obs.pipeline} stages); {obs.updated_replicas} of {obs.desired} groups updated",
@@ -193,6 +196,8 @@ class Reconciler:
     async def _reject(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, exc: SpecError) -> None:
         new = rejected_status(status, generation=generation, field=exc.field, message=exc.message, now=self.now())
         changed = await self._write_status(body, status, new)
+        if changed:
+            log.info("plan rejected for %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
         if changed or condition_status(status.get("conditions") or [], PLAN_VALID) != "False":
             await self.events.warning(body, "PlanRejected", str(exc))
 

@@ -39,11 +39,14 @@ class Kind:
         return base
 
 
-_CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
+# Children are read by LIST (and watched), written by server-side apply
+# (patch, plus create when the object is new) and pruned with delete.
+_CHILD_VERBS = ("list", "watch", "create", "patch", "delete")
 
 INFERENCE_SERVICE = Kind(
     contract.GROUP, contract.VERSION, contract.PLURAL, contract.KIND, ("get", "list", "watch"),
-    subresources=(("status", ("get", "patch")),),
+    # ownerReferences with blockOwnerDeletion need update on the owner's finalizers.
+    subresources=(("status", ("patch",)), ("finalizers", ("update",))),
 )
 SERVICE_ACCOUNT = Kind("", "v1", "serviceaccounts", "ServiceAccount", _CHILD_VERBS)
 ROLE = Kind("rbac.authorization.k8s.io", "v1", "roles", "Role", _CHILD_VERBS)
@@ -54,8 +57,8 @@ DEPLOYMENT = Kind("apps", "v1", "deployments", "Deployment", _CHILD_VERBS)
 HPA = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", _CHILD_VERBS)
 PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD_VERBS)
 # Pods are read for group readiness and deleted to roll multi-node groups.
-POD = Kind("", "v1", "pods", "Pod", ("get", "list", "watch", "delete"))
-EVENT = Kind("", "v1", "events", "Event", ("create", "patch"))
+POD = Kind("", "v1", "pods", "Pod", ("list", "watch", "delete"))
+EVENT = Kind("", "v1", "events", "Event", ("create",))
 LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", ("get", "create", "update"))
 # The router Role grants read access to EndpointSlices; RBAC lets a subject
 # grant only what it holds itself, so the operator needs the same.
@@ -64,6 +67,9 @@ ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice
 NAMESPACE = Kind("", "v1", "namespaces", "Namespace", ("list", "watch"), namespaced=False)
 CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
            ("list", "watch"), namespaced=False)
+# Only with `tensorfleet run --webhook-managed`: kopf then keeps the configuration current.
+WEBHOOK_CONFIGURATION = Kind("admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations",
+                             "ValidatingWebhookConfiguration", ("list", "watch", "create", "patch"), namespaced=False)
 
 # What render() produces, in apply order; pruned children are found among these.
 CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, PDB, STATEFUL_SET, DEPLOYMENT, HPA)
@@ -79,10 +85,10 @@ def kind_of(obj: dict[str, Any]) -> Kind:
         raise ValueError(f"the operator does not manage {obj.get('apiVersion')}/{obj.get('kind')}") from None
 
 
-def rbac_rules() -> list[dict[str, Any]]:
+def rbac_rules(managed_webhook: bool = False) -> list[dict[str, Any]]:
     """The RBAC rules the operator needs: one per resource, no wildcards."""
     rules: list[dict[str, Any]] = []
-    for kind in ALL_KINDS:
+    for kind in (*ALL_KINDS, *((WEBHOOK_CONFIGURATION,) if managed_webhook else ())):
         rules.append({"apiGroups": [kind.group], "resources": [kind.plural], "verbs": list(kind.verbs)})
         for sub, verbs in kind.subresources:
             rules.append({"apiGroups": [kind.group], "resources": [f"{kind.plural}/{sub}"], "verbs": list(verbs)})

@@ -99,6 +99,10 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         # The engine never talks to the API server.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        # The worker image runs as a non-root user; group ownership makes a
+        # PVC-backed cache writable, and OnRootMismatch avoids re-chowning
+        # hundreds of GB of weights on every start.
+        "securityContext": {"fsGroup": contract.WORKER_UID, "fsGroupChangePolicy": "OnRootMismatch"},
         "containers": [_container(ctx, stage)],
         "volumes": _volumes(ctx),
     }
@@ -133,6 +137,9 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
     ports = [_port(contract.PORT_NAME_RAY, contract.RAY_PORT)]
     if stage == 0:
         ports.insert(0, _port(contract.PORT_NAME_HTTP, contract.ENGINE_PORT))
+    if is_gpu(ctx):
+        # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
+        ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
     container.update({
         "command": list(contract.WORKER_COMMAND),
         "env": _env(ctx, stage),

@@ -1,0 +1,197 @@
+"""Operator benchmark: the real `tensorfleet run` process against the emulated API server.
+
+Measures, for N InferenceServices created at once:
+  - time until every one has converged (plan accepted, all groups ready, nothing progressing),
+  - API writes the operator made on the way, by kind, per InferenceService, against the
+    floor (one apply per child object),
+  - API writes per minute once nothing changes (with a short resync so the idle
+    reconciles actually run),
+  - the operator process's resident memory (current and peak).
+
+The emulator, and stand-ins for the StatefulSet/Deployment controllers, run in this
+process; the operator runs as its own process, as in a cluster. Writes are counted on
+the server side, from the operator's User-Agent.
+
+    .venv/bin/python benchmarks/bench_operator.py --count 200 --idle-seconds 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from fake_workloads import FakeWorkloads  # noqa: E402
+from kmock import Server  # noqa: E402
+from kube_emulator import WRITE_METHODS, ClusterEmulator  # noqa: E402
+
+from tensorfleet import contract  # noqa: E402
+from tensorfleet.controller.kube import USER_AGENT  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SETTLE_SECONDS = 3.0
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spec(name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND,
+        "metadata": {"name": name, "namespace": "bench"},
+        "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+                 "engine": {"kind": "simulator"}, "accelerator": {"type": "L4"},
+                 "parallelism": {"tensor": 1, "pipeline": 1}, "replicas": 1, "router": {"replicas": 1}},
+    }
+
+
+def _operator_writes(emulator: ClusterEmulator, start: int, end: int | None = None) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for request in list(emulator)[start:end]:
+        if request.headers.get("User-Agent", "").startswith(USER_AGENT.split("/")[0]) \
+                and str(request.method.value).upper() in WRITE_METHODS and request.resource is not None:
+            counts[request.resource.plural + ("/" + request.subresource if request.subresource else "")] += 1
+    return counts
+
+
+def _converged(emulator: ClusterEmulator, names: set[str]) -> int:
+    done = 0
+    for isvc in emulator.all(contract.API_VERSION, contract.PLURAL, "bench"):
+        status = isvc.get("status") or {}
+        conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+        if isvc["metadata"]["name"] in names and conditions.get("Ready") == "True" \
+                and conditions.get("Progressing") == "False" \
+                and status.get("observedGeneration") == isvc["metadata"]["generation"]:
+            done += 1
+    return done
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _rss(pid: int) -> dict[str, float]:
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mib": round(fields.get("VmRSS", 0), 1), "peak_rss_mib": round(fields.get("VmHWM", 0), 1)}
+
+
+async def run(count: int, idle_seconds: float, resync_seconds: float, workers: int) -> dict[str, Any]:
+    async with ClusterEmulator() as emulator, Server(emulator) as server:
+        url = str(server.url).rstrip("/")
+        workdir = Path(tempfile.mkdtemp())
+        kubeconfig = workdir / "config"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+            "clusters": [{"name": "emu", "cluster": {"server": url}}], "users": [{"name": "u", "user": {}}],
+            "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
+        health = _port()
+        async with FakeWorkloads(emulator, interval=0.5):
+            process = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "tensorfleet.cli", "run", "--no-leader-election", "--health-port", str(health),
+                "--metrics-port", "0", "--resync-seconds", str(resync_seconds), "--workers", str(workers),
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+            try:
+                async with aiohttp.ClientSession() as session:
+                    for _ in range(200):
+                        try:
+                            async with session.get(f"http://127.0.0.1:{health}/readyz") as response:
+                                if response.status == 200:
+                                    break
+                        except aiohttp.ClientError:
+                            pass
+                        await asyncio.sleep(0.1)
+                    names = {f"bench-{i:03d}" for i in range(count)}
+                    start_index = len(list(emulator))
+                    started = time.perf_counter()
+                    path = f"{url}/apis/{contract.API_VERSION}/namespaces/bench/{contract.PLURAL}"
+                    await asyncio.gather(*(session.post(path, json=_spec(n)) for n in sorted(names)))
+                    while _converged(emulator, names) < count:
+                        await asyncio.sleep(0.25)
+                        if time.perf_counter() - started > 1800:
+                            raise TimeoutError(f"only {_converged(emulator, names)} of {count} converged in 30 min")
+                    converge_seconds = time.perf_counter() - started
+                    converge_cpu = _cpu_seconds(process.pid)
+                # Events and status writes triggered by the last readiness change land
+                # just after it; they belong to converging, not to the idle window.
+                await asyncio.sleep(SETTLE_SECONDS)
+                converge_index = len(list(emulator))
+                create_writes = _operator_writes(emulator, start_index, converge_index)
+                await asyncio.sleep(idle_seconds)
+                idle_writes = _operator_writes(emulator, converge_index)
+                memory = _rss(process.pid)
+            finally:
+                process.send_signal(signal.SIGTERM)
+                await asyncio.wait_for(process.wait(), 60)
+    children_per_isvc = 9  # SA, Role, RoleBinding, 3 Services, PDB, StatefulSet, Deployment
+    applies = sum(n for k, n in create_writes.items() if not k.endswith("/status") and k != "events")
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "inference_services": count,
+        "converge_seconds": round(converge_seconds, 2),
+        "operator_cpu_seconds_to_converge": round(converge_cpu, 2),
+        "writes_to_converge": dict(sorted(create_writes.items())),
+        "writes_per_inference_service": round(sum(create_writes.values()) / count, 2),
+        "child_applies_per_inference_service": round(applies / count, 2),
+        "floor_child_objects": children_per_isvc,
+        "idle_seconds": idle_seconds,
+        "resync_seconds": resync_seconds,
+        "idle_writes": dict(idle_writes),
+        "idle_writes_per_minute": round(sum(idle_writes.values()) * 60 / idle_seconds, 2),
+        **memory,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--idle-seconds", type=float, default=60.0)
+    parser.add_argument("--resync-seconds", type=float, default=15.0)
+    parser.add_argument("--workers", type=int, default=4)
+    args = parser.parse_args()
+    result = asyncio.run(run(args.count, args.idle_seconds, args.resync_seconds, args.workers))
+    rows = [
+        ("machine", result["machine"]),
+        ("InferenceServices created at once", result["inference_services"]),
+        ("time to converge (all Ready, nothing progressing)", f"{result['converge_seconds']} s"),
+        ("  operator CPU time in that span", f"{result['operator_cpu_seconds_to_converge']} s"),
+        ("API writes to converge, per InferenceService", result["writes_per_inference_service"]),
+        ("  of which child applies (floor: one per child)", f"{result['child_applies_per_inference_service']}"
+                                                             f" (floor {result['floor_child_objects']})"),
+        ("  by resource", ", ".join(f"{k} {v}" for k, v in result["writes_to_converge"].items())),
+        (f"API writes per minute, idle (resync every {result['resync_seconds']:g} s)", result["idle_writes_per_minute"]),
+        ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "operator.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
