@@ -574,12 +574,15 @@ def test_router() -> None:
     custom = document(router={
         "replicas": 3, "strategy": "prefix-aware", "image": "example/router:2",
         "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}},
+        "maxConcurrencyPerEngine": 48, "maxQueue": 500, "queueTimeoutSeconds": 10,
     })
     deployment = one(rendered(custom), "Deployment", "llama-router")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert deployment["spec"]["replicas"] == 3
     assert container["image"] == "example/router:2"
     assert container["args"][container["args"].index("--strategy") + 1] == "prefix-aware"
+    assert container["args"][container["args"].index("--max-concurrency-per-backend") + 1] == "48"
+    assert container["args"][-4:] == ["--max-queue", "500", "--queue-timeout", "10"]
     assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}
 
 

@@ -355,6 +355,21 @@ class RouterSpec(ApiModel):
         default="least-pending", description="How the router picks an engine. Default: least-pending."
     )
     image: str | None = Field(default=None, min_length=1, max_length=512, description=f"Router image. Default: {contract.CONTROL_PLANE_IMAGE}.")
+    max_concurrency_per_engine: int | None = Field(
+        default=None, ge=1, le=65536,
+        description=(
+            "Requests in flight per engine before the router queues them itself. Lower it toward the requests "
+            "the KV cache holds at your typical length, so overload turns into fast 429s at the router instead of "
+            "a queue inside vLLM. Default: the engine's maxNumSeqs."
+        ),
+    )
+    max_queue: int | None = Field(
+        default=None, ge=1, le=1_000_000,
+        description="Requests waiting at the router before it answers 429. Default: twice the fleet's concurrency, at least 64.",
+    )
+    queue_timeout_seconds: int | None = Field(
+        default=None, ge=1, le=3600, description="How long a request may wait at the router for an engine before 503. Default: 30.",
+    )
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources. Default: 250m CPU, 256Mi memory.")
 
 

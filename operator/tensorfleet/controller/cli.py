@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Any
 
+from tensorfleet import argtypes
+
 
 def _env_list(name: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
@@ -21,8 +23,8 @@ def register(commands: Any) -> None:
                        help="watch only this namespace (repeatable; env WATCH_NAMESPACES=a,b); default: all namespaces")
     scope.add_argument("--context", help="kubeconfig context (outside a cluster)")
     tuning = run.add_argument_group("reconciling")
-    tuning.add_argument("--workers", type=int, default=4, help="InferenceServices reconciled in parallel (default 4)")
-    tuning.add_argument("--resync-seconds", type=float, default=300.0,
+    tuning.add_argument("--workers", type=argtypes.positive_int, default=4, help="InferenceServices reconciled in parallel (default 4)")
+    tuning.add_argument("--resync-seconds", type=argtypes.positive_float, default=300.0,
                         help="re-check every InferenceService this often, besides watch events (default 300)")
     election = run.add_argument_group("leader election")
     election.add_argument("--no-leader-election", action="store_true",
@@ -31,12 +33,12 @@ def register(commands: Any) -> None:
                           help="namespace of the Lease (default: $POD_NAMESPACE, else default)")
     election.add_argument("--lease-name", default="tensorfleet-operator", help="name of the Lease")
     serving = run.add_argument_group("endpoints")
-    serving.add_argument("--health-port", type=int, default=8080, help="/healthz and /readyz port (default 8080)")
-    serving.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port; 0 turns it off (default 9090)")
+    serving.add_argument("--health-port", type=argtypes.non_negative_int, default=8080, help="/healthz and /readyz port (default 8080)")
+    serving.add_argument("--metrics-port", type=argtypes.non_negative_int, default=9090, help="Prometheus /metrics port; 0 turns it off (default 9090)")
     serving.add_argument("--log-format", choices=("plain", "json"), default="plain", help="log line format (default plain)")
     serving.add_argument("--verbose", action="store_true", help="debug logging")
     hook = run.add_argument_group("validating admission webhook (off unless --webhook-port is given)")
-    hook.add_argument("--webhook-port", type=int, help="serve the webhook on this port")
+    hook.add_argument("--webhook-port", type=argtypes.positive_int, help="serve the webhook on this port")
     hook.add_argument("--webhook-cert", help="TLS certificate file (e.g. from cert-manager)")
     hook.add_argument("--webhook-key", help="TLS private key file")
     hook.add_argument("--webhook-host", help="hostname the API server uses to reach the webhook")

@@ -81,8 +81,10 @@ def _container(ctx: Context) -> dict[str, Any]:
             "--port", str(contract.ROUTER_PORT),
             # A leader never batches more than the engine's max-num-seqs;
             # beyond that requests only queue inside the engine.
-            "--max-concurrency-per-backend", str(ctx.plan.max_num_seqs),
+            "--max-concurrency-per-backend", str(router.max_concurrency_per_engine or ctx.plan.max_num_seqs),
             "--model", ctx.served_name,
+            *(["--max-queue", str(router.max_queue)] if router.max_queue else []),
+            *(["--queue-timeout", str(router.queue_timeout_seconds)] if router.queue_timeout_seconds else []),
         ],
         "ports": [{"name": contract.PORT_NAME_HTTP, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {**_health(), "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},

@@ -12,30 +12,12 @@ import argparse
 import logging
 from typing import Any
 
-from tensorfleet import contract
+from tensorfleet import argtypes, contract
 
 log = logging.getLogger("tensorfleet.router")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -54,17 +36,17 @@ def register(subparsers: Any) -> None:
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=contract.ROUTER_PORT)
     p.add_argument("--model", help="served model name; requests naming another model get 404")
-    p.add_argument("--max-concurrency-per-backend", type=_positive_int, default=256,
+    p.add_argument("--max-concurrency-per-backend", type=argtypes.positive_int, default=256,
                    help="requests in flight per engine before the router queues (the plan's max-num-seqs)")
-    p.add_argument("--max-queue", type=_non_negative_int, default=0,
+    p.add_argument("--max-queue", type=argtypes.non_negative_int, default=0,
                    help="requests queued at the router before 429 (0: twice the fleet's concurrency, at least 64)")
-    p.add_argument("--queue-timeout", type=_positive_float, default=30.0,
+    p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
                    help="seconds a request may wait for an engine slot before 503")
-    p.add_argument("--retries", type=_non_negative_int, default=2,
+    p.add_argument("--retries", type=argtypes.non_negative_int, default=2,
                    help="other engines to try when one fails before any byte reached the client")
-    p.add_argument("--health-interval", type=_positive_float, default=2.0,
+    p.add_argument("--health-interval", type=argtypes.positive_float, default=2.0,
                    help="seconds between active health checks and /metrics scrapes of each engine")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=16 * 1024 * 1024)
+    p.add_argument("--max-body-bytes", type=argtypes.positive_int, default=16 * 1024 * 1024)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 

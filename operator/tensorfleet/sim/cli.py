@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet import contract
+from tensorfleet import argtypes, contract
 
 log = logging.getLogger("tensorfleet.sim")
 
@@ -35,18 +35,6 @@ def _lenient(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = Lenient
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -61,14 +49,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--served-model-name", required=True, help="the OpenAI `model` name to answer to")
     parser.add_argument("--model", help="Hugging Face id of the simulated model (default: Llama-3.1-8B)")
     parser.add_argument("--accelerator", help="GPU type, as in spec.accelerator.type (default: L4)")
-    parser.add_argument("--tensor-parallel-size", type=_positive_int)
-    parser.add_argument("--max-model-len", type=_positive_int)
-    parser.add_argument("--max-num-seqs", type=_positive_int)
-    parser.add_argument("--max-num-batched-tokens", type=_positive_int)
-    parser.add_argument("--kv-cache-tokens", type=_positive_int, help="override the planner's KV-cache size")
-    parser.add_argument("--startup-delay", type=_non_negative_float, default=0.0,
+    parser.add_argument("--tensor-parallel-size", type=argtypes.positive_int)
+    parser.add_argument("--max-model-len", type=argtypes.positive_int)
+    parser.add_argument("--max-num-seqs", type=argtypes.positive_int)
+    parser.add_argument("--max-num-batched-tokens", type=argtypes.positive_int)
+    parser.add_argument("--kv-cache-tokens", type=argtypes.positive_int, help="override the planner's KV-cache size")
+    parser.add_argument("--startup-delay", type=argtypes.non_negative_float, default=0.0,
                         help="seconds /health answers 503, like a model loading")
-    parser.add_argument("--time-scale", type=_non_negative_float, default=1.0,
+    parser.add_argument("--time-scale", type=argtypes.non_negative_float, default=1.0,
                         help="wall-clock seconds per simulated second: 0.01 runs 100x faster, 0 as fast as possible")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated text and lengths")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
