@@ -1,0 +1,332 @@
+"""The Helm chart: renders, lints, validates, and agrees with the operator's code.
+
+Rendered with helm-python-sdk (Helm's Go engine; no helm binary needed). Every
+list the chart must agree with (RBAC rules, `tensorfleet run` flags, metric
+names, the CRD) is imported from the code, never re-typed here.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tensorfleet import contract
+from tensorfleet.cli import build_parser
+from tensorfleet.controller.cli import _config, rbac_objects
+from tensorfleet.controller.resources import rbac_rules
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency (pip install -e '.[dev]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "tensorfleet"
+RELEASE = "tf"
+NAMESPACE = "tensorfleet-system"
+KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
+# Kinds of other projects' CRDs: opt-in, and not in kubernetes-validate's schemas.
+THIRD_PARTY = {"monitoring.coreos.com/v1", "cert-manager.io/v1"}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
+    "webhook-off": {"webhook": {"enabled": False}},
+    "monitoring-on": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
+                      "grafana": {"dashboard": {"enabled": True}}},
+    "cert-manager": {"webhook": {"certManager": {"enabled": True}, "failurePolicy": "Ignore"}},
+    "cert-manager-cluster-issuer": {"webhook": {"certManager": {"enabled": True,
+                                                                "issuerRef": {"kind": "ClusterIssuer", "name": "ca"}}}},
+    "single-replica": {"operator": {"replicas": 1, "leaderElection": False}, "webhook": {"enabled": False},
+                       "grafana": {"dashboard": {"enabled": False}},
+                       "autoscaling": {"prometheusAdapter": {"configMap": False}}, "metrics": {"service": False}},
+}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Any:
+    return helm.Chart.load(str(CHART))
+
+
+def render(chart: Any, values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    manifests = chart.render(values or None, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in manifests.items():
+        if not path.endswith((".yaml", ".yml")):
+            continue
+        objects += [doc for doc in yaml.safe_load_all(text) if doc]
+    return objects
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(objects, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_object_validates_strictly(chart: Any, name: str) -> None:
+    objects = render(chart, VALUE_SETS[name])
+    assert objects
+    for obj in objects:
+        assert obj["metadata"]["name"], obj
+        if obj["apiVersion"] in THIRD_PARTY:
+            continue
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_is_clean(name: str) -> None:
+    report = helm.lint(str(CHART), VALUE_SETS[name] or None, strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    assert report["errors"] == []
+    # Severity 1 is informational (e.g. "icon is recommended"); warnings and errors fail.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_chart_crds_are_the_repository_crds(chart: Any) -> None:
+    top = sorted((ROOT / "crds").glob("*.yaml"))
+    ours = sorted((CHART / "crds").glob("*.yaml"))
+    assert [p.name for p in ours] == [p.name for p in top]
+    for a, b in zip(top, ours):
+        assert a.read_bytes() == b.read_bytes(), f"{b} differs from {a}: copy crds/ into the chart"
+    # What Helm itself loads as the chart's CRDs (installed before the templates).
+    loaded = {c["name"]: c["data"] for c in chart.crds}
+    assert loaded == {f"crds/{p.name}": p.read_text() for p in top}
+
+
+def test_cluster_wide_rbac_is_exactly_the_operators_rules(chart: Any) -> None:
+    objects = render(chart)
+    role = one(objects, "ClusterRole")
+    assert role["rules"] == rbac_rules(managed_webhook=False)
+    assert by_kind(objects, "Role") == []
+    binding = one(objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                  "name": role["metadata"]["name"]}
+    account = one(objects, "ServiceAccount")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"],
+                                    "namespace": NAMESPACE}]
+    assert one(objects, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"] == account["metadata"]["name"]
+
+
+def test_namespaced_rbac_matches_tensorfleet_rbac(chart: Any) -> None:
+    watched = VALUE_SETS["namespaced"]["watchNamespaces"]
+    objects = render(chart, VALUE_SETS["namespaced"])
+    expected = rbac_objects("sa", NAMESPACE, watched)
+
+    def rules_by(objs: list[dict[str, Any]], kind: str) -> dict[str | None, list[Any]]:
+        return {o["metadata"].get("namespace"): o["rules"] for o in by_kind(objs, kind)}
+
+    assert rules_by(objects, "ClusterRole") == rules_by(expected, "ClusterRole")
+    assert rules_by(objects, "Role") == rules_by(expected, "Role")
+    assert set(rules_by(objects, "Role")) == {*watched, NAMESPACE}
+    bindings = {o["metadata"]["namespace"]: o for o in by_kind(objects, "RoleBinding")}
+    roles = {o["metadata"]["namespace"]: o["metadata"]["name"] for o in by_kind(objects, "Role")}
+    assert {ns: b["roleRef"]["name"] for ns, b in bindings.items()} == roles
+    # Together the two halves are every rule, once.
+    together = [r for o in by_kind(objects, "ClusterRole") for r in o["rules"]] + rules_by(objects, "Role")[NAMESPACE]
+    assert sorted(map(json.dumps, together)) == sorted(map(json.dumps, rbac_rules()))
+
+
+@pytest.mark.parametrize("name", ["default", "namespaced"])
+def test_rbac_has_no_wildcards(chart: Any, name: str) -> None:
+    for obj in render(chart, VALUE_SETS[name]):
+        for rule in obj.get("rules", []):
+            for key in ("apiGroups", "resources", "verbs"):
+                assert "*" not in rule[key], (obj["metadata"]["name"], rule)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_operator_args_are_what_tensorfleet_run_accepts(chart: Any, name: str) -> None:
+    values = VALUE_SETS[name]
+    container = operator_container(render(chart, values))
+    assert container.get("command") is None, "the image's ENTRYPOINT is `tensorfleet`"
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "run"
+    config = _config(args)
+    assert config.namespaces == values.get("watchNamespaces", [])
+    assert config.leader_election == values.get("operator", {}).get("leaderElection", True)
+    assert config.health_port == 8080 and args.metrics_port == 9090 and args.log_format == "json"
+    webhook_on = values.get("webhook", {}).get("enabled", True)
+    assert (config.webhook is not None) == webhook_on
+    if webhook_on:
+        # The chart owns the ValidatingWebhookConfiguration: kopf must not manage one too.
+        assert config.webhook.managed is None
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert str(Path(config.webhook.certfile).parent) in mounts
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_operator_deployment_defaults(chart: Any) -> None:
+    objects = render(chart)
+    deployment = one(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    container = operator_container(objects)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert ports["health"] == 8080 and ports["metrics"] == 9090
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["image"] == contract.CONTROL_PLANE_IMAGE
+    assert one(objects, "PodDisruptionBudget")["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_restricted_pod_security(chart: Any, name: str) -> None:
+    pod = one(render(chart, VALUE_SETS[name]), "Deployment")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in pod["containers"]:
+        sc = container["securityContext"]
+        assert sc["runAsNonRoot"] is True and isinstance(sc["runAsUser"], int) and sc["runAsUser"] > 0
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert not pod.get("hostNetwork") and not pod.get("hostPID")
+    assert all("hostPath" not in v for v in pod.get("volumes", []))
+
+
+def test_self_signed_webhook_has_a_matching_ca_bundle(chart: Any) -> None:
+    from cryptography import x509
+
+    objects = render(chart)
+    config = one(objects, "ValidatingWebhookConfiguration")
+    (hook,) = config["webhooks"]
+    assert hook["failurePolicy"] == "Fail" and hook["sideEffects"] == "None"
+    assert hook["rules"][0]["apiGroups"] == [contract.GROUP]
+    assert hook["rules"][0]["resources"] == [contract.PLURAL]
+    service = hook["clientConfig"]["service"]
+    # kopf serves a validating handler at /<handler id>; the operator's handler id is "spec".
+    assert service["path"] == "/spec"
+    svc = next(s for s in by_kind(objects, "Service") if s["metadata"]["name"] == service["name"])
+    assert svc["spec"]["ports"][0]["targetPort"] == "webhook"
+    secret = one(objects, "Secret")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(hook["clientConfig"]["caBundle"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    assert cert.issuer == ca.subject
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert f"{service['name']}.{NAMESPACE}.svc" in names
+    deployment = one(objects, "Deployment")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-tls"]["secret"]["secretName"] == secret["metadata"]["name"]
+
+
+def test_cert_manager_webhook(chart: Any) -> None:
+    objects = render(chart, VALUE_SETS["cert-manager"])
+    assert by_kind(objects, "Secret") == []
+    certificate = one(objects, "Certificate")
+    issuer = one(objects, "Issuer")
+    assert certificate["spec"]["issuerRef"]["name"] == issuer["metadata"]["name"]
+    config = one(objects, "ValidatingWebhookConfiguration")
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{NAMESPACE}/{certificate['metadata']['name']}"
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    assert config["webhooks"][0]["failurePolicy"] == "Ignore"
+    deployment = one(objects, "Deployment")
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["webhook-tls"]["secret"]["secretName"] == certificate["spec"]["secretName"]
+    external = render(chart, VALUE_SETS["cert-manager-cluster-issuer"])
+    assert by_kind(external, "Issuer") == []
+    assert one(external, "Certificate")["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "ca"}
+
+
+def test_webhook_off_renders_no_webhook(chart: Any) -> None:
+    objects = render(chart, VALUE_SETS["webhook-off"])
+    for kind in ("ValidatingWebhookConfiguration", "Secret", "Certificate", "Issuer"):
+        assert by_kind(objects, kind) == []
+    assert all("webhook" not in s["metadata"]["name"] for s in by_kind(objects, "Service"))
+
+
+def test_third_party_kinds_are_opt_in(chart: Any) -> None:
+    kinds = {o["kind"] for o in render(chart)}
+    assert not kinds & {"ServiceMonitor", "Certificate", "Issuer", "ScaledObject"}
+    monitor = one(render(chart, VALUE_SETS["monitoring-on"]), "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_prometheus_adapter_rules_expose_the_hpa_metrics(chart: Any) -> None:
+    maps = {c["metadata"]["name"]: c for c in by_kind(render(chart), "ConfigMap")}
+    config = yaml.safe_load(maps[f"{RELEASE}-tensorfleet-adapter-rules"]["data"]["config.yaml"])
+    rules = {r["name"]["as"]: r for r in config["rules"]}
+    assert set(rules) == {contract.HPA_METRIC_WAITING, contract.HPA_METRIC_ROUTER_PENDING}
+    waiting = rules[contract.HPA_METRIC_WAITING]
+    assert waiting["seriesQuery"].startswith(contract.VLLM_METRIC_WAITING + "{")
+    # Per pod (a Pods metric), not summed per namespace: two models in one namespace keep separate signals.
+    assert waiting["resources"]["overrides"]["pod"] == {"resource": "pod"}
+    assert "by (<<.GroupBy>>)" in waiting["metricsQuery"]
+    assert rules[contract.HPA_METRIC_ROUTER_PENDING]["seriesQuery"].startswith(contract.ROUTER_METRIC_PENDING + "{")
+    # The same rules are values the prometheus-adapter chart can take as rules.custom.
+    assert config["rules"] == chart.values["autoscaling"]["prometheusAdapter"]["rules"]
+
+
+def test_hpa_the_operator_renders_uses_the_adapter_metric() -> None:
+    from tensorfleet.render import autoscaling
+
+    source = Path(autoscaling.__file__).read_text()
+    assert "contract.HPA_METRIC_WAITING" in source
+
+
+def test_grafana_dashboard(chart: Any) -> None:
+    maps = {c["metadata"]["name"]: c for c in by_kind(render(chart), "ConfigMap")}
+    dashboard_map = maps[f"{RELEASE}-tensorfleet-dashboard"]
+    assert dashboard_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(dashboard_map["data"]["tensorfleet-fleet.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in (contract.VLLM_METRIC_WAITING, contract.ROUTER_METRIC_PENDING, contract.VLLM_METRIC_TTFT,
+                   contract.VLLM_METRIC_KV_CACHE_USAGE, contract.GPU_METRIC_ALL_HEALTHY, contract.GPU_METRIC_TEMPERATURE):
+        assert metric in exprs, metric
+    assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    off = render(chart, {"grafana": {"dashboard": {"enabled": False}}})
+    assert all(not c["metadata"]["name"].endswith("-dashboard") for c in by_kind(off, "ConfigMap"))
+
+
+def test_notes_tell_the_next_command(chart: Any) -> None:
+    notes = chart.render(None, name=RELEASE, namespace=NAMESPACE, is_install=True)["tensorfleet/templates/NOTES.txt"]
+    assert "kubectl apply -f" in notes and "examples/simulator-cpu.yaml" in notes
+    assert "curl" in notes and "/v1/chat/completions" in notes
+
+
+@pytest.mark.parametrize(("values", "expected"), [
+    ({"operator": {"replicas": "two"}}, "/operator/replicas"),
+    ({"webhook": {"failurePolicy": "Never"}}, "/webhook/failurePolicy"),
+    ({"watchNamespaces": ["Team_A"]}, "/watchNamespaces/0"),
+    ({"operator": {"logFormat": "xml"}}, "/operator/logFormat"),
+    ({"operatr": {"replicas": 2}}, "operatr"),
+    ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
+    ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
+])
+def test_schema_rejects_bad_values_naming_the_key(chart: Any, values: dict[str, Any], expected: str) -> None:
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart.validate_schema(values)
+    assert expected in str(caught.value)
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_several_operators_without_leader_election_are_refused(chart: Any) -> None:
+    with pytest.raises(helm.HelmError) as caught:
+        chart.render({"operator": {"replicas": 2, "leaderElection": False}}, name=RELEASE, namespace=NAMESPACE)
+    assert "leaderElection" in str(caught.value)
+
+
+def test_default_values_pass_the_schema(chart: Any) -> None:
+    chart.validate_schema(None)
+    for values in VALUE_SETS.values():
+        chart.validate_schema(values)
