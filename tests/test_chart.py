@@ -330,3 +330,17 @@ def test_default_values_pass_the_schema(chart: Any) -> None:
     chart.validate_schema(None)
     for values in VALUE_SETS.values():
         chart.validate_schema(values)
+
+
+def test_gitops_docs_health_check_reads_the_operators_conditions() -> None:
+    import re
+
+    from tensorfleet.controller import status
+
+    text = (ROOT / "docs" / "gitops.md").read_text()
+    lua = re.search(r"resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n(.*?)```", text, re.S)
+    assert lua, "docs/gitops.md must carry the Argo CD health check"
+    for condition in (status.READY, status.DEGRADED, status.PLAN_VALID):
+        assert f"c.{condition}" in lua.group(1)
+    assert "observedGeneration" in lua.group(1)
+    assert "argocd.argoproj.io/sync-wave" in text and "/spec/replicas" in text
