@@ -148,6 +148,23 @@ def test_03_example_becomes_ready(isvc: dict[str, Any]) -> None:
     assert "replicas" not in obj["spec"]
 
 
+def test_04_hpa_is_not_disabled(isvc: dict[str, Any]) -> None:
+    """The HPA must see a non-zero /scale: at 0 it reports ScalingDisabled and never scales.
+
+    /scale of a custom resource answers spec.replicas 0 while the field is absent,
+    which is how the example (and GitOps) leave it under autoscaling.
+    """
+    name = name_of(isvc)
+
+    def conditions() -> list[dict[str, Any]]:
+        hpa = get("horizontalpodautoscaler", contract.hpa_name(name)) or {}
+        return hpa.get("status", {}).get("conditions", [])
+
+    found = eventually("HPA conditions", conditions, timeout=120)
+    disabled = [c for c in found if c.get("reason") == "ScalingDisabled"]
+    assert not disabled, f"the HPA is disabled: {disabled[0]['message']} (spec.replicas absent -> /scale says 0)"
+
+
 def _port_forward(service: str) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(["kubectl", "port-forward", "-n", NAMESPACE, f"svc/{service}", f":{contract.SERVICE_PORT}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -160,7 +177,7 @@ def _port_forward(service: str) -> tuple[subprocess.Popen[str], int]:
     return proc, int(match.group(1))
 
 
-def test_04_chat_completion_through_the_service(isvc: dict[str, Any]) -> None:
+def test_05_chat_completion_through_the_service(isvc: dict[str, Any]) -> None:
     eventually("InferenceService Ready", lambda: ready(isvc))
     proc, port = _port_forward(name_of(isvc))
     try:
@@ -183,7 +200,7 @@ def test_04_chat_completion_through_the_service(isvc: dict[str, Any]) -> None:
         proc.wait()
 
 
-def test_05_kubectl_scale(isvc: dict[str, Any]) -> None:
+def test_06_kubectl_scale(isvc: dict[str, Any]) -> None:
     name = name_of(isvc)
     # A fixed replica count: drop autoscaling (the HPA would otherwise own /scale), then scale.
     kubectl("patch", contract.PLURAL, name, "-n", NAMESPACE, "--type=merge", "-p", json.dumps({"spec": {"autoscaling": None}}))
@@ -201,7 +218,7 @@ def test_05_kubectl_scale(isvc: dict[str, Any]) -> None:
     assert scale["kind"] == "Scale" and scale["status"]["replicas"] == 2
 
 
-def test_06_image_tag_change_rolls_out(isvc: dict[str, Any]) -> None:
+def test_07_image_tag_change_rolls_out(isvc: dict[str, Any]) -> None:
     name = name_of(isvc)
     kubectl("patch", contract.PLURAL, name, "-n", NAMESPACE, "--type=merge", "-p",
             json.dumps({"spec": {"engine": {"image": NEXT_IMAGE, "imagePullPolicy": "IfNotPresent"}}}))
@@ -218,7 +235,7 @@ def test_06_image_tag_change_rolls_out(isvc: dict[str, Any]) -> None:
     eventually(f"every engine pod on {NEXT_IMAGE}", rolled)
 
 
-def test_07_broken_children_are_restored(isvc: dict[str, Any]) -> None:
+def test_08_broken_children_are_restored(isvc: dict[str, Any]) -> None:
     name = name_of(isvc)
     router = contract.router_name(name)
     service = get("service", name)
@@ -232,7 +249,7 @@ def test_07_broken_children_are_restored(isvc: dict[str, Any]) -> None:
     eventually("Ready again", lambda: ready(isvc))
 
 
-def test_08_delete_leaves_nothing(isvc: dict[str, Any]) -> None:
+def test_09_delete_leaves_nothing(isvc: dict[str, Any]) -> None:
     name = name_of(isvc)
     kubectl("delete", contract.PLURAL, name, "-n", NAMESPACE, "--wait=true", "--timeout=300s")
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name}"
