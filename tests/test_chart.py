@@ -200,7 +200,9 @@ def test_restricted_pod_security(chart: Any, name: str) -> None:
     assert all("hostPath" not in v for v in pod.get("volumes", []))
 
 
-def test_self_signed_webhook_has_a_matching_ca_bundle(chart: Any) -> None:
+def test_self_signed_webhook_has_a_matching_ca_bundle(chart: Any, tmp_path: Path) -> None:
+    import ssl
+
     from cryptography import x509
 
     objects = render(chart)
@@ -218,8 +220,13 @@ def test_self_signed_webhook_has_a_matching_ca_bundle(chart: Any) -> None:
     ca = x509.load_pem_x509_certificate(base64.b64decode(hook["clientConfig"]["caBundle"]))
     cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
     assert cert.issuer == ca.subject
+    cert.verify_directly_issued_by(ca)  # the API server trusts caBundle; this is the chain it checks
     names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
     assert f"{service['name']}.{NAMESPACE}.svc" in names
+    # What kopf's WebhookServer does with --webhook-cert/--webhook-key: load them into an SSL context.
+    (tmp_path / "tls.crt").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
+    (tmp_path / "tls.key").write_bytes(base64.b64decode(secret["data"]["tls.key"]))
+    ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
     deployment = one(objects, "Deployment")
     volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
     assert volumes["webhook-tls"]["secret"]["secretName"] == secret["metadata"]["name"]
@@ -344,3 +351,34 @@ def test_gitops_docs_health_check_reads_the_operators_conditions() -> None:
         assert f"c.{condition}" in lua.group(1)
     assert "observedGeneration" in lua.group(1)
     assert "argocd.argoproj.io/sync-wave" in text and "/spec/replicas" in text
+
+
+def _leaves(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, value in values.items():
+        sub = schema.get("properties", {}).get(key, {})
+        # resources is one knob (a Kubernetes ResourceRequirements), documented as a whole.
+        if isinstance(value, dict) and value and "properties" in sub and key != "resources":
+            out += _leaves(value, sub, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_every_value_is_documented_and_in_the_schema(chart: Any) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    leaves = _leaves(chart.values, schema)
+    assert len(leaves) > 30
+    for path in leaves:
+        node = schema
+        for part in path.split("."):
+            assert part in node.get("properties", {}), f"{path} is not in values.schema.json"
+            node = node["properties"][part]
+        # The key's line in values.yaml has a comment right above it (the line, or a comment block).
+        index = -1
+        for depth, key in enumerate(path.split(".")):  # each part's line, after its parent's
+            index = next(i for i in range(index + 1, len(lines)) if lines[i] == f"{'  ' * depth}{key}:" or
+                         lines[i].startswith(f"{'  ' * depth}{key}: "))
+        above = lines[index - 1].strip()
+        assert above.startswith("#"), f"values.yaml: {path} has no comment saying what it does"
