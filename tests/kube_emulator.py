@@ -22,6 +22,8 @@ each gap is filled here, each as the Kubernetes API documents it:
 - StatefulSet spec fields other than replicas, template, updateStrategy,
   minReadySeconds, ordinals and persistentVolumeClaimRetentionPolicy are
   immutable (422 Invalid, as the apps/v1 validation says);
+- defaults from the InferenceService CRD's structural schema are written into
+  stored objects, as the API server does for custom resources;
 - LIST and WATCH honour equality-based `labelSelector`s;
 - `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces
   that objects live in, as kopf expects when it watches chosen namespaces.
@@ -50,6 +52,7 @@ from kmock import KubernetesEmulator, ResourceInfo, resource
 from kmock._internal import rendering
 from kmock._internal.k8s import KubernetesError
 
+from tensorfleet.api.crd import crd
 from tensorfleet.controller.resources import ALL_KINDS
 
 APPLY = "application/apply-patch+yaml"
@@ -140,6 +143,20 @@ def _drop_omitted(live: Any, before: Any, now: Any) -> Any:
     return out
 
 
+def _apply_defaults(schema: dict[str, Any], obj: Any) -> None:
+    """Structural-schema defaulting: set absent fields that carry a `default`, recursively."""
+    if not isinstance(obj, dict):
+        return
+    for name, child in (schema.get("properties") or {}).items():
+        if name not in obj and "default" in child:
+            obj[name] = copy.deepcopy(child["default"])
+        if name in obj:
+            _apply_defaults(child, obj[name])
+
+
+_CRD_SCHEMAS = {crd()["spec"]["names"]["plural"]: crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]}
+
+
 def _matches(labels: dict[str, str], selector: str) -> bool:
     for term in filter(None, (t.strip() for t in selector.split(","))):
         if " in " in term or " notin " in term or "(" in term:
@@ -198,6 +215,9 @@ class ClusterEmulator(KubernetesEmulator):
         return None
 
     async def _store(self, key: tuple[Any, ...], obj: dict[str, Any], created: bool) -> None:
+        schema = _CRD_SCHEMAS.get(key[0].plural)
+        if schema is not None:
+            _apply_defaults(schema, obj)
         if key in self._objects and not self._objects[key].deleted:
             self._objects[key].history.append(obj)
         else:

@@ -109,7 +109,7 @@ def test_chart_crds_are_the_repository_crds(chart: Any) -> None:
 def test_cluster_wide_rbac_is_exactly_the_operators_rules(chart: Any) -> None:
     objects = render(chart)
     role = one(objects, "ClusterRole")
-    assert role["rules"] == rbac_rules(managed_webhook=False)
+    assert role["rules"] == rbac_rules()
     assert by_kind(objects, "Role") == []
     binding = one(objects, "ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
@@ -161,8 +161,8 @@ def test_operator_args_are_what_tensorfleet_run_accepts(chart: Any, name: str) -
     webhook_on = values.get("webhook", {}).get("enabled", True)
     assert (config.webhook is not None) == webhook_on
     if webhook_on:
-        # The chart owns the ValidatingWebhookConfiguration: kopf must not manage one too.
-        assert config.webhook.managed is None
+        # The API server calls webhooks over HTTPS only.
+        assert not config.webhook.insecure and config.webhook.keyfile
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert str(Path(config.webhook.certfile).parent) in mounts
     env = {e["name"]: e for e in container["env"]}

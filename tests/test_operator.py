@@ -90,12 +90,17 @@ async def test_scale_subresource_drives_every_stage() -> None:
 
 async def test_hpa_owns_replicas_and_is_never_fought() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
-        doc = sim_doc(autoscaling={"minReplicas": 1, "maxReplicas": 5})
-        del doc["spec"]["replicas"]
+        doc = sim_doc(autoscaling={"minReplicas": 2, "maxReplicas": 5})
+        del doc["spec"]["replicas"]  # as a GitOps manifest under autoscaling leaves it out
         await c.create(doc)
         hpa = await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo"))
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo"}
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 1)
+        # The operator runs minReplicas at once rather than waiting for the HPA's first sync...
+        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 2)
+        await eventually(lambda: (c.isvc("demo").get("status") or {}).get("selector"))
+        # ...and the CRD default gives /scale a replica count, so the HPA does not see "scaling disabled" (0).
+        scale = await c.request("GET", f"/apis/{contract.API_VERSION}/namespaces/default/{contract.PLURAL}/demo/scale")
+        assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"]
         await c.scale("demo", 4)  # what the HPA controller does
         await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 4)
         op.queue.add(("default", "demo"))
@@ -382,7 +387,7 @@ def _free_port() -> int:
 async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
     import aiohttp
 
-    from tensorfleet.controller.operator import WebhookConfig
+    from tensorfleet.controller.webhook import WebhookConfig
 
     port = _free_port()
     webhook = WebhookConfig(addr="127.0.0.1", port=port, insecure=True)
@@ -406,7 +411,7 @@ async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
             except OSError:
                 return False
 
-        for _ in range(200):  # kopf starts its webhook server shortly after the watches
+        for _ in range(200):  # the webhook server starts with the operator
             if await listening():
                 break
             await asyncio.sleep(0.05)
@@ -475,3 +480,40 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
         adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
                                                == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))
         assert set(adopted) == set(old_pods)
+
+
+async def test_a_standby_replica_serves_the_webhook_and_is_ready() -> None:
+    """Only the leader reconciles, but validation is stateless: every replica answers it."""
+    import aiohttp
+
+    from tensorfleet.controller.webhook import WebhookConfig
+
+    port = _free_port()
+    async with cluster() as c:
+        far_future = "2999-01-01T00:00:00.000000Z"
+        await c.upsert("coordination.k8s.io/v1", "leases", {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "tensorfleet-operator", "namespace": "default"},
+            "spec": {"holderIdentity": "someone-else", "leaseDurationSeconds": 15, "renewTime": far_future}})
+        config = OperatorConfig(leader_election=True, lease_namespace="default", identity="standby", health_port=None,
+                                webhook=WebhookConfig(addr="127.0.0.1", port=port, insecure=True))
+        standby = Operator(config, Connection(server=c.url))
+        task = asyncio.create_task(standby.run())
+        try:
+            body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "1", "operation": "CREATE", "object": isvc_doc({"accelerator": {"type": "B100"}})}}
+            answer = None
+            for _ in range(200):
+                try:
+                    async with aiohttp.ClientSession() as session:
+                        async with session.post(f"http://127.0.0.1:{port}/spec", json=body) as response:
+                            answer = (await response.json())["response"]
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.05)
+            assert answer is not None and answer["allowed"] is False
+            assert answer["status"]["message"].startswith("spec.accelerator.type: unknown GPU type 'B100'")
+            assert not standby.leading
+        finally:
+            standby.stop()
+            await asyncio.wait_for(task, 30)

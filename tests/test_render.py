@@ -354,6 +354,9 @@ def test_update_strategy(doc: dict[str, Any], strategy: str) -> None:
     ({"replicas": 0}, 0),
     ({"autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 2),
     ({"replicas": 3, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 3),
+    # The API server defaults spec.replicas to 1; under autoscaling the HPA's bounds apply at once.
+    ({"replicas": 1, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 2),
+    ({"replicas": 9, "autoscaling": {"minReplicas": 2, "maxReplicas": 5}}, 5),
 ])
 def test_replicas(spec: dict[str, Any], replicas: int) -> None:
     doc = document(parallelism={"tensor": 1, "pipeline": 2}, **spec)

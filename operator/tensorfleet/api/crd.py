@@ -8,8 +8,8 @@ does not know how to translate is an error here rather than a CRD the API
 server rejects.
 
 Defaults are left out of the CRD on purpose (see models.py): the API server
-would write them into stored objects, and `spec.replicas` in particular must
-stay absent when an HPA owns it.
+would write them into stored objects. The exception is `spec.replicas`,
+which the HPA needs to find set (see spec_schema).
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ def _set(schema: dict[str, Any], dotted: str, **extra: Any) -> None:
 def spec_schema() -> dict[str, Any]:
     schema = structural(InferenceServiceSpec.model_json_schema(by_alias=True), "spec")
     schema["description"] = "Desired state: the model, engine, parallel layout, GPUs, scaling and routing."
+    # The one default in the schema: the HPA reads spec.replicas through /scale
+    # and treats a missing (0) value as "scaling disabled", so the API server
+    # must write one even when a GitOps manifest leaves it out.
+    _set(schema, "replicas", default=1)
     _set(schema, "autoscaling", **{"x-kubernetes-validations": [{
         "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
         "message": "minReplicas must not be greater than maxReplicas",

@@ -400,7 +400,10 @@ class InferenceServiceSpec(ApiModel):
     accelerator: AcceleratorSpec = Field(description="Which GPUs to run on.")
     replicas: int | None = Field(
         default=None, ge=0, le=1000,
-        description="Model replicas (each `pipeline` pods). Omit when autoscaling: the HPA sets it through /scale. Default: autoscaling.minReplicas, else 1.",
+        description=(
+            "Model replicas (each `pipeline` pods). Leave it out when autoscaling: the API server sets 1 and the HPA "
+            "moves it within [minReplicas, maxReplicas] through /scale. Default: 1."
+        ),
     )
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Scale on pending requests with an HPA. Omit for a fixed replica count.")
     router: RouterSpec = Field(default_factory=RouterSpec, description="The load-aware router in front of the engines.")

@@ -41,10 +41,8 @@ def register(commands: Any) -> None:
     hook.add_argument("--webhook-port", type=argtypes.positive_int, help="serve the webhook on this port")
     hook.add_argument("--webhook-cert", help="TLS certificate file (e.g. from cert-manager)")
     hook.add_argument("--webhook-key", help="TLS private key file")
-    hook.add_argument("--webhook-host", help="hostname the API server uses to reach the webhook")
-    hook.add_argument("--webhook-managed", metavar="NAME",
-                      help="create and keep current a ValidatingWebhookConfiguration of this name "
-                           "(leave out when the Helm chart manages it)")
+    hook.add_argument("--webhook-insecure", action="store_true",
+                      help="serve plain HTTP (local runs only: the API server calls webhooks over HTTPS)")
     run.set_defaults(func=_cmd_run)
 
     rbac = commands.add_parser("rbac", help="print the RBAC the operator needs (ClusterRole, or Role per namespace)")
@@ -53,13 +51,10 @@ def register(commands: Any) -> None:
                       help="namespace of that ServiceAccount (default tensorfleet-system)")
     rbac.add_argument("-n", "--namespace", dest="namespaces", action="append", default=None,
                       help="namespaced mode: a Role and RoleBinding in each watched namespace instead of cluster-wide")
-    rbac.add_argument("--webhook-managed", action="store_true",
-                      help="also allow managing the ValidatingWebhookConfiguration (tensorfleet run --webhook-managed)")
     rbac.set_defaults(func=_cmd_rbac)
 
 
-def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None,
-                 managed_webhook: bool = False) -> list[dict[str, Any]]:
+def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None) -> list[dict[str, Any]]:
     """RBAC objects granting exactly controller.resources' verbs; cluster-wide unless namespaces are given."""
     from tensorfleet import contract
     from tensorfleet.controller.resources import rbac_rules
@@ -67,7 +62,7 @@ def rbac_objects(service_account: str, service_account_namespace: str, namespace
     name = "tensorfleet-operator"
     labels = {contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: "operator"}
     subject = {"kind": "ServiceAccount", "name": service_account, "namespace": service_account_namespace}
-    rules = rbac_rules(managed_webhook)
+    rules = rbac_rules()
     if not namespaces:
         return [
             {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
@@ -78,7 +73,7 @@ def rbac_objects(service_account: str, service_account_namespace: str, namespace
              "subjects": [subject]},
         ]
     cluster_scoped = [r for r in rules if r["resources"][0] in
-                      ("namespaces", "customresourcedefinitions", "validatingwebhookconfigurations")]
+                      ("namespaces", "customresourcedefinitions")]
     namespaced = [r for r in rules if r not in cluster_scoped]
     objects: list[dict[str, Any]] = [
         # kopf lists namespaces and CRDs even when it watches chosen namespaces.
@@ -104,7 +99,7 @@ def rbac_objects(service_account: str, service_account_namespace: str, namespace
 def _cmd_rbac(args: argparse.Namespace) -> int:
     import yaml
 
-    objects = rbac_objects(args.service_account, args.service_account_namespace, args.namespaces, args.webhook_managed)
+    objects = rbac_objects(args.service_account, args.service_account_namespace, args.namespaces)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
     return 0
 
@@ -114,10 +109,10 @@ def _config(args: argparse.Namespace) -> Any:
 
     webhook = None
     if args.webhook_port:
-        if bool(args.webhook_cert) != bool(args.webhook_key):
-            raise ValueError("--webhook-cert and --webhook-key go together")
+        if not args.webhook_insecure and not (args.webhook_cert and args.webhook_key):
+            raise ValueError("--webhook-port needs --webhook-cert and --webhook-key (or --webhook-insecure for local runs)")
         webhook = WebhookConfig(port=args.webhook_port, certfile=args.webhook_cert, keyfile=args.webhook_key,
-                                host=args.webhook_host, managed=args.webhook_managed)
+                                insecure=args.webhook_insecure)
     return OperatorConfig(
         namespaces=args.namespaces or _env_list("WATCH_NAMESPACES"),
         workers=args.workers,

@@ -1,7 +1,7 @@
 """The running operator: kopf watches feed a work queue, workers reconcile.
 
-kopf provides the watch streams (with reconnects and backoff), the resync
-timers and the admission webhook server; it is configured so that it keeps
+kopf provides the watch streams (with reconnects and backoff); it is
+configured so that it keeps
 no state in users' objects (no finalizers, no progress or diff-base
 annotations: the handlers used here need none, and the storage prefix is
 ours if that ever changes). Periodic resync, leader election, health and
@@ -21,29 +21,15 @@ import kopf
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.api import SpecError, load_inference_service
+from tensorfleet.controller import webhook
 from tensorfleet.controller.events import EventRecorder
 from tensorfleet.controller.kube import Connection, Kube
 from tensorfleet.controller.leader import LeaderElector, LostLease
 from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Reconciler
 from tensorfleet.controller.resources import CHILD_KINDS, INFERENCE_SERVICE, POD
-from tensorfleet.planner import make_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class WebhookConfig:
-    port: int = 9443
-    addr: str = "0.0.0.0"
-    host: str | None = None
-    certfile: str | None = None
-    keyfile: str | None = None
-    insecure: bool = False
-    # Name of a ValidatingWebhookConfiguration for kopf to create and keep
-    # current; None when the chart (or cert-manager) manages it.
-    managed: str | None = None
 
 
 @dataclass
@@ -61,12 +47,6 @@ class OperatorConfig:
     health_port: int | None = 8080
     api_timeout_seconds: float = 30.0
     webhook: WebhookConfig | None = None
-
-
-def validate_document(document: dict) -> None:
-    """What the admission webhook checks: the same parsing and planning the reconciler does."""
-    isvc = load_inference_service(document)
-    make_plan(isvc.spec)
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -89,13 +69,6 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     for kind in (*CHILD_KINDS, POD):
         settings.watching.label_selectors[(kind.group, kind.version, kind.plural)] = \
             f"{contract.LABEL_MANAGED_BY}={contract.APP_NAME}"
-    if config.webhook is not None:
-        hook = config.webhook
-        settings.admission.server = kopf.WebhookServer(
-            addr=hook.addr, port=hook.port, host=hook.host, certfile=hook.certfile, pkeyfile=hook.keyfile,
-            insecure=hook.insecure)
-        if hook.managed:
-            settings.admission.managed = hook.managed
     return settings
 
 
@@ -138,20 +111,13 @@ class Operator:
             kopf.on.event(kind.group, kind.version, kind.plural, registry=registry, id=f"owned-{kind.plural}",
                           labels={contract.LABEL_MANAGED_BY: contract.APP_NAME})(owner_changed)
 
-        if self.config.webhook is not None:
-            @kopf.on.validate(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural,
-                              registry=registry, id="spec")
-            async def validate(body: kopf.Body, **_: object) -> None:
-                try:
-                    validate_document(dict(body))
-                except SpecError as exc:
-                    raise kopf.AdmissionError(str(exc), code=422) from None
-
         return registry
 
     async def run(self) -> None:
         """Run until stopped, or until the leader lease is lost (then raise LostLease)."""
         health = await self._serve_health()
+        # Every replica validates, standbys included (the webhook is stateless).
+        admission = await webhook.serve(self.config.webhook) if self.config.webhook is not None else None
         try:
             async with self.kube:
                 elector = None
@@ -172,6 +138,8 @@ class Operator:
                 finally:
                     self.leading = False
         finally:
+            if admission is not None:
+                await admission.cleanup()
             if health is not None:
                 await health.cleanup()
 
@@ -239,7 +207,8 @@ class Operator:
             return web.Response(status=500 if broken else 200, text="kopf stopped\n" if broken else "ok\n")
 
         async def readyz(_: web.Request) -> web.Response:
-            ready = self.ready_flag.is_set() if self.leading else self.config.webhook is None
+            # A standby is ready too: it serves the webhook and waits to lead.
+            ready = self.ready_flag.is_set() if self.leading else True
             return web.Response(status=200 if ready else 503, text="ready\n" if ready else "not ready\n")
 
         app = web.Application()
@@ -251,4 +220,6 @@ class Operator:
         return runner
 
 
-__all__ = ["LostLease", "Operator", "OperatorConfig", "WebhookConfig", "build_settings", "validate_document"]
+WebhookConfig = webhook.WebhookConfig
+
+__all__ = ["LostLease", "Operator", "OperatorConfig", "WebhookConfig", "build_settings"]

@@ -67,9 +67,6 @@ ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice
 NAMESPACE = Kind("", "v1", "namespaces", "Namespace", ("list", "watch"), namespaced=False)
 CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
            ("list", "watch"), namespaced=False)
-# Only with `tensorfleet run --webhook-managed`: kopf then keeps the configuration current.
-WEBHOOK_CONFIGURATION = Kind("admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations",
-                             "ValidatingWebhookConfiguration", ("list", "watch", "create", "patch"), namespaced=False)
 
 # What render() produces, in apply order; pruned children are found among these.
 CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, PDB, STATEFUL_SET, DEPLOYMENT, HPA)
@@ -85,10 +82,10 @@ def kind_of(obj: dict[str, Any]) -> Kind:
         raise ValueError(f"the operator does not manage {obj.get('apiVersion')}/{obj.get('kind')}") from None
 
 
-def rbac_rules(managed_webhook: bool = False) -> list[dict[str, Any]]:
+def rbac_rules() -> list[dict[str, Any]]:
     """The RBAC rules the operator needs: one per resource, no wildcards."""
     rules: list[dict[str, Any]] = []
-    for kind in (*ALL_KINDS, *((WEBHOOK_CONFIGURATION,) if managed_webhook else ())):
+    for kind in ALL_KINDS:
         rules.append({"apiGroups": [kind.group], "resources": [kind.plural], "verbs": list(kind.verbs)})
         for sub, verbs in kind.subresources:
             rules.append({"apiGroups": [kind.group], "resources": [f"{kind.plural}/{sub}"], "verbs": list(verbs)})

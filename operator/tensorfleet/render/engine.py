@@ -19,12 +19,17 @@ SIMULATOR_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
 
 
 def desired_replicas(spec: InferenceServiceSpec) -> int:
-    """Model replicas (groups): what every stage StatefulSet runs."""
-    if spec.replicas is not None:
-        return spec.replicas
+    """Model replicas (groups): what every stage StatefulSet runs.
+
+    Under autoscaling the HPA's bounds apply at once: the API server defaults
+    spec.replicas to 1 before the HPA first writes it, and the HPA would clamp
+    any value outside [minReplicas, maxReplicas] on its next sync anyway.
+    """
     if spec.autoscaling is not None:
-        return spec.autoscaling.min_replicas
-    return 1
+        bounds = spec.autoscaling
+        wanted = spec.replicas if spec.replicas is not None else bounds.min_replicas
+        return min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+    return spec.replicas if spec.replicas is not None else 1
 
 
 def is_gpu(ctx: Context) -> bool:
