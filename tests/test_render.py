@@ -700,3 +700,20 @@ def test_no_dict_or_list_is_shared(case: str) -> None:
     ids = [id(c) for c in _containers(objects)]
     assert len(ids) == len(set(ids))
     assert "&id" not in yaml.safe_dump_all(objects)
+
+
+def test_default_images_can_point_at_a_mirror() -> None:
+    from tensorfleet.render import Images
+
+    mirror = Images(worker="mirror.example/worker:1", control_plane="mirror.example/cp:1")
+    for doc, engine_image in ((PIPELINE_2, mirror.worker), (SIMULATOR, mirror.control_plane)):
+        isvc = load_inference_service(doc)
+        objects = render(isvc, make_plan(isvc.spec), images=mirror)
+        assert {engine(s)["image"] for s in by_kind(objects, "StatefulSet")} == {engine_image}
+        router = by_kind(objects, "Deployment")[0]
+        assert router["spec"]["template"]["spec"]["containers"][0]["image"] == mirror.control_plane
+    # An image named in the spec still wins.
+    doc = copy.deepcopy(PIPELINE_2)
+    doc["spec"]["engine"] = {"image": "own/vllm:2"}
+    isvc = load_inference_service(doc)
+    assert {engine(s)["image"] for s in by_kind(render(isvc, make_plan(isvc.spec), images=mirror), "StatefulSet")} == {"own/vllm:2"}

@@ -26,6 +26,12 @@ def register(commands: Any) -> None:
     tuning.add_argument("--workers", type=argtypes.positive_int, default=4, help="InferenceServices reconciled in parallel (default 4)")
     tuning.add_argument("--resync-seconds", type=argtypes.positive_float, default=300.0,
                         help="re-check every InferenceService this often, besides watch events (default 300)")
+    tuning.add_argument("--worker-image", default=os.environ.get("TENSORFLEET_WORKER_IMAGE") or None,
+                        help="default engine image for vllm InferenceServices (env TENSORFLEET_WORKER_IMAGE; "
+                             "default: the worker image of this release)")
+    tuning.add_argument("--control-plane-image", default=os.environ.get("TENSORFLEET_CONTROL_PLANE_IMAGE") or None,
+                        help="default router and simulator image (env TENSORFLEET_CONTROL_PLANE_IMAGE; "
+                             "default: the control-plane image of this release)")
     election = run.add_argument_group("leader election")
     election.add_argument("--no-leader-election", action="store_true",
                           help="reconcile without holding the Lease (only for a single replica)")
@@ -106,6 +112,7 @@ def _cmd_rbac(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> Any:
     from tensorfleet.controller.operator import OperatorConfig, WebhookConfig
+    from tensorfleet.render import Images
 
     webhook = None
     if args.webhook_port:
@@ -122,6 +129,8 @@ def _config(args: argparse.Namespace) -> Any:
         lease_name=args.lease_name,
         health_port=args.health_port or None,
         webhook=webhook,
+        images=Images(worker=args.worker_image or Images.worker,
+                      control_plane=args.control_plane_image or Images.control_plane),
     )
 
 

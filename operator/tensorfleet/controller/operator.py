@@ -28,6 +28,7 @@ from tensorfleet.controller.leader import LeaderElector, LostLease
 from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Reconciler
 from tensorfleet.controller.resources import CHILD_KINDS, INFERENCE_SERVICE, POD
+from tensorfleet.render import Images
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class OperatorConfig:
     health_port: int | None = 8080
     api_timeout_seconds: float = 30.0
     webhook: WebhookConfig | None = None
+    images: Images = field(default_factory=Images)
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -77,7 +79,7 @@ class Operator:
         self.config = config
         self.connection = connection
         self.kube = Kube(connection, timeout=config.api_timeout_seconds)
-        self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity))
+        self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), images=config.images)
         self.queue: WorkQueue | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()

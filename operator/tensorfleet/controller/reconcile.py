@@ -26,7 +26,7 @@ from tensorfleet.controller.observe import Observation, condition_status, is_ter
 from tensorfleet.controller.resources import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, POD, STATEFUL_SET, Kind, kind_of
 from tensorfleet.controller.status import PLAN_VALID, PROGRESSING, READY, rejected_status, serving_status
 from tensorfleet.planner import Plan, make_plan
-from tensorfleet.render import desired_replicas, engine_selector, leader_selector, render, selector_string
+from tensorfleet.render import Images, desired_replicas, engine_selector, leader_selector, render, selector_string
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +48,10 @@ class Children:
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, events: EventRecorder, *, now: Callable[[], str] = utc_now) -> None:
+    def __init__(self, kube: Kube, events: EventRecorder, *, now: Callable[[], str] = utc_now,
+                 images: Images = Images()) -> None:
         self.kube = kube
+        self.images = images
         self.events = events
         self.now = now
         # Per InferenceService: child counts by kind and Ready, for the gauges.
@@ -87,7 +89,7 @@ class Reconciler:
 
         if condition_status(status.get("conditions") or [], PLAN_VALID) == "False":
             await self.events.normal(body, "PlanAccepted", "the spec is valid again; rolling it out")
-        desired = render(isvc, plan)
+        desired = render(isvc, plan, images=self.images)
         children = await self._children(namespace, name)
         first_time = status.get("observedGeneration") is None
         spec_unchanged = status.get("observedGeneration") == generation

@@ -15,6 +15,7 @@ from tensorfleet.render.autoscaling import hpa, pdb
 from tensorfleet.render.engine import desired_replicas, statefulsets
 from tensorfleet.render.meta import (
     Context,
+    Images,
     engine_selector,
     leader_selector,
     router_selector,
@@ -25,6 +26,7 @@ from tensorfleet.render.router import deployment, role, role_binding, service_ac
 from tensorfleet.render.services import services
 
 __all__ = [
+    "Images",
     "desired_replicas",
     "engine_selector",
     "leader_selector",
@@ -41,18 +43,21 @@ def render(
     *,
     namespace: str | None = None,
     standalone: bool = False,
+    images: Images = Images(),
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 
     namespace: overrides metadata.namespace (default "default").
     standalone: write no ownerReferences, for manifests meant to outlive
     the operator (they are also omitted when the input has no uid).
+    images: the default worker and control-plane images.
     """
     ctx = Context(
         isvc=isvc,
         plan=plan,
         namespace=namespace or isvc.metadata.namespace or "default",
         standalone=standalone,
+        images=images,
     )
     # Dependencies first: identities and RBAC before the pods using them,
     # Services before the pods that resolve them, the PDB before the pods

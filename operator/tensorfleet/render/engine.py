@@ -128,7 +128,7 @@ def _image(ctx: Context) -> str:
     engine = ctx.spec.engine
     if engine.image:
         return engine.image
-    return contract.WORKER_IMAGE if is_gpu(ctx) else contract.CONTROL_PLANE_IMAGE
+    return ctx.images.worker if is_gpu(ctx) else ctx.images.control_plane
 
 
 def _container(ctx: Context, stage: int) -> dict[str, Any]:

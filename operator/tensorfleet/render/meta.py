@@ -11,6 +11,14 @@ from tensorfleet.planner import Plan
 
 
 @dataclass(frozen=True)
+class Images:
+    """Default images when a spec names none; the operator's flags can point them at a mirror."""
+
+    worker: str = contract.WORKER_IMAGE
+    control_plane: str = contract.CONTROL_PLANE_IMAGE
+
+
+@dataclass(frozen=True)
 class Context:
     """One render's inputs, resolved once so every module agrees on them."""
 
@@ -18,6 +26,7 @@ class Context:
     plan: Plan
     namespace: str
     standalone: bool
+    images: Images = Images()
 
     @property
     def name(self) -> str:

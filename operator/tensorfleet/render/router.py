@@ -72,7 +72,7 @@ def _container(ctx: Context) -> dict[str, Any]:
     router = ctx.spec.router
     return {
         "name": CONTAINER_NAME,
-        "image": router.image or contract.CONTROL_PLANE_IMAGE,
+        "image": router.image or ctx.images.control_plane,
         "command": list(contract.ROUTER_COMMAND),
         "args": [
             "--service", contract.engine_service_name(ctx.name),
