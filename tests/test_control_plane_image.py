@@ -13,6 +13,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import dockerfile
 from tensorfleet import contract
 from tensorfleet.render import router as router_render
 
@@ -22,15 +23,7 @@ BUILD_TOOLS = ("build-essential", "gcc", "g++", "make", "clang", "cc ", "python3
 
 
 def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with comments dropped and continuation lines joined."""
-    text = re.sub(r"\\\n", " ", "\n".join(
-        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")))
-    out = []
-    for line in text.splitlines():
-        if line.strip():
-            word, _, rest = line.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
+    return dockerfile.instructions(DOCKERFILE)
 
 
 def _stages() -> list[list[tuple[str, str]]]:
@@ -44,7 +37,7 @@ def _stages() -> list[list[tuple[str, str]]]:
 
 
 def _arg_defaults() -> dict[str, str]:
-    return dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest)
+    return dockerfile.arg_defaults(DOCKERFILE)
 
 
 def _resolve(image: str) -> str:

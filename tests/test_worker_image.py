@@ -11,6 +11,7 @@ import re
 import tomllib
 from pathlib import Path
 
+import dockerfile
 from tensorfleet import contract
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,19 +19,11 @@ DOCKERFILE = ROOT / "worker-image" / "Dockerfile"
 
 
 def _instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with comments dropped and continuation lines joined."""
-    text = re.sub(r"\\\n", " ", "\n".join(
-        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")))
-    out = []
-    for line in text.splitlines():
-        if line.strip():
-            word, _, rest = line.strip().partition(" ")
-            out.append((word.upper(), rest.strip()))
-    return out
+    return dockerfile.instructions(DOCKERFILE)
 
 
 def _args() -> dict[str, str]:
-    return dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest)
+    return dockerfile.arg_defaults(DOCKERFILE)
 
 
 def test_base_image_is_pinned_by_tag() -> None:
