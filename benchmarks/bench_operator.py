@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from fake_workloads import FakeWorkloads  # noqa: E402
 from kmock import Server  # noqa: E402
 from kube_emulator import WRITE_METHODS, ClusterEmulator  # noqa: E402
+from loopback import free_port  # noqa: E402
 
 from tensorfleet import contract  # noqa: E402
 from tensorfleet.controller.kube import USER_AGENT  # noqa: E402
@@ -47,11 +47,6 @@ from tensorfleet.controller.kube import USER_AGENT  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 SETTLE_SECONDS = 3.0
 
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _spec(name: str) -> dict[str, Any]:
@@ -108,7 +103,7 @@ async def run(count: int, idle_seconds: float, resync_seconds: float, workers: i
             "apiVersion": "v1", "kind": "Config", "current-context": "emu",
             "clusters": [{"name": "emu", "cluster": {"server": url}}], "users": [{"name": "u", "user": {}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u"}}]}))
-        health = _port()
+        health = free_port()
         async with FakeWorkloads(emulator, interval=0.5):
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "tensorfleet.cli", "run", "--no-leader-election", "--health-port", str(health),

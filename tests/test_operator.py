@@ -10,6 +10,7 @@ import pytest
 
 from conftest import isvc_doc
 from kube_emulator import Faults
+from loopback import free_port
 from operator_harness import cluster, eventually, running_operator
 from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -377,19 +378,13 @@ async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
             await asyncio.wait_for(asyncio.gather(*tasks), 30)
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
     import aiohttp
 
     from tensorfleet.controller.webhook import WebhookConfig
 
-    port = _free_port()
+    port = free_port()
     webhook = WebhookConfig(addr="127.0.0.1", port=port, insecure=True)
     async with cluster() as c, running_operator(c, webhook=webhook):
         async def review(document: dict[str, Any]) -> dict[str, Any]:
@@ -488,7 +483,7 @@ async def test_a_standby_replica_serves_the_webhook_and_is_ready() -> None:
 
     from tensorfleet.controller.webhook import WebhookConfig
 
-    port = _free_port()
+    port = free_port()
     async with cluster() as c:
         far_future = "2999-01-01T00:00:00.000000Z"
         await c.upsert("coordination.k8s.io/v1", "leases", {

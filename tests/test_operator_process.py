@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -14,15 +13,11 @@ import pytest
 import yaml
 
 from conftest import isvc_doc
+from loopback import free_port
 from operator_harness import cluster, eventually
 
 pytestmark = pytest.mark.asyncio
 
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def _get(url: str) -> tuple[int, str]:
@@ -43,7 +38,7 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
             "users": [{"name": "nobody", "user": {"token": "t0ken"}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "nobody"}}],
         }))
-        health, metrics = _port(), _port()
+        health, metrics = free_port(), free_port()
         log = open(tmp_path / "operator.log", "wb")  # a file, not a pipe: a full pipe would block the operator
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "tensorfleet.cli", "run", "--namespace", "default",

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.controller import webhook
+from tensorfleet.controller.webhook import WebhookConfig
 from tensorfleet.controller.events import EventRecorder
 from tensorfleet.controller.kube import Connection, Kube
 from tensorfleet.controller.leader import LeaderElector, LostLease
@@ -221,7 +222,5 @@ class Operator:
         await web.TCPSite(runner, "0.0.0.0", self.config.health_port).start()
         return runner
 
-
-WebhookConfig = webhook.WebhookConfig
 
 __all__ = ["LostLease", "Operator", "OperatorConfig", "WebhookConfig", "build_settings"]

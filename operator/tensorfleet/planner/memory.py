@@ -104,16 +104,19 @@ def embedding_parameters(arch: ArchitectureSpec) -> int:
     return (arch.vocab_size or DEFAULT_VOCAB) * arch.hidden_size
 
 
+def _all_embedding_parameters(arch: ArchitectureSpec) -> int:
+    """Input embedding plus output head (one matrix when they are tied)."""
+    return embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
+
+
 def layer_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> float:
     """Bytes of one transformer layer (all tensor ranks together)."""
-    embeddings = embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
-    body = max(arch.parameters - embeddings, 0)
+    body = max(arch.parameters - _all_embedding_parameters(arch), 0)
     return body * BYTES_PER_PARAMETER[weight_format] / arch.layers
 
 
 def total_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> int:
-    embeddings = embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
-    return int(layer_weight_bytes(arch, weight_format) * arch.layers + embeddings * EMBEDDING_BYTES)
+    return int(layer_weight_bytes(arch, weight_format) * arch.layers + _all_embedding_parameters(arch) * EMBEDDING_BYTES)
 
 
 def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_bytes: int) -> int:

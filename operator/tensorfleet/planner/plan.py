@@ -12,7 +12,7 @@ then add nodes as pipeline stages, with tensor = GPUs per node.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tensorfleet.api.errors import SpecError
 from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
@@ -296,17 +296,17 @@ def _alternatives(r: Resolved, spec: InferenceServiceSpec, failed: Plan) -> str:
         else:
             options.append(f"needs {_describe_layout(smallest)} on {r.gpu.name}")
     if r.weight_format in {"bf16", "fp16"}:
-        quantized = size_layout(Resolved(**{**r.__dict__, "weight_format": "fp8"}), failed.tensor, failed.pipeline)
+        quantized = size_layout(replace(r, weight_format="fp8"), failed.tensor, failed.pipeline)
         if quantized.fits:
             options.append("or spec.model.quantization: fp8")
     if r.kv_element_bytes == 2 and spec.engine.kv_cache_dtype == "auto":
-        kv8 = size_layout(Resolved(**{**r.__dict__, "kv_element_bytes": 1}), failed.tensor, failed.pipeline)
+        kv8 = size_layout(replace(r, kv_element_bytes=1), failed.tensor, failed.pipeline)
         if kv8.fits:
             options.append("or spec.engine.kvCacheDtype: fp8")
     if failed.kv_cache_tokens >= 128:
         options.append(f"or spec.model.maxModelLen <= {failed.kv_cache_tokens}")
     if r.utilization < 0.95:
-        tighter = size_layout(Resolved(**{**r.__dict__, "utilization": 0.95}), failed.tensor, failed.pipeline)
+        tighter = size_layout(replace(r, utilization=0.95), failed.tensor, failed.pipeline)
         if tighter.fits:
             options.append("or spec.engine.gpuMemoryUtilization: 0.95")
     if not options:

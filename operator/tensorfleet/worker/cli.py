@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import NoReturn
 
-from tensorfleet import contract
+from tensorfleet import argtypes, contract
 from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
 
 PROG = contract.WORKER_COMMAND[0]
@@ -29,15 +29,6 @@ class _Parser(argparse.ArgumentParser):
         sys.stderr.write(f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
         raise SystemExit(EXIT_CONFIG)
 
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be above 0")
-    return value
 
 
 def _xids(text: str) -> frozenset[int]:
@@ -56,17 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print, as JSON, the commands and env this role would run, and exit")
     parser.add_argument("--state-file", default=defaults.state_path,
                         help=f"where the launcher records its phase for `health` (default {defaults.state_path})")
-    parser.add_argument("--cluster-timeout", type=_seconds, default=defaults.cluster_timeout, metavar="SECONDS",
+    parser.add_argument("--cluster-timeout", type=argtypes.positive_float, default=defaults.cluster_timeout, metavar="SECONDS",
                         help=f"leader: how long to wait for every stage to join Ray (default {defaults.cluster_timeout:g})")
-    parser.add_argument("--leader-timeout", type=_seconds, default=defaults.leader_timeout, metavar="SECONDS",
+    parser.add_argument("--leader-timeout", type=argtypes.positive_float, default=defaults.leader_timeout, metavar="SECONDS",
                         help=f"stage > 0: how long to wait for the leader (default {defaults.leader_timeout:g})")
-    parser.add_argument("--leader-lost-after", type=_seconds, default=defaults.leader_lost_after, metavar="SECONDS",
+    parser.add_argument("--leader-lost-after", type=argtypes.positive_float, default=defaults.leader_lost_after, metavar="SECONDS",
                         help=f"stage > 0: restart when the leader is unreachable this long (default {defaults.leader_lost_after:g})")
-    parser.add_argument("--poll-interval", type=_seconds, default=defaults.poll, metavar="SECONDS",
+    parser.add_argument("--poll-interval", type=argtypes.positive_float, default=defaults.poll, metavar="SECONDS",
                         help=f"between checks while waiting (default {defaults.poll:g})")
-    parser.add_argument("--log-interval", type=_seconds, default=defaults.log_every, metavar="SECONDS",
+    parser.add_argument("--log-interval", type=argtypes.positive_float, default=defaults.log_every, metavar="SECONDS",
                         help=f"between progress lines while waiting (default {defaults.log_every:g})")
-    parser.add_argument("--watch-interval", type=_seconds, default=defaults.watch_interval, metavar="SECONDS",
+    parser.add_argument("--watch-interval", type=argtypes.positive_float, default=defaults.watch_interval, metavar="SECONDS",
                         help=f"stage > 0: between checks of the leader once joined (default {defaults.watch_interval:g})")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
 
