@@ -43,6 +43,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "single-replica": {"operator": {"replicas": 1, "leaderElection": False}, "webhook": {"enabled": False},
                        "grafana": {"dashboard": {"enabled": False}},
                        "autoscaling": {"prometheusAdapter": {"configMap": False}}, "metrics": {"service": False}},
+    # The operator runs outside the cluster (as with envtest): the API server calls it at a URL.
+    "outside-cluster": {"webhook": {"url": "https://127.0.0.1:9443/spec"}, "operator": {"replicas": 0}},
+    "outside-cluster-cert-manager": {"webhook": {"url": "https://host.docker.internal:9443/spec",
+                                                 "certManager": {"enabled": True}}},
 }
 
 
@@ -254,6 +258,131 @@ def test_cert_manager_webhook(chart: Any) -> None:
     assert one(external, "Certificate")["spec"]["issuerRef"] == {"kind": "ClusterIssuer", "name": "ca"}
 
 
+def _sans(secret: dict[str, Any], ca_bundle: str) -> Any:
+    """The serving certificate's SubjectAlternativeName, after checking it chains to caBundle."""
+    from cryptography import x509
+
+    ca = x509.load_pem_x509_certificate(base64.b64decode(ca_bundle))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    assert cert.issuer == ca.subject
+    cert.verify_directly_issued_by(ca)
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+
+
+def test_webhook_url_for_an_operator_outside_the_cluster(chart: Any) -> None:
+    import ipaddress
+
+    from cryptography import x509
+
+    objects = render(chart, VALUE_SETS["outside-cluster"])
+    (hook,) = one(objects, "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"]["url"] == "https://127.0.0.1:9443/spec"
+    assert "service" not in hook["clientConfig"]
+    # Nothing in the cluster serves the webhook: no Service for it (the metrics Service stays).
+    assert [s["metadata"]["name"] for s in by_kind(objects, "Service")] == [f"{RELEASE}-tensorfleet-metrics"]
+    sans = _sans(one(objects, "Secret"), hook["clientConfig"]["caBundle"])
+    assert sans.get_values_for_type(x509.IPAddress) == [ipaddress.ip_address("127.0.0.1")]
+    assert "127.0.0.1" not in sans.get_values_for_type(x509.DNSName)
+    # Still valid for the Service name, should the operator move back into the cluster.
+    assert f"{RELEASE}-tensorfleet-webhook.{NAMESPACE}.svc" in sans.get_values_for_type(x509.DNSName)
+    # The Deployment is still rendered, scaled to 0 (no pods, so no PodDisruptionBudget).
+    assert one(objects, "Deployment")["spec"]["replicas"] == 0
+    assert by_kind(objects, "PodDisruptionBudget") == []
+
+
+def test_webhook_url_with_a_dns_name(chart: Any) -> None:
+    from cryptography import x509
+
+    objects = render(chart, {"webhook": {"url": "https://dev-laptop.example.com:8443/spec"}})
+    (hook,) = one(objects, "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"] == {"url": "https://dev-laptop.example.com:8443/spec",
+                                    "caBundle": hook["clientConfig"]["caBundle"]}
+    sans = _sans(one(objects, "Secret"), hook["clientConfig"]["caBundle"])
+    names = sans.get_values_for_type(x509.DNSName)
+    assert "dev-laptop.example.com" in names and f"{RELEASE}-tensorfleet-webhook.{NAMESPACE}.svc" in names
+    assert sans.get_values_for_type(x509.IPAddress) == []
+    assert all("webhook" not in s["metadata"]["name"] for s in by_kind(objects, "Service"))
+    # An IPv6 literal (urlParse drops the brackets) is an IP SAN too.
+    v6 = render(chart, {"webhook": {"url": "https://[::1]:9443/spec"}})
+    (hook,) = one(v6, "ValidatingWebhookConfiguration")["webhooks"]
+    assert [str(ip) for ip in _sans(one(v6, "Secret"), hook["clientConfig"]["caBundle"])
+            .get_values_for_type(x509.IPAddress)] == ["::1"]
+
+
+def test_webhook_url_with_cert_manager(chart: Any) -> None:
+    objects = render(chart, VALUE_SETS["outside-cluster-cert-manager"])
+    certificate = one(objects, "Certificate")
+    assert "host.docker.internal" in certificate["spec"]["dnsNames"]
+    assert "ipAddresses" not in certificate["spec"]
+    config = one(objects, "ValidatingWebhookConfiguration")
+    assert config["webhooks"][0]["clientConfig"] == {"url": "https://host.docker.internal:9443/spec"}
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == \
+        f"{NAMESPACE}/{certificate['metadata']['name']}"
+    assert all("webhook" not in s["metadata"]["name"] for s in by_kind(objects, "Service"))
+    by_ip = one(render(chart, {"webhook": {"url": "https://10.0.0.7/spec", "certManager": {"enabled": True}}}),
+                "Certificate")
+    assert by_ip["spec"]["ipAddresses"] == ["10.0.0.7"]
+    assert "10.0.0.7" not in by_ip["spec"]["dnsNames"]
+
+
+def test_the_api_server_can_call_an_operator_outside_the_cluster(chart: Any, tmp_path: Path) -> None:
+    """What the API server does with clientConfig: TLS to the URL trusting only caBundle, host name checked."""
+    import asyncio
+    import ssl
+
+    import aiohttp
+    from loopback import free_port
+
+    from tensorfleet.controller.webhook import WebhookConfig, serve
+
+    port = free_port()
+    objects = render(chart, {"webhook": {"url": f"https://127.0.0.1:{port}/spec"}, "operator": {"replicas": 0}})
+    client_config = one(objects, "ValidatingWebhookConfiguration")["webhooks"][0]["clientConfig"]
+    secret = one(objects, "Secret")
+    # `kubectl get secret ... -o jsonpath='{.data.tls\.crt}' | base64 -d`, as the chart's README says.
+    for name in ("tls.crt", "tls.key"):
+        (tmp_path / name).write_bytes(base64.b64decode(secret["data"][name]))
+    trust = ssl.create_default_context(cadata=base64.b64decode(client_config["caBundle"]).decode())
+    assert trust.check_hostname
+
+    async def call() -> dict[str, Any]:
+        runner = await serve(WebhookConfig(addr="127.0.0.1", port=port, certfile=str(tmp_path / "tls.crt"),
+                                           keyfile=str(tmp_path / "tls.key")))
+        try:
+            body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "42", "operation": "CREATE", "object": {"apiVersion": "tensorfleet.dev/v1alpha1",
+                                                               "kind": "InferenceService", "metadata": {"name": "x"},
+                                                               "spec": {"accelerator": {"type": "B100"}}}}}
+            async with aiohttp.ClientSession() as session:
+                async with session.post(client_config["url"], json=body, ssl=trust) as response:
+                    assert response.status == 200
+                    return (await response.json())["response"]
+        finally:
+            await runner.cleanup()
+
+    answer = asyncio.run(call())
+    assert answer["uid"] == "42" and answer["allowed"] is False
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9443/spec", "127.0.0.1:9443", "https://", "https://u@host/spec"])
+def test_webhook_url_must_be_https(chart: Any, url: str, tmp_path: Path) -> None:
+    import shutil
+
+    values = {"webhook": {"url": url}}
+    with pytest.raises(helm.HelmValuesError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert "/webhook/url" in str(caught.value)
+    if not url.startswith("https://"):
+        # The template refuses it too, for `helm install --skip-schema-validation`.
+        shutil.copytree(CHART, tmp_path / "tensorfleet")
+        (tmp_path / "tensorfleet" / "values.schema.json").unlink()
+        unchecked = helm.Chart.load(str(tmp_path / "tensorfleet"))
+        with pytest.raises(helm.HelmRenderError) as failed:
+            unchecked.render(values, name=RELEASE, namespace=NAMESPACE)
+        message = str(failed.value)
+        assert "webhook.url must be an https:// URL" in message and "\n" not in message
+
+
 def test_webhook_off_renders_no_webhook(chart: Any) -> None:
     objects = render(chart, VALUE_SETS["webhook-off"])
     for kind in ("ValidatingWebhookConfiguration", "Secret", "Certificate", "Issuer"):
@@ -321,6 +450,8 @@ def test_notes_tell_the_next_command(chart: Any) -> None:
     ({"operatr": {"replicas": 2}}, "operatr"),
     ({"image": {"pullPolicy": "Sometimes"}}, "/image/pullPolicy"),
     ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
+    ({"webhook": {"url": "http://127.0.0.1:9443/spec"}}, "/webhook/url"),
+    ({"operator": {"replicas": -1}}, "/operator/replicas"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(chart: Any, values: dict[str, Any], expected: str) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:

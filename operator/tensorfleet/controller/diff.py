@@ -5,6 +5,11 @@ and other managers add fields, so "equal" means: every field we render is
 present in the live object with the same value. Quantities compare by value
 ("0.5" and "500m" are the same CPU). Skipping applies that would change
 nothing keeps a converged fleet at zero API writes.
+
+The API server serialises Go structs, whose optional fields are `omitempty`:
+a field applied as `false`, `0`, `""`, `[]` or `{}` is stored and returned
+absent (a headless Service's `publishNotReadyAddresses: false`, say). An
+absent field therefore holds a desired zero value.
 """
 
 from __future__ import annotations
@@ -25,12 +30,20 @@ def _same_scalar(desired: Any, live: Any) -> bool:
     return False
 
 
+def _zero(value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    if isinstance(value, int | float):
+        return value == 0
+    return isinstance(value, str | list | dict) and len(value) == 0
+
+
 def contains(live: Any, desired: Any) -> bool:
     """True when `live` holds every field and list item of `desired`."""
     if isinstance(desired, dict):
         if not isinstance(live, dict):
             return False
-        return all(key in live and contains(live[key], value) for key, value in desired.items())
+        return all(contains(live[key], value) if key in live else _zero(value) for key, value in desired.items())
     if isinstance(desired, list):
         if not isinstance(live, list) or len(live) != len(desired):
             return False
