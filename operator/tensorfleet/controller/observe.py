@@ -50,6 +50,26 @@ def pod_ready(pod: dict[str, Any]) -> bool:
     return False
 
 
+def pod_unschedulable(pod: dict[str, Any]) -> bool:
+    """The scheduler found no node for the pod (PodScheduled=False, reason Unschedulable)."""
+    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+               for c in pod.get("status", {}).get("conditions") or [])
+
+
+def pod_gpus(pod: dict[str, Any]) -> int:
+    """GPUs the pod's containers ask for (their nvidia.com/gpu limits, which the scheduler counts)."""
+    total = 0
+    for container in pod.get("spec", {}).get("containers") or []:
+        resources = container.get("resources") or {}
+        value = (resources.get("limits") or {}).get(contract.GPU_RESOURCE) or \
+            (resources.get("requests") or {}).get(contract.GPU_RESOURCE)
+        try:
+            total += int(value or 0)
+        except (TypeError, ValueError):
+            continue
+    return total
+
+
 def pod_problem(pod: dict[str, Any]) -> str | None:
     """Why a pod cannot become ready without someone acting, or None."""
     name = pod.get("metadata", {}).get("name", "?")
@@ -122,6 +142,10 @@ class Observation:
                 if problem:
                     found.append(problem)
         return found
+
+    def unschedulable(self) -> list[dict[str, Any]]:
+        """Pods of the wanted groups that the scheduler could not place."""
+        return [pod for group in self._current() for _, pod in sorted(group.pods.items()) if pod_unschedulable(pod)]
 
     def groups_to_replace(self) -> list[int]:
         """Groups to delete now to roll a multi-stage rollout, at most one serving group at a time.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensorfleet.controller.observe import Observation, set_condition
+from tensorfleet.controller.observe import Observation, pod_gpus, set_condition
 from tensorfleet.planner import Plan
 
 PLAN_VALID, PROGRESSING, READY, DEGRADED = "PlanValid", "Progressing", "Ready", "Degraded"
@@ -49,12 +49,29 @@ def _readiness(obs: Observation) -> tuple[str, str, str]:
     return "True", "Serving", f"{obs.ready_replicas} of {obs.desired} groups ready"
 
 
-def _degradation(obs: Observation) -> tuple[str, str, str]:
+def _shortfall(obs: Observation, plan: Plan) -> str | None:
+    """What the cluster lacks for the pods the scheduler cannot place, in GPUs of the planned type."""
+    stuck = obs.unschedulable()
+    if not stuck:
+        return None
+    gpus = sum(pod_gpus(pod) for pod in stuck)
+    pods = f"{len(stuck)} engine pod{'s' if len(stuck) != 1 else ''} cannot be scheduled"
+    if not gpus:
+        return pods
+    return (f"{pods}: {gpus} {plan.accelerator} GPUs short (each pod needs {pod_gpus(stuck[0])} free "
+            f"nvidia.com/gpu on one node whose nvidia.com/gpu.product is a {plan.accelerator}); "
+            f"add {plan.accelerator} nodes, lower spec.replicas, or choose another spec.accelerator.type")
+
+
+def _degradation(obs: Observation, plan: Plan) -> tuple[str, str, str]:
     problems = obs.problems()
     if not problems:
         return "False", "AsExpected", "no pod needs attention"
     shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
     more = f" (and {len(problems) - MAX_PROBLEMS_SHOWN} more)" if len(problems) > MAX_PROBLEMS_SHOWN else ""
+    shortfall = _shortfall(obs, plan)
+    if shortfall:
+        return "True", "Unschedulable", f"{shortfall}. {shown}{more}"
     return "True", "PodsFailing", shown + more
 
 
@@ -63,7 +80,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     conditions = list(previous.get("conditions") or [])
     conditions = set_condition(conditions, PLAN_VALID, "True", "PlanAccepted", plan_message(plan), generation, now)
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs)), (READY, _readiness(obs)), (DEGRADED, _degradation(obs)),
+        (PROGRESSING, _progress(obs)), (READY, _readiness(obs)), (DEGRADED, _degradation(obs, plan)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return {

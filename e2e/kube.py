@@ -1,0 +1,233 @@
+"""What the e2e tests use to talk to the cluster: kubectl, as a person would, and waits.
+
+Every wait is bounded (TF_E2E_TIMEOUT seconds, default 300) and says what it
+waited for and what it saw last when it gives up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tensorfleet import contract
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+CLUSTER_SCRIPT = ROOT / "e2e" / "cluster"
+SYSTEM_NAMESPACE = os.environ.get("TF_E2E_SYSTEM_NAMESPACE", "tensorfleet-system")
+RELEASE = os.environ.get("TF_E2E_RELEASE", "tensorfleet")
+TIMEOUT = float(os.environ.get("TF_E2E_TIMEOUT", "300"))
+CHILD_KINDS = ("statefulsets,deployments,replicasets,services,endpointslices,horizontalpodautoscalers,"
+               "poddisruptionbudgets,serviceaccounts,roles,rolebindings,pods,controllerrevisions")
+
+
+class KubectlError(AssertionError):
+    def __init__(self, args: tuple[str, ...], stderr: str) -> None:
+        super().__init__(f"kubectl {' '.join(args)} failed: {stderr.strip()}")
+        self.stderr = stderr
+
+
+def kubectl(*args: str, check: bool = True, stdin: str | None = None, timeout: float = 120) -> str:
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise KubectlError(args, done.stderr)
+    return done.stdout
+
+
+def kubectl_result(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+def get(kind: str, name: str, namespace: str | None) -> dict[str, Any] | None:
+    scope = ["-n", namespace] if namespace else []
+    out = kubectl("get", kind, name, *scope, "-o", "json", "--ignore-not-found")
+    return json.loads(out) if out.strip() else None
+
+
+def items(kind: str, namespace: str | None, selector: str | None = None) -> list[dict[str, Any]]:
+    scope = ["-n", namespace] if namespace else ["-A"]
+    chosen = ["-l", selector] if selector else []
+    return list(json.loads(kubectl("get", kind, *scope, *chosen, "-o", "json"))["items"])
+
+
+def apply(doc: dict[str, Any]) -> str:
+    return kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+
+
+def eventually(what: str, probe: Callable[[], Any], timeout: float = TIMEOUT, every: float = 0.5) -> Any:
+    """Call `probe` until it returns something truthy; AssertionErrors count as 'not yet'."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+        except AssertionError as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
+        time.sleep(every)
+
+
+def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    for cond in (obj or {}).get("status", {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return dict(cond)
+    return None
+
+
+def condition_status(obj: dict[str, Any] | None, type_: str) -> str | None:
+    found = condition(obj, type_)
+    return found.get("status") if found else None
+
+
+def example(file: str, namespace: str, *, drop: tuple[str, ...] = ("cache", "hfTokenSecretRef"),
+            **spec: Any) -> dict[str, Any]:
+    """An InferenceService from examples/, moved into `namespace`.
+
+    KWOK runs no volume provisioner and no kubelet, so model-cache PVCs would
+    never bind and secrets are never mounted: `drop` removes those spec keys.
+    Keyword arguments replace top-level spec keys.
+    """
+    (doc,) = [d for d in yaml.safe_load_all((EXAMPLES / file).read_text()) if d]
+    doc["metadata"]["namespace"] = namespace
+    for key in drop:
+        doc["spec"].pop(key, None)
+    doc["spec"].update(spec)
+    return dict(doc)
+
+
+def isvc(name: str, namespace: str) -> dict[str, Any] | None:
+    return get(contract.PLURAL, name, namespace)
+
+
+def ready(name: str, namespace: str) -> dict[str, Any] | None:
+    obj = isvc(name, namespace)
+    return obj if condition_status(obj, "Ready") == "True" else None
+
+
+def wait_ready(name: str, namespace: str, timeout: float = TIMEOUT) -> dict[str, Any]:
+    return dict(eventually(f"InferenceService {namespace}/{name} Ready=True", lambda: ready(name, namespace), timeout))
+
+
+def engine_pods(name: str, namespace: str) -> list[dict[str, Any]]:
+    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
+    return items("pods", namespace, selector)
+
+
+def nodes() -> dict[str, dict[str, Any]]:
+    return {n["metadata"]["name"]: n for n in items("nodes", None)}
+
+
+def new_namespace(prefix: str) -> str:
+    name = f"e2e-{prefix}-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", name)
+    return name
+
+
+def delete_namespace(name: str) -> None:
+    if os.environ.get("TF_E2E_KEEP"):
+        return
+    kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true", f"--timeout={int(TIMEOUT)}s", check=False)
+
+
+def local_cluster() -> bool:
+    """True when the cluster is the one e2e/cluster runs (its operator is a local process)."""
+    done = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30)
+    return done.returncode == 0 and "running" in done.stdout.split("operator:", 1)[-1].split("\n", 1)[0]
+
+
+def operator_service_account() -> str:
+    deployments = items("deployments", SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}")
+    assert deployments, f"no operator Deployment of release {RELEASE} in {SYSTEM_NAMESPACE}"
+    account = deployments[0]["spec"]["template"]["spec"]["serviceAccountName"]
+    return f"system:serviceaccount:{SYSTEM_NAMESPACE}:{account}"
+
+
+def kill_operator() -> None:
+    """SIGKILL the operator: the local process, or the Lease holder's pod in a real cluster."""
+    if local_cluster():
+        subprocess.run([str(CLUSTER_SCRIPT), "operator", "kill"], check=True, capture_output=True, timeout=60)
+        return
+    lease = get("lease", "tensorfleet-operator", SYSTEM_NAMESPACE) or {}
+    holder = lease.get("spec", {}).get("holderIdentity")
+    assert holder, "no operator holds the Lease"
+    kubectl("delete", "pod", holder, "-n", SYSTEM_NAMESPACE, "--grace-period=0", "--force")
+
+
+def start_operator() -> None:
+    """Start the local operator again (in a real cluster its Deployment already did)."""
+    if subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, timeout=30).returncode == 0:
+        subprocess.run([str(CLUSTER_SCRIPT), "operator", "start"], check=True, capture_output=True, timeout=120)
+
+
+class PodWatch:
+    """`kubectl get pods --watch` in a thread: every state the pods went through, in order."""
+
+    def __init__(self, namespace: str, selector: str,
+                 check: Callable[[dict[str, dict[str, Any]]], None]) -> None:
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.failures: list[str] = []
+        self.events = 0
+        self._check = check
+        self._proc = subprocess.Popen(
+            ["kubectl", "get", "pods", "-n", namespace, "-l", selector, "--watch", "--output-watch-events",
+             "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        decoder = json.JSONDecoder()
+        buffer = ""
+        for line in self._proc.stdout:
+            buffer += line
+            while buffer.strip():
+                try:
+                    event, end = decoder.raw_decode(buffer.lstrip())
+                except ValueError:
+                    break
+                buffer = buffer.lstrip()[end:]
+                self._on(event)
+
+    def _on(self, event: dict[str, Any]) -> None:
+        pod = event.get("object") or {}
+        name = pod.get("metadata", {}).get("name")
+        if not name:
+            return
+        if event.get("type") == "DELETED":
+            self.pods.pop(name, None)
+        else:
+            self.pods[name] = pod
+        self.events += 1
+        try:
+            self._check(self.pods)
+        except AssertionError as exc:
+            self.failures.append(str(exc))
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        self._proc.wait(timeout=10)
+        self._thread.join(timeout=10)
+
+
+@contextmanager
+def watching_pods(namespace: str, selector: str,
+                  check: Callable[[dict[str, dict[str, Any]]], None]) -> Iterator[PodWatch]:
+    watch = PodWatch(namespace, selector, check)
+    try:
+        yield watch
+    finally:
+        watch.stop()

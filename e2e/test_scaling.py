@@ -1,0 +1,65 @@
+"""`kubectl scale` and the HPA both move an InferenceService through its /scale subresource."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kube import apply, condition, engine_pods, eventually, example, get, kubectl, wait_ready
+
+from tensorfleet import contract
+
+
+def _scale(name: str, namespace: str) -> dict[str, Any]:
+    path = f"/apis/{contract.API_VERSION}/namespaces/{namespace}/{contract.PLURAL}/{name}/scale"
+    return dict(json.loads(kubectl("get", "--raw", path)))
+
+
+def test_kubectl_scale_moves_every_stage(namespace: str) -> None:
+    doc = example("simulator-cpu.yaml", namespace, replicas=1)
+    doc["spec"].pop("autoscaling")
+    name = doc["metadata"]["name"]
+    pipeline = doc["spec"]["parallelism"]["pipeline"]
+    apply(doc)
+    wait_ready(name, namespace)
+    kubectl("scale", f"{contract.PLURAL}/{name}", "-n", namespace, "--replicas=3")
+    for stage in range(pipeline):
+        eventually(f"stage {stage} at 3 replicas", lambda stage=stage: (get(
+            "statefulset", contract.stage_name(name, stage), namespace) or {}).get("spec", {}).get("replicas") == 3)
+
+    def three_ready() -> dict[str, Any] | None:
+        obj = get(contract.PLURAL, name, namespace) or {}
+        return obj if obj.get("status", {}).get("readyReplicas") == 3 else None
+    obj = eventually("3 ready replicas", three_ready)
+    assert obj["spec"]["replicas"] == 3
+    assert len(engine_pods(name, namespace)) == 3 * pipeline
+    scale = _scale(name, namespace)
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3 and scale["status"]["replicas"] == 3
+    assert scale["status"]["selector"] == obj["status"]["selector"]
+    kubectl("scale", f"{contract.PLURAL}/{name}", "-n", namespace, "--replicas=1")
+    eventually("back to 1 group of pods", lambda: len(engine_pods(name, namespace)) == pipeline)
+
+
+def test_the_hpa_controller_reads_scale_and_its_selector(namespace: str) -> None:
+    doc = example("simulator-cpu.yaml", namespace)
+    assert doc["spec"]["autoscaling"], "the example autoscales"
+    name = doc["metadata"]["name"]
+    apply(doc)
+    wait_ready(name, namespace)
+
+    def able() -> dict[str, Any] | None:
+        hpa = get("horizontalpodautoscaler", contract.hpa_name(name), namespace)
+        found = condition(hpa, "AbleToScale")
+        return hpa if found and found["status"] == "True" else None
+    hpa = eventually("the HPA AbleToScale=True", able)
+    able_to_scale = condition(hpa, "AbleToScale")
+    assert able_to_scale and able_to_scale["reason"] == "SucceededGetScale", able_to_scale
+    assert hpa["status"].get("currentReplicas") == 1, "the HPA read /scale's status.replicas"
+    # The custom-metrics API (prometheus-adapter) is not installed in this cluster,
+    # so the HPA can read /scale but not the pending-requests metric: it says so
+    # in ScalingActive rather than scaling on anything made up.
+    services = kubectl("get", "apiservices", "-o", "name")
+    if "v1beta1.custom.metrics.k8s.io" not in services:
+        active = eventually("the HPA ScalingActive condition", lambda: condition(
+            get("horizontalpodautoscaler", contract.hpa_name(name), namespace), "ScalingActive"))
+        assert active["status"] == "False" and active["reason"] == "FailedGetPodsMetric", active
