@@ -174,13 +174,18 @@ def start_operator() -> None:
 
 
 class PodWatch:
-    """`kubectl get pods --watch` in a thread: every state the pods went through, in order."""
+    """`kubectl get pods --watch` in a thread: every state the pods went through, in order.
+
+    `check` runs on every event once `arm()` was called (after the initial
+    listing, which arrives one pod at a time, has been seen whole).
+    """
 
     def __init__(self, namespace: str, selector: str,
                  check: Callable[[dict[str, dict[str, Any]]], None]) -> None:
         self.pods: dict[str, dict[str, Any]] = {}
         self.failures: list[str] = []
         self.events = 0
+        self.armed = False
         self._check = check
         self._proc = subprocess.Popen(
             ["kubectl", "get", "pods", "-n", namespace, "-l", selector, "--watch", "--output-watch-events",
@@ -212,10 +217,16 @@ class PodWatch:
         else:
             self.pods[name] = pod
         self.events += 1
+        if not self.armed:
+            return
         try:
             self._check(self.pods)
         except AssertionError as exc:
             self.failures.append(str(exc))
+
+    def arm(self) -> None:
+        self.armed = True
+        self._check(self.pods)
 
     def stop(self) -> None:
         self._proc.terminate()

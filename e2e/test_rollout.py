@@ -1,0 +1,148 @@
+"""A pipeline-parallel rollout, as the real StatefulSet controller and scheduler carry it out.
+
+With pipeline > 1 a group (ordinal i of every stage) is the unit: the operator
+replaces whole groups, one serving group at a time, so a group never mixes
+versions and at most one group is down. A pod watch checks both on every event.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kube import (
+    apply,
+    engine_pods,
+    eventually,
+    example,
+    get,
+    isvc,
+    items,
+    kill_operator,
+    kubectl,
+    start_operator,
+    wait_ready,
+    watching_pods,
+)
+
+from tensorfleet import contract
+
+NEXT_IMAGE = "ghcr.io/tensorfleet/tensorfleet:e2e-next"
+
+
+def _group(pod: dict[str, Any]) -> int:
+    return int(pod["metadata"]["labels"]["apps.kubernetes.io/pod-index"])
+
+
+def _serving(pod: dict[str, Any]) -> bool:
+    if pod["metadata"].get("deletionTimestamp"):
+        return False
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or [])
+
+
+def group_invariants(replicas: int, pipeline: int):  # type: ignore[no-untyped-def]
+    def check(pods: dict[str, dict[str, Any]]) -> None:
+        groups: dict[int, dict[int, dict[str, Any]]] = {}
+        for pod in pods.values():
+            if _serving(pod):
+                stage = int(pod["metadata"]["labels"][contract.LABEL_STAGE])
+                groups.setdefault(_group(pod), {})[stage] = pod
+        for index, members in groups.items():
+            images = {p["spec"]["containers"][0]["image"] for p in members.values()}
+            assert len(images) == 1, f"group {index} serves mixed versions: {sorted(images)}"
+        whole = [i for i in range(replicas) if len(groups.get(i, {})) == pipeline]
+        assert len(whole) >= replicas - 1, f"only groups {whole} of {replicas} serving"
+    return check
+
+
+def _rolled(name: str, namespace: str, image: str, replicas: int) -> dict[str, Any] | None:
+    pods = engine_pods(name, namespace)
+    obj = isvc(name, namespace) or {}
+    status = obj.get("status", {})
+    done = (len(pods) == replicas * obj["spec"]["parallelism"]["pipeline"]
+            and all(p["spec"]["containers"][0]["image"] == image and _serving(p) for p in pods)
+            and status.get("updatedReplicas") == replicas and status.get("readyReplicas") == replicas)
+    return obj if done else None
+
+
+def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
+    doc = example("simulator-cpu.yaml", namespace, replicas=replicas)
+    doc["spec"].pop("autoscaling")
+    name = doc["metadata"]["name"]
+    apply(doc)
+    obj = wait_ready(name, namespace)
+    eventually(f"{replicas} ready groups", lambda: (isvc(name, namespace) or {}).get("status", {})
+               .get("readyReplicas") == replicas)
+    return name, int(obj["spec"]["parallelism"]["pipeline"])
+
+
+def _set_image(name: str, namespace: str, image: str) -> None:
+    kubectl("patch", contract.PLURAL, name, "-n", namespace, "--type=merge", "-p",
+            '{"spec": {"engine": {"image": "%s"}}}' % image)
+
+
+def test_an_image_change_rolls_one_group_at_a_time(namespace: str) -> None:
+    replicas = 3
+    name, pipeline = _deploy(namespace, replicas)
+    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
+    with watching_pods(namespace, selector, group_invariants(replicas, pipeline)) as watch:
+        eventually("the pod watch to list the pods", lambda: len(watch.pods) == replicas * pipeline)
+        watch.arm()
+        _set_image(name, namespace, NEXT_IMAGE)
+        eventually(f"every engine pod on {NEXT_IMAGE}", lambda: _rolled(name, namespace, NEXT_IMAGE, replicas))
+    assert not watch.failures, watch.failures[:5]
+    assert watch.events > replicas * pipeline * 3, f"the watch saw only {watch.events} events"
+    for stage in range(pipeline):
+        sts = get("statefulset", contract.stage_name(name, stage), namespace)
+        assert sts and sts["spec"]["updateStrategy"]["type"] == "OnDelete"
+        assert sts["status"]["currentRevision"] == sts["status"]["updateRevision"] or \
+            sts["status"]["updatedReplicas"] == replicas
+
+
+def _owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
+
+
+def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphans(namespace: str) -> None:
+    replicas = 4
+    name, pipeline = _deploy(namespace, replicas)
+    _set_image(name, namespace, NEXT_IMAGE)
+
+    def partly() -> bool:
+        updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
+        return bool(any(p["spec"]["containers"][0]["image"] == NEXT_IMAGE for p in engine_pods(name, namespace))
+                    and updated < replicas)
+    eventually("the rollout under way", partly, every=0.1)
+    kill_operator()
+    killed_at = isvc(name, namespace) or {}
+    assert killed_at["status"].get("updatedReplicas", 0) < replicas, "killed after the rollout had finished"
+    time.sleep(2)
+    start_operator()
+    obj = eventually("the rollout finished after the restart", lambda: _rolled(name, namespace, NEXT_IMAGE, replicas))
+    uid = obj["metadata"]["uid"]
+
+    expected = {
+        "StatefulSet": {contract.stage_name(name, k) for k in range(pipeline)},
+        "Deployment": {contract.router_name(name)},
+        "Service": {name, contract.engine_service_name(name), contract.workers_service_name(name)},
+        "PodDisruptionBudget": {contract.pdb_name(name)},
+        "ServiceAccount": {contract.router_name(name)},
+        "Role": {contract.router_name(name)},
+        "RoleBinding": {contract.router_name(name)},
+    }
+    selector = f"{contract.LABEL_INSTANCE}={name}"
+    for kind, names in expected.items():
+        found = items(kind.lower() + "s" if not kind.endswith("y") else kind.lower()[:-1] + "ies", namespace, selector)
+        assert sorted(o["metadata"]["name"] for o in found) == sorted(names), kind
+        for child in found:
+            assert _owned_by(child, uid), f"{kind} {child['metadata']['name']} is not owned by the InferenceService"
+    pods = engine_pods(name, namespace)
+    want = {f"{contract.stage_name(name, k)}-{i}" for k in range(pipeline) for i in range(replicas)}
+    assert sorted(p["metadata"]["name"] for p in pods) == sorted(want), "one pod per stage and group, no more"
+    sts_uids = {s["metadata"]["uid"] for s in items("statefulsets", namespace, selector)}
+    for pod in pods:
+        owners = {ref["uid"] for ref in pod["metadata"].get("ownerReferences") or [] if ref.get("controller")}
+        assert owners & sts_uids, f"pod {pod['metadata']['name']} is orphaned"
+    eventually("Progressing=False", lambda: any(c["type"] == "Progressing" and c["status"] == "False"
+                                                 for c in (isvc(name, namespace) or {}).get("status", {})
+                                                 .get("conditions", [])))

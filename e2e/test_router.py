@@ -1,0 +1,206 @@
+"""The router's identity and discovery, against the EndpointSlices the real controller publishes.
+
+KWOK runs no container, so the test runs the pods' processes itself, on this
+machine: the router under its Deployment's arguments and its ServiceAccount's
+token (through `kubectl proxy`), and each engine leader's simulator on the pod
+IP KWOK gave it, inside the pod network namespace that `e2e/cluster up` made
+(the pod range is routed there and nowhere else). Then a chat completion goes
+client -> router -> the engine that the router discovered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kube import CLUSTER_SCRIPT, apply, engine_pods, eventually, example, get, items, kubectl, kubectl_result, wait_ready
+
+from tensorfleet import contract
+
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _can(identity: str, *args: str) -> bool:
+    return kubectl_result("auth", "can-i", *args, f"--as={identity}").stdout.strip() == "yes"
+
+
+def _token_kubeconfig(account: str, namespace: str, path: Path) -> Path:
+    token = kubectl("create", "token", account, "-n", namespace, "--duration=1h").strip()
+    admin = json.loads(kubectl("config", "view", "--raw", "--minify", "-o", "json"))
+    config = {"apiVersion": "v1", "kind": "Config", "current-context": "router",
+              "clusters": [{"name": "e2e", "cluster": admin["clusters"][0]["cluster"]}],
+              "users": [{"name": "router", "user": {"token": token}}],
+              "contexts": [{"name": "router", "context": {"cluster": "e2e", "user": "router", "namespace": namespace}}]}
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _field(pod: dict[str, Any], path: str) -> str:
+    labels = re.fullmatch(r"metadata\.labels\['(.+)'\]", path)
+    if labels:
+        return str(pod["metadata"]["labels"][labels.group(1)])
+    value: Any = pod
+    for part in path.split("."):
+        value = value[part]
+    return str(value)
+
+
+def _pod_env(pod: dict[str, Any]) -> dict[str, str]:
+    """The engine container's environment as the kubelet would build it (plain values and field refs)."""
+    env: dict[str, str] = {}
+    for var in pod["spec"]["containers"][0].get("env") or []:
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), var["value"])
+        elif "fieldRef" in (var.get("valueFrom") or {}):
+            env[var["name"]] = _field(pod, var["valueFrom"]["fieldRef"]["fieldPath"])
+    return env
+
+
+class Processes:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.running: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        self.running.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for proc in self.running:
+            proc.terminate()
+        for proc in self.running:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    running = Processes(tmp_path)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def _run_engine_leader(processes: Processes, pod: dict[str, Any]) -> str:
+    """Run the simulator a leader pod would run, on the pod's IP; return its base URL."""
+    env = {"PATH": f"{BIN}:/usr/bin:/bin", **_pod_env(pod)}
+    plan = json.loads(subprocess.run([str(BIN / "tensorfleet-worker"), "--print-command"], env=env,
+                                     capture_output=True, text=True, check=True, timeout=60).stdout)
+    (argv,) = plan["commands"]
+    ip = pod["status"]["podIP"]
+    argv = [str(BIN / argv[0]), *argv[1:]]
+    argv[argv.index("--host") + 1] = ip
+    processes.start(pod["metadata"]["name"], [str(CLUSTER_SCRIPT), "exec-pod", "--", *argv], env)
+    return f"http://{ip}:{env[contract.ENV_ENGINE_PORT]}"
+
+
+def _backends(router_port: int) -> dict[str, float]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{router_port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:  # not listening yet
+        return {}
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(contract.ROUTER_METRIC_BACKEND_HEALTHY + "{"):
+            backend = re.search(r'backend="([^"]+)"', line)
+            if backend:
+                found[backend.group(1)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_the_router_identity_may_list_only_its_own_endpointslices(namespace: str) -> None:
+    doc = example("simulator-cpu.yaml", namespace)
+    name = doc["metadata"]["name"]
+    apply(doc)
+    wait_ready(name, namespace)
+    identity = f"system:serviceaccount:{namespace}:{contract.router_name(name)}"
+    for verb in ("get", "list", "watch"):
+        assert _can(identity, verb, "endpointslices.discovery.k8s.io", "-n", namespace)
+    assert not _can(identity, "list", "endpointslices.discovery.k8s.io", "-n", "default")
+    assert not _can(identity, "list", "endpointslices.discovery.k8s.io", "-A")
+    assert not _can(identity, "get", "secrets", "-n", namespace)
+    assert not _can(identity, "list", "pods", "-n", namespace)
+    assert not _can(identity, "create", "endpointslices.discovery.k8s.io", "-n", namespace)
+
+
+def test_the_router_discovers_the_published_engines_and_serves_through_them(
+        namespace: str, processes: Processes, tmp_path: Path) -> None:
+    status = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30).stdout
+    if "pod network: tensorfleet-e2e" not in status:
+        pytest.fail("needs the pod network of `e2e/cluster up` (run as root), so that pod IPs are local: "
+                    f"without it the router would dial addresses off this machine. status: {status!r}")
+    doc = example("simulator-cpu.yaml", namespace, replicas=2)
+    doc["spec"].pop("autoscaling")
+    name = doc["metadata"]["name"]
+    apply(doc)
+    wait_ready(name, namespace)
+    eventually("2 ready groups", lambda: (get(contract.PLURAL, name, namespace) or {}).get("status", {})
+               .get("readyReplicas") == 2)
+
+    # What the EndpointSlice controller published for the engine Service.
+    def published() -> set[str]:
+        slices = items("endpointslices", namespace, f"{contract.ENDPOINTSLICE_SERVICE_LABEL}="
+                                                     f"{contract.engine_service_name(name)}")
+        found = {a for s in slices for e in s.get("endpoints") or [] if (e.get("conditions") or {}).get("ready")
+                 for a in e["addresses"][:1]}
+        return found if len(found) == 2 else set()
+    addresses = eventually("2 ready engine endpoints published", published)
+    leaders = [p for p in engine_pods(name, namespace) if p["metadata"]["labels"][contract.LABEL_STAGE] == "0"]
+    assert {p["status"]["podIP"] for p in leaders} == addresses
+
+    # The router, as its Deployment runs it, under its own ServiceAccount.
+    config = _token_kubeconfig(contract.router_name(name), namespace, tmp_path / "router.kubeconfig")
+    proxy_port = _free_port()
+    processes.start("kubectl-proxy", ["kubectl", "proxy", f"--kubeconfig={config}", f"--port={proxy_port}",
+                                      "--address=127.0.0.1"])
+    deployment = get("deployment", contract.router_name(name), namespace)
+    assert deployment is not None
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    router_port = _free_port()
+    argv = [str(BIN / container["command"][0]), *container["command"][1:], *container.get("args", []),
+            "--kube-api", f"http://127.0.0.1:{proxy_port}", "--host", "127.0.0.1", "--port", str(router_port),
+            "--health-interval", "0.5"]
+    processes.start("router", argv)
+
+    urls = {f"http://{address}:{contract.ENGINE_PORT}" for address in addresses}
+    eventually("the router to discover both engines", lambda: set(_backends(router_port)) == urls or None,
+               timeout=60)
+    for pod in leaders:
+        _run_engine_leader(processes, pod)
+    eventually("both engines healthy at the router", lambda: all(v == 1.0 for v in _backends(router_port).values()),
+               timeout=60)
+
+    model = doc["spec"]["model"]["servedName"]
+    body = json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello"}]}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{router_port}/v1/chat/completions", data=body,
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        reply = json.loads(answer.read())
+    assert reply["object"] == "chat.completion" and reply["model"] == model, reply
+    assert reply["choices"][0]["message"]["content"]
+    assert "403" not in processes.log("router") and "Forbidden" not in processes.log("router")
