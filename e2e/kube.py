@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -147,6 +149,22 @@ def local_cluster() -> bool:
     """True when the cluster is the one e2e/cluster runs (its operator is a local process)."""
     done = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30)
     return done.returncode == 0 and "running" in done.stdout.split("operator:", 1)[-1].split("\n", 1)[0]
+
+
+def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The local operator's Prometheus samples, keyed by (name, sorted labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30).stdout
+    port = re.search(r"metrics :(\d+)", status)
+    assert port, f"no local operator metrics port in e2e/cluster status: {status!r}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
 
 
 def operator_service_account() -> str:

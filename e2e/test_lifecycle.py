@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
-from kube import CHILD_KINDS, apply, eventually, example, get, isvc, kubectl, wait_ready
+import time
+
+import pytest
+from kube import (
+    CHILD_KINDS,
+    apply,
+    condition_status,
+    eventually,
+    example,
+    get,
+    isvc,
+    kubectl,
+    local_cluster,
+    operator_metrics,
+    wait_ready,
+)
 
 from tensorfleet import contract
 
@@ -45,3 +60,37 @@ def test_deleting_the_inference_service_leaves_nothing(namespace: str) -> None:
         return [ref for ref in left if name in ref.split("/", 1)[1]]
 
     eventually("the garbage collector to remove every child", lambda: not everything(), timeout=120)
+
+
+def _writes(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """API writes per (method, kind), leaving out the Lease renewals that run on a timer."""
+    found = {}
+    for (name, labels), value in samples.items():
+        tags = dict(labels)
+        if name == "tensorfleet_api_requests_total" and tags.get("method") != "GET" and tags.get("kind") != "Lease":
+            found[f"{tags['method']} {tags['kind']}"] = value
+    return found
+
+
+def _reconciles(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> float:
+    return sum(v for (name, _), v in samples.items() if name == "tensorfleet_reconciles_total")
+
+
+def test_a_converged_inference_service_costs_no_writes(namespace: str) -> None:
+    """Real defaults (omitted false bools, added fields) must not look like drift to the operator."""
+    if not local_cluster():
+        pytest.skip("reads the local operator's metrics (e2e/cluster); in-cluster operators expose them on a Service")
+    doc = example("simulator-cpu.yaml", namespace)
+    name = doc["metadata"]["name"]
+    apply(doc)
+    wait_ready(name, namespace)
+    eventually("Progressing=False", lambda: condition_status(isvc(name, namespace), "Progressing") == "False")
+    time.sleep(2)
+    before = operator_metrics()
+    for i in range(3):  # each annotation change is a watch event, so a full reconcile
+        kubectl("annotate", contract.PLURAL, name, "-n", namespace, f"e2e/touch=t{i}", "--overwrite")
+        time.sleep(1)
+    after = eventually("the reconciles of those events", lambda: (lambda a: a if _reconciles(a) >= _reconciles(before)
+                                                                   + 3 else None)(operator_metrics()), timeout=60)
+    changed = {k: v - _writes(before).get(k, 0) for k, v in _writes(after).items() if v != _writes(before).get(k)}
+    assert not changed, f"writes while nothing changed: {changed}"

@@ -24,6 +24,10 @@ each gap is filled here, each as the Kubernetes API documents it:
   immutable (422 Invalid, as the apps/v1 validation says);
 - defaults from the InferenceService CRD's structural schema are written into
   stored objects, as the API server does for custom resources;
+- Go's `omitempty`: a plain (non-pointer) bool written as `false` is stored and
+  returned absent (OMITTED_WHEN_FALSE; seen on kube-apiserver 1.36 with the
+  headless Service's `publishNotReadyAddresses: false`). Pointer bools such as
+  `enableServiceLinks` or `automountServiceAccountToken` keep their `false`;
 - LIST and WATCH honour equality-based `labelSelector`s;
 - `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces
   that objects live in, as kopf expects when it watches chosen namespaces.
@@ -63,6 +67,9 @@ NO_STATUS_SUBRESOURCE = {"events", "leases", "serviceaccounts", "roles", "rolebi
 # scale subresource paths: plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
 STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySeconds", "ordinals",
                        "persistentVolumeClaimRetentionPolicy"}
+# Plain bools with `omitempty` that the operator writes as false, per resource:
+# the API server returns them absent.
+OMITTED_WHEN_FALSE = {"services": ("spec.publishNotReadyAddresses",)}
 SCALE_PATHS = {
     "inferenceservices": ("spec.replicas", "status.replicas", "status.selector"),
     "statefulsets": ("spec.replicas", "status.replicas", None),
@@ -218,6 +225,11 @@ class ClusterEmulator(KubernetesEmulator):
         schema = _CRD_SCHEMAS.get(key[0].plural)
         if schema is not None:
             _apply_defaults(schema, obj)
+        for dotted in OMITTED_WHEN_FALSE.get(key[0].plural, ()):
+            *path, leaf = dotted.split(".")
+            parent = _get(obj, ".".join(path))
+            if isinstance(parent, dict) and parent.get(leaf) is False:
+                del parent[leaf]
         if key in self._objects and not self._objects[key].deleted:
             self._objects[key].history.append(obj)
         else:
