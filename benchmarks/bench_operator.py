@@ -1,4 +1,5 @@
-"""Operator benchmark: the real `tensorfleet run` process against the emulated API server.
+"""Operator benchmark: the real `tensorfleet run` process against the emulated API server,
+or (--cluster) against the real control plane of `e2e/cluster up`.
 
 Measures, for N InferenceServices created at once:
   - time until every one has converged (plan accepted, all groups ready, nothing progressing),
@@ -13,6 +14,14 @@ process; the operator runs as its own process, as in a cluster. Writes are count
 the server side, from the operator's User-Agent.
 
     .venv/bin/python benchmarks/bench_operator.py --count 200 --idle-seconds 60
+    eval "$(e2e/cluster up)" && .venv/bin/python benchmarks/bench_operator.py --cluster --count 200
+
+With --cluster the operator is the one `e2e/cluster up` runs (its own process, under
+the chart's ServiceAccount, --resync-seconds from e2e/kwok-values.yaml); the real
+StatefulSet and Deployment controllers, scheduler and KWOK make the pods. Requests
+are counted on the operator's side (tensorfleet_api_requests_total), reads (GET,
+LIST) as well as writes. The benchmark adds fake CPU nodes for the pods (110 pods
+each, like a kubelet's default) and removes them, with its namespace, afterwards.
 """
 
 from __future__ import annotations
@@ -161,13 +170,150 @@ async def run(count: int, idle_seconds: float, resync_seconds: float, workers: i
     }
 
 
+CLUSTER_SCRIPT = ROOT / "e2e" / "cluster"
+BENCH_NAMESPACE = "bench"
+
+
+def _kubectl(*args: str, stdin: str | None = None) -> str:
+    import subprocess
+
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"kubectl {' '.join(args[:3])}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _local_operator() -> tuple[int, int]:
+    """(pid, metrics port) of the operator e2e/cluster runs."""
+    import re
+    import subprocess
+
+    status = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30).stdout
+    pid, port = re.search(r"operator: pid (\d+) running", status), re.search(r"metrics :(\d+)", status)
+    if not pid or not port:
+        raise SystemExit(f"error: no local operator running (eval \"$(e2e/cluster up)\" first): {status.strip()!r}")
+    return int(pid.group(1)), int(port.group(1))
+
+
+def _requests(port: int) -> Counter[str]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "tensorfleet_api_requests_total":
+                counts[f"{sample.labels['method']} {sample.labels['kind']}"] += int(sample.value)
+    return counts
+
+
+def _bench_nodes(count: int) -> list[dict[str, Any]]:
+    capacity = {"cpu": "192", "memory": "2Ti", "pods": "110"}
+    return [{"apiVersion": "v1", "kind": "Node",
+             "metadata": {"name": f"bench-cpu-{i}", "labels": {"kubernetes.io/hostname": f"bench-cpu-{i}",
+                                                               "type": "kwok", "tensorfleet.dev/bench": "true"},
+                          "annotations": {"kwok.x-k8s.io/node": "fake"}},
+             "spec": {"podCIDR": f"10.244.{100 + i}.0/24", "podCIDRs": [f"10.244.{100 + i}.0/24"]},
+             "status": {"capacity": capacity, "allocatable": capacity}} for i in range(count)]
+
+
+def run_cluster(count: int, idle_seconds: float) -> dict[str, Any]:
+    pid, port = _local_operator()
+    pods = count * 2  # one engine pod and one router pod each
+    nodes = _bench_nodes(pods // 100 + 1)
+    _kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
+    _kubectl("create", "namespace", BENCH_NAMESPACE)
+    try:
+        names = {f"bench-{i:03d}" for i in range(count)}
+        docs = [_spec(n) for n in sorted(names)]
+        before = _requests(port)
+        cpu_before = _cpu_seconds(pid)
+        started = time.perf_counter()
+        _kubectl("create", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
+        while True:
+            items = json.loads(_kubectl("get", contract.PLURAL, "-n", BENCH_NAMESPACE, "-o", "json"))["items"]
+            done = 0
+            for isvc in items:
+                status = isvc.get("status") or {}
+                conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+                if conditions.get("Ready") == "True" and conditions.get("Progressing") == "False" \
+                        and status.get("observedGeneration") == isvc["metadata"]["generation"]:
+                    done += 1
+            if done == count:
+                break
+            if time.perf_counter() - started > 1800:
+                raise TimeoutError(f"only {done} of {count} converged in 30 min")
+            time.sleep(1.0)
+        converge_seconds = time.perf_counter() - started
+        converge_cpu = _cpu_seconds(pid) - cpu_before
+        time.sleep(SETTLE_SECONDS)
+        converged = _requests(port)
+        time.sleep(idle_seconds)
+        idle = _requests(port)
+        memory = _rss(pid)
+    finally:
+        _kubectl("delete", "namespace", BENCH_NAMESPACE, "--wait=true", "--timeout=600s")
+        _kubectl("delete", "nodes", "-l", "tensorfleet.dev/bench=true")
+    to_converge = converged - before
+    idle_requests = idle - converged
+    writes = {k: v for k, v in to_converge.items() if not k.startswith("GET") and "Lease" not in k}
+    reads = {k: v for k, v in to_converge.items() if k.startswith("GET")}
+    idle_writes = {k: v for k, v in idle_requests.items() if not k.startswith("GET") and "Lease" not in k}
+    idle_reads = {k: v for k, v in idle_requests.items() if k.startswith("GET")}
+    return {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "api_server": _kubectl("version", "-o", "json") and json.loads(_kubectl("version", "-o", "json"))
+        ["serverVersion"]["gitVersion"],
+        "inference_services": count,
+        "converge_seconds": round(converge_seconds, 2),
+        "operator_cpu_seconds_to_converge": round(converge_cpu, 2),
+        "writes_to_converge": dict(sorted(writes.items())),
+        "writes_per_inference_service": round(sum(writes.values()) / count, 2),
+        "reads_to_converge": dict(sorted(reads.items())),
+        "reads_per_inference_service": round(sum(reads.values()) / count, 2),
+        "idle_seconds": idle_seconds,
+        "idle_writes_per_minute": round(sum(idle_writes.values()) * 60 / idle_seconds, 2),
+        "idle_reads_per_minute": round(sum(idle_reads.values()) * 60 / idle_seconds, 2),
+        **memory,
+    }
+
+
+def main_cluster(args: argparse.Namespace) -> None:
+    result = run_cluster(args.count, args.idle_seconds)
+    rows = [
+        ("machine", result["machine"]),
+        ("API server", f"{result['api_server']} (e2e/cluster: etcd, kube-apiserver, controllers, scheduler, KWOK)"),
+        ("InferenceServices created at once", result["inference_services"]),
+        ("time to converge (all Ready, nothing progressing)", f"{result['converge_seconds']} s"),
+        ("  operator CPU time in that span", f"{result['operator_cpu_seconds_to_converge']} s"),
+        ("API writes to converge, per InferenceService", result["writes_per_inference_service"]),
+        ("  by request", ", ".join(f"{k} {v}" for k, v in result["writes_to_converge"].items())),
+        ("API reads to converge, per InferenceService", result["reads_per_inference_service"]),
+        (f"API writes / reads per minute, idle", f"{result['idle_writes_per_minute']} / {result['idle_reads_per_minute']}"),
+        ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "operator-cluster.json").write_text(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--resync-seconds", type=float, default=15.0)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--cluster", action="store_true",
+                        help="against the cluster of e2e/cluster up (KUBECONFIG) and its operator process")
     args = parser.parse_args()
+    if args.cluster:
+        main_cluster(args)
+        return
     result = asyncio.run(run(args.count, args.idle_seconds, args.resync_seconds, args.workers))
     rows = [
         ("machine", result["machine"]),

@@ -20,8 +20,9 @@ each gap is filled here, each as the Kubernetes API documents it:
   dependents by ownerReferences (Background/Foreground: deleted;
   Orphan: their ownerReference is removed);
 - StatefulSet spec fields other than replicas, template, updateStrategy,
-  minReadySeconds, ordinals and persistentVolumeClaimRetentionPolicy are
-  immutable (422 Invalid, as the apps/v1 validation says);
+  minReadySeconds, ordinals, revisionHistoryLimit and
+  persistentVolumeClaimRetentionPolicy are immutable (422 Invalid, as
+  kube-apiserver 1.36 answers);
 - defaults from the InferenceService CRD's structural schema are written into
   stored objects, as the API server does for custom resources;
 - Go's `omitempty`: a plain (non-pointer) bool written as `false` is stored and
@@ -65,7 +66,7 @@ WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 NO_STATUS_SUBRESOURCE = {"events", "leases", "serviceaccounts", "roles", "rolebindings", "namespaces",
                          "customresourcedefinitions", "endpointslices"}
 # scale subresource paths: plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
-STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySeconds", "ordinals",
+STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySeconds", "ordinals", "revisionHistoryLimit",
                        "persistentVolumeClaimRetentionPolicy"}
 # Plain bools with `omitempty` that the operator writes as false, per resource:
 # the API server returns them absent.
