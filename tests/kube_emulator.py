@@ -18,7 +18,12 @@ each gap is filled here, each as the Kubernetes API documents it:
   resourceVersion is stale (optimistic concurrency);
 - DELETE honours `preconditions.uid` (409 on mismatch) and garbage-collects
   dependents by ownerReferences (Background/Foreground: deleted;
-  Orphan: their ownerReference is removed);
+  Orphan: their ownerReference is removed). An Orphan deletion is not
+  immediate, as with the real garbage collector: the object first gets the
+  `orphan` finalizer and a deletionTimestamp and stays readable (writes to it
+  are still validated), and goes ORPHAN_DELAY later, after its dependents were
+  released (kube-apiserver 1.36 answered a StatefulSet re-applied at once
+  with 422, the old one still there);
 - StatefulSet spec fields other than replicas, template, updateStrategy,
   minReadySeconds, ordinals, revisionHistoryLimit and
   persistentVolumeClaimRetentionPolicy are immutable (422 Invalid, as
@@ -71,6 +76,8 @@ STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySecond
 # Plain bools with `omitempty` that the operator writes as false, per resource:
 # the API server returns them absent.
 OMITTED_WHEN_FALSE = {"services": ("spec.publishNotReadyAddresses",)}
+# How long an Orphan deletion keeps the object, terminating, before the "garbage collector" removes it.
+ORPHAN_DELAY = 0.3
 SCALE_PATHS = {
     "inferenceservices": ("spec.replicas", "status.replicas", "status.selector"),
     "statefulsets": ("spec.replicas", "status.replicas", None),
@@ -193,6 +200,7 @@ class ClusterEmulator(KubernetesEmulator):
         self.faults: Faults | None = None
         self._rv = itertools.count(1)
         self._applied: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._collecting: set[asyncio.Future[None]] = set()
         for kind in ALL_KINDS:
             subresources = set()
             if kind.plural not in NO_STATUS_SUBRESOURCE:
@@ -253,8 +261,8 @@ class ClusterEmulator(KubernetesEmulator):
             if any(old.get("spec", {}).get(k) != new.get("spec", {}).get(k) for k in frozen):
                 raise KubernetesError(status=422, reason="Invalid", message=(
                     "StatefulSet.apps is invalid: spec: Forbidden: updates to statefulset spec for fields other than "
-                    "'replicas', 'ordinals', 'template', 'updateStrategy', 'persistentVolumeClaimRetentionPolicy' "
-                    "and 'minReadySeconds' are forbidden"))
+                    "'replicas', 'ordinals', 'template', 'updateStrategy', 'revisionHistoryLimit', "
+                    "'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' are forbidden"))
         meta = new.setdefault("metadata", {})
         for key in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp"):
             if key in old.get("metadata", {}):
@@ -439,8 +447,24 @@ class ClusterEmulator(KubernetesEmulator):
                 live = self._successor(live, live)
                 await self._store(key, live, created=False)
                 return self._response(live)
+            if policy == "Orphan":
+                live["metadata"]["deletionTimestamp"] = _now()
+                live["metadata"]["finalizers"] = ["orphan"]
+                live = self._successor(live, live)
+                await self._store(key, live, created=False)
+                self._collecting.add(asyncio.ensure_future(self._collect_orphaned(key, live["metadata"]["uid"])))
+                return self._response(live)
             await self._remove(key, live, policy)
         return self._response(live)
+
+    async def _collect_orphaned(self, key: tuple[Any, ...], uid: str) -> None:
+        """The garbage collector's part of an Orphan deletion: release the dependents, then remove."""
+        await asyncio.sleep(ORPHAN_DELAY)
+        async with self._lock:
+            live = self._stored(key)
+            if live is not None and live["metadata"]["uid"] == uid:
+                live["metadata"].pop("finalizers", None)
+                await self._remove(key, live, "Orphan")
 
     async def _remove(self, key: tuple[Any, ...], live: dict[str, Any], policy: str) -> None:
         self._objects[key].delete()

@@ -440,6 +440,8 @@ async def test_every_api_call_is_covered_by_the_rbac_rules() -> None:
             gate.auto = False
             await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
             gate.auto = True
+            await c.patch("demo", {"spec": {"cache": {"size": "10Gi"}}})  # immutable: recreate the StatefulSets
+            await eventually(lambda: any(e["reason"] == "StatefulSetRecreated" for e in c.events("demo")))
             await c.patch("demo", {"spec": {"autoscaling": None, "replicas": 1, "parallelism": {"pipeline": 1}}})
             await eventually(lambda: c.get(*STS, "demo-stage-1") is None)
             await c.patch("demo", {"spec": {"accelerator": {"type": "Z100"}}})  # rejected: a Warning event
@@ -459,6 +461,12 @@ async def test_every_api_call_is_covered_by_the_rbac_rules() -> None:
 
 
 async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> None:
+    from prometheus_client import REGISTRY
+
+    def failed() -> float:
+        return REGISTRY.get_sample_value("tensorfleet_reconciles_total", {"result": "error"}) or 0.0
+
+    failed_before = failed()
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc(replicas=2))
         await _converged(c)
@@ -475,6 +483,8 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
         adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
                                                == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))
         assert set(adopted) == set(old_pods)
+        # The re-apply waited for the garbage collector instead of failing on the terminating StatefulSet.
+        assert failed() == failed_before
 
 
 async def test_a_standby_replica_serves_the_webhook_and_is_ready() -> None:

@@ -9,6 +9,7 @@ exactly where the last one stopped, and running it twice changes nothing.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import time
@@ -29,6 +30,8 @@ from tensorfleet.planner import Plan, make_plan
 from tensorfleet.render import Images, desired_replicas, engine_selector, leader_selector, render, selector_string
 
 log = logging.getLogger(__name__)
+# How long a reconcile waits for the garbage collector to finish an Orphan deletion.
+ORPHAN_DELETE_TIMEOUT_SECONDS = 30.0
 
 Key = tuple[str, str]  # (namespace, name)
 
@@ -138,6 +141,7 @@ class Reconciler:
             log.info("recreating StatefulSet %s/%s: %s", obj["metadata"]["namespace"], name, exc.message)
             await self.kube.delete(STATEFUL_SET, obj["metadata"]["namespace"], name, propagation="Orphan",
                                    uid=live["metadata"].get("uid"))
+            await self._wait_deleted(STATEFUL_SET, obj["metadata"]["namespace"], name, live["metadata"]["uid"])
             applied = await self.kube.apply(obj)
             await self.events.normal(owner, "StatefulSetRecreated",
                                      f"{name}: an immutable field changed; recreated it keeping its pods")
@@ -153,6 +157,25 @@ class Reconciler:
             if before != after and name == contract.stage_name(owner["metadata"]["name"], 0):
                 await self.events.normal(owner, "Scaled", f"replicas {before} -> {after}")
         return applied
+
+    async def _wait_deleted(self, kind: Kind, namespace: str, name: str, uid: str) -> None:
+        """Wait out an Orphan deletion, which the garbage collector finishes after the DELETE returns.
+
+        Until then the old object is still there (with a deletionTimestamp and the
+        `orphan` finalizer), and applying its successor would patch it, failing the
+        same immutable-field validation again.
+        """
+        deadline = time.monotonic() + ORPHAN_DELETE_TIMEOUT_SECONDS
+        delay = 0.05
+        while True:
+            current = await self.kube.get(kind, namespace, name)
+            if current is None or current["metadata"].get("uid") != uid:
+                return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"{kind.kind} {namespace}/{name} is still being deleted after "
+                                   f"{ORPHAN_DELETE_TIMEOUT_SECONDS:.0f}s (is the garbage collector running?)")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _prune(self, owner: dict[str, Any], desired: list[dict[str, Any]], children: Children) -> None:
         wanted = {(kind_of(o).kind, o["metadata"]["name"]) for o in desired}

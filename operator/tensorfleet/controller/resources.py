@@ -52,7 +52,8 @@ SERVICE_ACCOUNT = Kind("", "v1", "serviceaccounts", "ServiceAccount", _CHILD_VER
 ROLE = Kind("rbac.authorization.k8s.io", "v1", "roles", "Role", _CHILD_VERBS)
 ROLE_BINDING = Kind("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", _CHILD_VERBS)
 SERVICE = Kind("", "v1", "services", "Service", _CHILD_VERBS)
-STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", _CHILD_VERBS)
+# get: recreating one (an immutable field changed) waits for the garbage collector to remove the old one.
+STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", ("get", *_CHILD_VERBS))
 DEPLOYMENT = Kind("apps", "v1", "deployments", "Deployment", _CHILD_VERBS)
 HPA = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", _CHILD_VERBS)
 PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD_VERBS)
