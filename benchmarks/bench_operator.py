@@ -45,13 +45,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from fake_workloads import FakeWorkloads  # noqa: E402
-from kmock import Server  # noqa: E402
-from kube_emulator import WRITE_METHODS, ClusterEmulator  # noqa: E402
-from loopback import free_port  # noqa: E402
+from fake_workloads import FakeWorkloads
+from kmock import Server
+from kube_emulator import WRITE_METHODS, ClusterEmulator
+from loopback import free_port
 
-from tensorfleet import contract  # noqa: E402
-from tensorfleet.controller.kube import USER_AGENT  # noqa: E402
+from tensorfleet import contract
+from tensorfleet.controller.kube import USER_AGENT
 
 RESULTS = ROOT / "benchmarks" / "results"
 SETTLE_SECONDS = 3.0
@@ -177,7 +177,7 @@ BENCH_NAMESPACE = "bench"
 def _kubectl(*args: str, stdin: str | None = None) -> str:
     import subprocess
 
-    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=600, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"kubectl {' '.join(args[:3])}: {done.stderr.strip()}")
     return done.stdout
@@ -188,7 +188,9 @@ def _local_operator() -> tuple[int, int]:
     import re
     import subprocess
 
-    status = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30).stdout
+    status = subprocess.run(
+        [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     pid, port = re.search(r"operator: pid (\d+) running", status), re.search(r"metrics :(\d+)", status)
     if not pid or not port:
         raise SystemExit(f"error: no local operator running (eval \"$(e2e/cluster up)\" first): {status.strip()!r}")
@@ -292,7 +294,7 @@ def main_cluster(args: argparse.Namespace) -> None:
         ("API writes to converge, per InferenceService", result["writes_per_inference_service"]),
         ("  by request", ", ".join(f"{k} {v}" for k, v in result["writes_to_converge"].items())),
         ("API reads to converge, per InferenceService", result["reads_per_inference_service"]),
-        (f"API writes / reads per minute, idle", f"{result['idle_writes_per_minute']} / {result['idle_reads_per_minute']}"),
+        ("API writes / reads per minute, idle", f"{result['idle_writes_per_minute']} / {result['idle_reads_per_minute']}"),
         ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
     ]
     width = max(len(k) for k, _ in rows)
@@ -321,8 +323,8 @@ def main() -> None:
         ("time to converge (all Ready, nothing progressing)", f"{result['converge_seconds']} s"),
         ("  operator CPU time in that span", f"{result['operator_cpu_seconds_to_converge']} s"),
         ("API writes to converge, per InferenceService", result["writes_per_inference_service"]),
-        ("  of which child applies (floor: one per child)", f"{result['child_applies_per_inference_service']}"
-                                                             f" (floor {result['floor_child_objects']})"),
+        ("  of which child applies (floor: one per child)",
+         f"{result['child_applies_per_inference_service']} (floor {result['floor_child_objects']})"),
         ("  by resource", ", ".join(f"{k} {v}" for k, v in result["writes_to_converge"].items())),
         (f"API writes per minute, idle (resync every {result['resync_seconds']:g} s)", result["idle_writes_per_minute"]),
         ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),

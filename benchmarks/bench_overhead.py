@@ -21,8 +21,7 @@ import json
 import time
 
 import aiohttp
-
-from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy, wrk, write_results
+from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy, write_results, wrk
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 16}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import platform
 import re
@@ -142,9 +143,8 @@ async def scrape(url: str) -> str:
 def metric_sum(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -214,7 +214,7 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, messages: list[d
                                 result.ttft = time.perf_counter() - start
                             parts.append(content)
             result.text = "".join(parts)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         result.error = f"{exc.__class__.__name__}: {exc}"
     result.total = time.perf_counter() - start
     return result
@@ -230,7 +230,7 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        import uvloop  # noqa: F401
+        import uvloop  # noqa: F401 - imported only to learn whether it is installed
         loop = "uvloop"
     except ImportError:
         loop = "asyncio"
@@ -257,7 +257,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
-        if value != value:
+        if math.isnan(value):
             return "-"
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.0f}"
     return str(value)
@@ -293,7 +293,7 @@ def wrk(url: str, *, connections: int, seconds: float, body: str, path: str = "/
     env = {**os.environ, "WRK_BODY": body, "WRK_PATH": path}
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s",
                           "-s", str(ROOT / "post.lua"), url], capture_output=True, text=True, env=env, check=True).stdout
-    latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.MULTILINE))
     requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     non_2xx = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]

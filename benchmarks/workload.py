@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-
 from common import StreamResult, stream_chat
 
 TENANTS = 4
@@ -121,7 +120,7 @@ async def open_loop(url: str, workload: Workload, sessions_per_second: float, se
                 break
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             tasks.append(asyncio.create_task(run_session(http, url, workload.session(), records, time_scale, stop_at)))
-        done, pending = await asyncio.wait(tasks, timeout=drain_seconds) if tasks else (set(), set())
+        _done, pending = await asyncio.wait(tasks, timeout=drain_seconds) if tasks else (set(), set())
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

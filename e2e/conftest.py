@@ -32,7 +32,7 @@ def why_not() -> str | None:
         return f"kubectl is not on PATH; {HOW}"
     try:
         probe = subprocess.run(["kubectl", "version", "--request-timeout=5s", "-o", "json"],
-                               capture_output=True, text=True, timeout=15)
+                               capture_output=True, text=True, timeout=15, check=False)
     except subprocess.TimeoutExpired:
         return f"the cluster in KUBECONFIG={os.environ['KUBECONFIG']} did not answer within 15 s; {HOW}"
     if probe.returncode != 0 or '"serverVersion"' not in probe.stdout:

@@ -40,14 +40,14 @@ class KubectlError(AssertionError):
 
 
 def kubectl(*args: str, check: bool = True, stdin: str | None = None, timeout: float = 120) -> str:
-    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
     if check and done.returncode != 0:
         raise KubectlError(args, done.stderr)
     return done.stdout
 
 
 def kubectl_result(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run(["kubectl", *args], input=stdin, capture_output=True, text=True, timeout=120, check=False)
 
 
 def get(kind: str, name: str, namespace: str | None) -> dict[str, Any] | None:
@@ -147,7 +147,7 @@ def delete_namespace(name: str) -> None:
 
 def local_cluster() -> bool:
     """True when the cluster is the one e2e/cluster runs (its operator is a local process)."""
-    done = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False)
     return done.returncode == 0 and "running" in done.stdout.split("operator:", 1)[-1].split("\n", 1)[0]
 
 
@@ -155,7 +155,9 @@ def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The local operator's Prometheus samples, keyed by (name, sorted labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    status = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30).stdout
+    status = subprocess.run(
+        [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
     port = re.search(r"metrics :(\d+)", status)
     assert port, f"no local operator metrics port in e2e/cluster status: {status!r}"
     with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as answer:
@@ -187,7 +189,7 @@ def kill_operator() -> None:
 
 def start_operator() -> None:
     """Start the local operator again (in a real cluster its Deployment already did)."""
-    if subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, timeout=30).returncode == 0:
+    if subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, timeout=30, check=False).returncode == 0:
         subprocess.run([str(CLUSTER_SCRIPT), "operator", "start"], check=True, capture_output=True, timeout=120)
 
 

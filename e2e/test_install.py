@@ -23,7 +23,7 @@ def test_the_chart_installed_the_crd_and_the_operator_holds_the_lease() -> None:
     assert established and established[0]["status"] == "True"
     lease = get("lease", "tensorfleet-operator", SYSTEM_NAMESPACE)
     assert lease is not None, "the operator elects itself on its Lease"
-    renewed = datetime.datetime.fromisoformat(lease["spec"]["renewTime"].replace("Z", "+00:00"))
+    renewed = datetime.datetime.fromisoformat(lease["spec"]["renewTime"])
     age = datetime.datetime.now(datetime.UTC) - renewed
     assert age.total_seconds() < 3 * lease["spec"]["leaseDurationSeconds"], f"the Lease is stale ({age})"
 

@@ -92,8 +92,11 @@ def test_a_converged_inference_service_costs_no_writes(namespace: str) -> None:
     for i in range(3):  # each annotation change is a watch event, so a full reconcile
         kubectl("annotate", contract.PLURAL, name, "-n", namespace, f"e2e/touch=t{i}", "--overwrite")
         time.sleep(1)
-    after = eventually("the reconciles of those events", lambda: (lambda a: a if _reconciles(a) >= _reconciles(before)
-                                                                   + 3 else None)(operator_metrics()), timeout=60)
+    def three_more_reconciles() -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+        samples = operator_metrics()
+        return samples if _reconciles(samples) >= _reconciles(before) + 3 else None
+
+    after = eventually("the reconciles of those events", three_more_reconciles, timeout=60)
     changed = {k: v - _writes(before).get(k, 0) for k, v in _writes(after).items() if v != _writes(before).get(k)}
     assert not changed, f"writes while nothing changed: {changed}"
 

@@ -7,6 +7,7 @@ versions and at most one group is down. A pod watch checks both on every event.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -78,7 +79,7 @@ def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
 
 def _set_image(name: str, namespace: str, image: str) -> None:
     kubectl("patch", contract.PLURAL, name, "-n", namespace, "--type=merge", "-p",
-            '{"spec": {"engine": {"image": "%s"}}}' % image)
+            json.dumps({"spec": {"engine": {"image": image}}}))
 
 
 def test_an_image_change_rolls_one_group_at_a_time(namespace: str) -> None:

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 from kube_emulator import ClusterEmulator, revision_of
+
 from tensorfleet import contract
 
 
@@ -28,7 +29,7 @@ class FakeWorkloads:
         self.interval = interval
         self._task: asyncio.Task[None] | None = None
 
-    async def __aenter__(self) -> FakeWorkloads:
+    async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._loop())
         return self
 

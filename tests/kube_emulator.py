@@ -52,8 +52,8 @@ import itertools
 import json
 import random
 import uuid
-from dataclasses import dataclass, field
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp.web
@@ -114,7 +114,7 @@ class Faults:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _get(obj: dict[str, Any], dotted: str) -> Any:

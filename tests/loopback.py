@@ -126,7 +126,7 @@ async def eventually(predicate: Any, timeout: float = 5.0, interval: float = 0.0
 def metric_value(text: str, name: str, **labels: str) -> float | None:
     """The value of the first sample of NAME whose labels include LABELS."""
     for line in text.splitlines():
-        if line.startswith("#") or not (line.startswith(name + "{") or line.startswith(name + " ")):
+        if line.startswith("#") or not line.startswith((name + "{", name + " ")):
             continue
         if all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])

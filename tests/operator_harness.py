@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-from kmock import Server
-
 from fake_workloads import FakeWorkloads
+from kmock import Server
 from kube_emulator import ClusterEmulator
+
 from tensorfleet import contract
 from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -49,13 +49,15 @@ class Cluster:
 
     # What a user (kubectl) does.
     async def request(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        async with aiohttp.ClientSession() as session:
-            async with session.request(method, self.url + path, data=None if body is None else json.dumps(body),
-                                       headers={"Content-Type": content_type}) as response:
-                payload = await response.json()
-                if response.status >= 400:
-                    raise AssertionError(f"{method} {path}: {response.status} {payload}")
-                return payload
+        async with (
+            aiohttp.ClientSession() as session,
+            session.request(method, self.url + path, data=None if body is None else json.dumps(body),
+                            headers={"Content-Type": content_type}) as response,
+        ):
+            payload = await response.json()
+            if response.status >= 400:
+                raise AssertionError(f"{method} {path}: {response.status} {payload}")
+            return payload
 
     async def create(self, doc: dict[str, Any]) -> dict[str, Any]:
         namespace = doc["metadata"].setdefault("namespace", "default")

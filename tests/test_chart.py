@@ -353,10 +353,12 @@ def test_the_api_server_can_call_an_operator_outside_the_cluster(chart: Any, tmp
                 "uid": "42", "operation": "CREATE", "object": {"apiVersion": "tensorfleet.dev/v1alpha1",
                                                                "kind": "InferenceService", "metadata": {"name": "x"},
                                                                "spec": {"accelerator": {"type": "B100"}}}}}
-            async with aiohttp.ClientSession() as session:
-                async with session.post(client_config["url"], json=body, ssl=trust) as response:
-                    assert response.status == 200
-                    return (await response.json())["response"]
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(client_config["url"], json=body, ssl=trust) as response,
+            ):
+                assert response.status == 200
+                return (await response.json())["response"]
         finally:
             await runner.cleanup()
 
@@ -479,7 +481,7 @@ def test_gitops_docs_health_check_reads_the_operators_conditions() -> None:
     from tensorfleet.controller import status
 
     text = (ROOT / "docs" / "gitops.md").read_text()
-    lua = re.search(r"resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n(.*?)```", text, re.S)
+    lua = re.search(r"resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n(.*?)```", text, re.DOTALL)
     assert lua, "docs/gitops.md must carry the Argo CD health check"
     for condition in (status.READY, status.DEGRADED, status.PLAN_VALID):
         assert f"c.{condition}" in lua.group(1)

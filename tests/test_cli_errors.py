@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
-
 from conftest import isvc_doc
+
 from tensorfleet.cli import main
 
 Doc = dict[str, Any]
@@ -163,7 +164,7 @@ def test_console_script_process_has_no_traceback(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(doc))
     result = subprocess.run([sys.executable, "-m", "tensorfleet.cli", "render", "-f", str(path)],
-                            capture_output=True, text=True, timeout=60)
+                            capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 1
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "spec.parallelism.tensor" in result.stderr

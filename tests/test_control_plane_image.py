@@ -14,6 +14,7 @@ import tomllib
 from pathlib import Path
 
 import dockerfile
+
 from tensorfleet import contract
 from tensorfleet.render import router as router_render
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import celpy
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-
 from conftest import ROOT, example_documents, isvc_doc
+
 from tensorfleet.api.crd import crd
 from tensorfleet.cli import main
 
@@ -68,7 +69,7 @@ def test_every_spec_and_status_field_is_described() -> None:
     schema = _schema()
     for root in ("spec", "status"):
         for path, node in _nodes(schema["properties"][root], root):
-            if path.endswith("[]") or path.endswith("}"):
+            if path.endswith(("[]", "}")):
                 continue
             assert node.get("description"), f"{path} has no description"
 

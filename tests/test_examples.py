@@ -10,8 +10,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
 from conftest import EXAMPLES
+
 from tensorfleet import contract
 from tensorfleet.cli import main
 

@@ -7,14 +7,14 @@ import copy
 from typing import Any
 
 import pytest
-
 from conftest import isvc_doc
 from kube_emulator import Faults
 from loopback import free_port
 from operator_harness import cluster, eventually, running_operator
+
+from tensorfleet import contract
 from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
-from tensorfleet import contract
 
 pytestmark = pytest.mark.asyncio
 
@@ -393,10 +393,12 @@ async def test_admission_webhook_rejects_what_the_planner_rejects() -> None:
                 "kind": {"group": contract.GROUP, "version": contract.VERSION, "kind": contract.KIND},
                 "resource": {"group": contract.GROUP, "version": contract.VERSION, "resource": contract.PLURAL},
                 "name": document["metadata"]["name"], "namespace": "default"}}
-            async with aiohttp.ClientSession() as session:
-                async with session.post(f"http://127.0.0.1:{port}/spec", json=body) as response:
-                    assert response.status == 200
-                    return (await response.json())["response"]
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(f"http://127.0.0.1:{port}/spec", json=body) as response,
+            ):
+                assert response.status == 200
+                return (await response.json())["response"]
 
         async def listening() -> bool:
             try:
@@ -510,10 +512,12 @@ async def test_a_standby_replica_serves_the_webhook_and_is_ready() -> None:
             answer = None
             for _ in range(200):
                 try:
-                    async with aiohttp.ClientSession() as session:
-                        async with session.post(f"http://127.0.0.1:{port}/spec", json=body) as response:
-                            answer = (await response.json())["response"]
-                            break
+                    async with (
+                        aiohttp.ClientSession() as session,
+                        session.post(f"http://127.0.0.1:{port}/spec", json=body) as response,
+                    ):
+                        answer = (await response.json())["response"]
+                        break
                 except aiohttp.ClientConnectionError:
                     await asyncio.sleep(0.05)
             assert answer is not None and answer["allowed"] is False

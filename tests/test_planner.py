@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from conftest import isvc_doc
+
 from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.planner import Plan, make_plan
 from tensorfleet.planner.memory import stage_layers

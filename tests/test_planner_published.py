@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from conftest import isvc_doc
+
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import make_plan
 

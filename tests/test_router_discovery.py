@@ -6,11 +6,10 @@ import asyncio
 from typing import Any
 
 import pytest
+from loopback import eventually
 
 from tensorfleet import contract
 from tensorfleet.router.discovery import EndpointSliceWatcher, slice_urls
-
-from loopback import eventually
 
 RESOURCE = "discovery.k8s.io/v1/endpointslices"
 NAMESPACE = "serving"
@@ -93,9 +92,9 @@ async def test_watch_survives_an_unreachable_api_and_backs_off() -> None:
 
 @pytest.mark.asyncio
 async def test_router_routes_to_the_engines_the_service_lists(kmock: Any) -> None:
-    import aiohttp
     from contextlib import AsyncExitStack
 
+    import aiohttp
     from loopback import chat, router, sim
 
     kmock.resources[RESOURCE] = {"kind": "EndpointSlice", "namespaced": True}

@@ -12,11 +12,10 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
+from loopback import MODEL, chat, eventually, free_port, metric_value, router, sim, spawn_sim, sse_events, wait_healthy
 
 from tensorfleet import contract
 from tensorfleet.httpapi import start_site
-
-from loopback import MODEL, chat, eventually, free_port, metric_value, router, sim, spawn_sim, sse_events, wait_healthy
 
 pytestmark = pytest.mark.asyncio
 
@@ -136,7 +135,7 @@ async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> Non
 
 async def test_failure_after_the_first_byte_is_not_retried_and_ends_with_an_error_event() -> None:
     async with AsyncExitStack() as stack:
-        cut_url, calls = await stack.enter_async_context(broken_engine("cut"))
+        cut_url, _calls = await stack.enter_async_context(broken_engine("cut"))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([cut_url, live.url], strategy="round-robin", health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession())

@@ -10,10 +10,25 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.api.models import RouterSpec
-from tensorfleet.router.backends import CLOSED, HALF_OPEN, OPEN, Backend, BackendPool, BreakerPolicy, parse_engine_metrics
+from tensorfleet.router.backends import (
+    CLOSED,
+    HALF_OPEN,
+    OPEN,
+    Backend,
+    BackendPool,
+    BreakerPolicy,
+    parse_engine_metrics,
+)
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.strategies import (
-    STRATEGIES, LeastPending, PrefixAware, RequestInfo, RoundRobin, Session, prefix_hashes, prompt_text,
+    STRATEGIES,
+    LeastPending,
+    PrefixAware,
+    RequestInfo,
+    RoundRobin,
+    Session,
+    prefix_hashes,
+    prompt_text,
 )
 
 

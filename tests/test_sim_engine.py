@@ -6,14 +6,13 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from conftest import isvc_doc
 
 from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.planner import make_plan
 from tensorfleet.sim.engine import BlockPool, Engine, RequestRejected
 from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_MODEL, make_profile
 from tensorfleet.sim.tokenizer import count_tokens, render_chat, tokenize
-
-from conftest import isvc_doc
 
 FAST = 0.001
 

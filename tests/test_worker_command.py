@@ -15,13 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from tensorfleet import contract
-from tensorfleet.api import load_inference_service
-from tensorfleet.planner import make_plan
-from tensorfleet.worker import command
-from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
-from tensorfleet.worker.role import ENV_FIELDS, health_settings, role_from_env
 from worker_helpers import (
     SECRET_VALUE,
     base_env,
@@ -31,6 +24,13 @@ from worker_helpers import (
     rendered_engine_containers,
     run_worker,
 )
+
+from tensorfleet import contract
+from tensorfleet.api import load_inference_service
+from tensorfleet.planner import make_plan
+from tensorfleet.worker import command
+from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
+from tensorfleet.worker.role import ENV_FIELDS, health_settings, role_from_env
 
 SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "zsh"}
 WORKER_PACKAGE = Path(__file__).resolve().parent.parent / "operator" / "tensorfleet" / "worker"

@@ -19,13 +19,13 @@ from typing import Any
 import pynvml
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from worker_helpers import free_port
 
 from tensorfleet import contract
 from tensorfleet.worker import cli, metrics
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
 from tensorfleet.worker.errors import EXIT_CONFIG, EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
-from worker_helpers import free_port
 
 GiB = 1024**3
 H100 = "NVIDIA H100 80GB HBM3"

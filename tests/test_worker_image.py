@@ -12,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import dockerfile
+
 from tensorfleet import contract
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,6 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from worker_helpers import (
+    WORKER,
+    base_env,
+    calls,
+    example_docs,
+    free_port,
+    install_fakes,
+    pod_env,
+    read_log,
+    run_worker,
+    wait_until,
+)
 
 from tensorfleet import contract
 from tensorfleet.worker import raywait
@@ -28,7 +40,6 @@ from tensorfleet.worker.errors import (
     EXIT_TIMEOUT,
 )
 from tensorfleet.worker.role import role_from_env
-from worker_helpers import WORKER, base_env, calls, example_docs, free_port, install_fakes, pod_env, read_log, run_worker, wait_until
 
 DOCS = dict(example_docs())
 MULTINODE = DOCS["llama-3.1-405b-h100-multinode"]

@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from worker_helpers import WORKER, base_env, example_docs, free_port, pod_env, run_worker, wait_until
 
 from tensorfleet import contract
 from tensorfleet.worker.errors import EXIT_LEADER_LOST
-from worker_helpers import WORKER, base_env, example_docs, free_port, pod_env, run_worker, wait_until
 
 SIM = dict(example_docs())["simulator-cpu"]
 TENSORFLEET = Path(sys.executable).with_name(contract.SIMULATOR_COMMAND[0])

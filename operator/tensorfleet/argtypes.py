@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 
-def _number(text: str, kind: type[int] | type[float]) -> int | float:
+def _number(text: str, kind: type[int | float]) -> int | float:
     try:
         return kind(text)
     except ValueError:

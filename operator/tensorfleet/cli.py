@@ -126,8 +126,8 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
         ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} per GPU"),
         ("KV per token", f"{per_token / 1024:.1f} KiB per GPU"),
         ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica"),
-        ("max concurrency", f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "
-                            f"({plan.max_concurrent_sequences} full-length at once)"),
+        ("max concurrency", (f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "
+                             f"({plan.max_concurrent_sequences} full-length at once)")),
         ("max num seqs", str(plan.max_num_seqs)),
         ("replicas", f"{replicas} ({replicas * plan.gpus_per_replica} GPUs)"
                      + (f", autoscaling {isvc.spec.autoscaling.min_replicas}-{isvc.spec.autoscaling.max_replicas}"
@@ -166,12 +166,12 @@ def _cmd_crd(_: argparse.Namespace) -> int:
 
 
 def _cmd_catalog(args: argparse.Namespace) -> int:
-    gpus = [
+    gpus: list[dict[str, Any]] = [
         {"type": g.name, "memoryMiB": g.memory_mib, "bandwidthGBps": g.bandwidth_gbps, "gpusPerNode": g.gpus_per_node,
          "bf16": g.bf16, "fp8": g.fp8, "productLabels": list(g.product_labels)}
         for g in GPUS
     ]
-    models = [
+    models: list[dict[str, Any]] = [
         {"key": m.key, "example": m.display, "parameters": m.arch.parameters, "layers": m.arch.layers,
          "attentionHeads": m.arch.attention_heads, "kvHeads": m.arch.kv_heads, "weightFormat": m.arch.weight_format,
          "moe": m.arch.moe is not None, "mla": m.arch.mla is not None, "maxContextLength": m.arch.max_context_length}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from tensorfleet.api.models import DNS_1035_PATTERN, DNS_1123_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
 
@@ -35,7 +36,7 @@ def _path(loc: tuple[Any, ...]) -> str:
     return out
 
 
-def _describe(error: dict[str, Any]) -> str:
+def _describe(error: ErrorDetails) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         return "unknown field (check the spelling; `kubectl explain inferenceservice.spec` lists the fields)"

@@ -237,7 +237,7 @@ class EngineSpec(ApiModel):
     @classmethod
     def _args_is_list(cls, value: Any) -> Any:
         if isinstance(value, str):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - pydantic reports only ValueError as a ValidationError; TypeError escapes
                 "must be a list with one flag or value per item (e.g. [\"--enable-prefix-caching\"]), not one shell string"
             )
         return value

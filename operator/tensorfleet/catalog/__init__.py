@@ -3,4 +3,4 @@
 from tensorfleet.catalog.gpus import GPUS, GPUType, find_gpu, gpu_names
 from tensorfleet.catalog.models import MODELS, ModelEntry, find_model, normalise
 
-__all__ = ["GPUS", "GPUType", "MODELS", "ModelEntry", "find_gpu", "find_model", "gpu_names", "normalise"]
+__all__ = ["GPUS", "MODELS", "GPUType", "ModelEntry", "find_gpu", "find_model", "gpu_names", "normalise"]

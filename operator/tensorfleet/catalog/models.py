@@ -39,8 +39,9 @@ _LLAMA_31_70B = _arch(parameters=70_553_706_496, layers=80, hiddenSize=8192, att
                       intermediateSize=28672, vocabSize=128256, maxContextLength=131072)
 _DEEPSEEK_V3 = _arch(parameters=671_026_419_200, layers=61, hiddenSize=7168, attentionHeads=128, kvHeads=128, headDim=192,
                      intermediateSize=2048, vocabSize=129280, maxContextLength=163840, weightFormat="fp8",
-                     moe=MoEArchitecture(experts=256, expertsPerToken=8, sharedExperts=1, activeParameters=37_000_000_000),
-                     mla=MLAArchitecture(kvLoraRank=512, qkRopeHeadDim=64))
+                     moe=MoEArchitecture(experts=256, experts_per_token=8, shared_experts=1,
+                                         active_parameters=37_000_000_000),
+                     mla=MLAArchitecture(kv_lora_rank=512, qk_rope_head_dim=64))
 
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _LLAMA_31_8B, aliases=("llama-3-8b",)),
@@ -75,39 +76,39 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", _arch(
         parameters=30_532_122_624, layers=48, hiddenSize=2048, attentionHeads=32, kvHeads=4, headDim=128,
         intermediateSize=768, vocabSize=151936, maxContextLength=40960,
-        moe=MoEArchitecture(experts=128, expertsPerToken=8, activeParameters=3_300_000_000))),
+        moe=MoEArchitecture(experts=128, experts_per_token=8, active_parameters=3_300_000_000))),
     ModelEntry("qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", _arch(
         parameters=235_093_634_560, layers=94, hiddenSize=4096, attentionHeads=64, kvHeads=4, headDim=128,
         intermediateSize=1536, vocabSize=151936, maxContextLength=40960,
-        moe=MoEArchitecture(experts=128, expertsPerToken=8, activeParameters=22_000_000_000))),
+        moe=MoEArchitecture(experts=128, experts_per_token=8, active_parameters=22_000_000_000))),
     ModelEntry("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", _arch(
         parameters=7_248_023_552, layers=32, hiddenSize=4096, attentionHeads=32, kvHeads=8, headDim=128,
         intermediateSize=14336, vocabSize=32768, maxContextLength=32768)),
     ModelEntry("mixtral-8x7b", "mistralai/Mixtral-8x7B-Instruct-v0.1", _arch(
         parameters=46_702_792_704, layers=32, hiddenSize=4096, attentionHeads=32, kvHeads=8, headDim=128,
         intermediateSize=14336, vocabSize=32000, maxContextLength=32768,
-        moe=MoEArchitecture(experts=8, expertsPerToken=2, activeParameters=12_879_925_248))),
+        moe=MoEArchitecture(experts=8, experts_per_token=2, active_parameters=12_879_925_248))),
     ModelEntry("mixtral-8x22b", "mistralai/Mixtral-8x22B-Instruct-v0.1", _arch(
         parameters=140_630_071_296, layers=56, hiddenSize=6144, attentionHeads=48, kvHeads=8, headDim=128,
         intermediateSize=16384, vocabSize=32768, maxContextLength=65536,
-        moe=MoEArchitecture(experts=8, expertsPerToken=2, activeParameters=39_153_000_000))),
+        moe=MoEArchitecture(experts=8, experts_per_token=2, active_parameters=39_153_000_000))),
     ModelEntry("deepseek-v3", "deepseek-ai/DeepSeek-V3", _DEEPSEEK_V3,
                aliases=("deepseek-v3-0324", "deepseek-r1", "deepseek-r1-0528", "deepseek-v3.1")),
     ModelEntry("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite", _arch(
         parameters=15_706_484_224, layers=27, hiddenSize=2048, attentionHeads=16, kvHeads=16, headDim=192,
         intermediateSize=1408, vocabSize=102400, maxContextLength=163840,
-        moe=MoEArchitecture(experts=64, expertsPerToken=6, sharedExperts=2, activeParameters=2_400_000_000),
-        mla=MLAArchitecture(kvLoraRank=512, qkRopeHeadDim=64))),
+        moe=MoEArchitecture(experts=64, experts_per_token=6, shared_experts=2, active_parameters=2_400_000_000),
+        mla=MLAArchitecture(kv_lora_rank=512, qk_rope_head_dim=64))),
     ModelEntry("gpt-oss-120b", "openai/gpt-oss-120b", _arch(
         parameters=116_829_156_672, layers=36, hiddenSize=2880, attentionHeads=64, kvHeads=8, headDim=64,
         intermediateSize=2880, vocabSize=201088, maxContextLength=131072, weightFormat="mxfp4",
         slidingWindow=128, slidingWindowLayers=18,
-        moe=MoEArchitecture(experts=128, expertsPerToken=4, activeParameters=5_130_000_000))),
+        moe=MoEArchitecture(experts=128, experts_per_token=4, active_parameters=5_130_000_000))),
     ModelEntry("gpt-oss-20b", "openai/gpt-oss-20b", _arch(
         parameters=20_914_757_184, layers=24, hiddenSize=2880, attentionHeads=64, kvHeads=8, headDim=64,
         intermediateSize=2880, vocabSize=201088, maxContextLength=131072, weightFormat="mxfp4",
         slidingWindow=128, slidingWindowLayers=12,
-        moe=MoEArchitecture(experts=32, expertsPerToken=4, activeParameters=3_610_000_000))),
+        moe=MoEArchitecture(experts=32, experts_per_token=4, active_parameters=3_610_000_000))),
 )
 
 # Suffixes naming a variant, not a different architecture; each maps to the

@@ -158,7 +158,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 2
     try:
         connection = Connection.from_environment(context=args.context)
-    except Exception as exc:  # no kubeconfig, unreadable file, unknown context
+    except Exception as exc:  # noqa: BLE001 - config loading raises many types (no kubeconfig, bad file, no context)
         sys.stderr.write(f"error: cannot find a Kubernetes API to talk to: {exc}\n")
         return 1
     _configure_logging(args)

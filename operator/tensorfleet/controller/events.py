@@ -44,7 +44,7 @@ class EventRecorder:
             return
         self._posted[key] = now
         self._forget_old(now)
-        stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         digest = hashlib.sha1(f"{key}{time.time_ns()}".encode()).hexdigest()[:10]
         event = {
             "apiVersion": "v1",

@@ -15,7 +15,7 @@ import time
 import urllib.parse
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 
@@ -85,7 +85,8 @@ class Connection:
                 cfg.refresh_api_key_hook(cfg)
             # The key's name differs across client versions; its header does not.
             header = next((auth["value"] for auth in cfg.auth_settings().values()
-                           if auth.get("in") == "header" and auth.get("key", "").lower() == "authorization"), None)
+                           if isinstance(auth, dict) and auth.get("in") == "header"
+                           and auth.get("key", "").lower() == "authorization"), None)
             connection.token = header.removeprefix("Bearer ").strip() if header else None
 
         refresh()
@@ -115,7 +116,7 @@ class Kube:
         self._session: aiohttp.ClientSession | None = None
         self._refreshed_at = -CREDENTIAL_REFRESH_SECONDS
 
-    async def __aenter__(self) -> Kube:
+    async def __aenter__(self) -> Self:
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(ssl=self.connection.ssl_context(), limit=64),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
@@ -154,7 +155,7 @@ class Kube:
                     metrics.API_ERRORS.labels(method=method, kind=kind.kind, code=str(response.status)).inc()
                     raise _error(response.status, text)
                 return json.loads(text) if text else None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             metrics.API_ERRORS.labels(method=method, kind=kind.kind, code="network").inc()
             raise ApiError(0, type(exc).__name__, str(exc) or "connection failed") from exc
 

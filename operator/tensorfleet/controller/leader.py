@@ -27,7 +27,7 @@ class LostLease(Exception):
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(datetime.timezone.utc)
+    return datetime.datetime.now(datetime.UTC)
 
 
 def _format(moment: datetime.datetime) -> str:
@@ -37,7 +37,7 @@ def _format(moment: datetime.datetime) -> str:
 def _parse(value: str | None) -> datetime.datetime | None:
     if not value:
         return None
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return datetime.datetime.fromisoformat(value)
 
 
 class LeaderElector:
@@ -115,7 +115,7 @@ class LeaderElector:
             try:
                 lease = await self.kube.get(LEASE, self.namespace, self.name)
                 ours = lease is not None and (lease.get("spec") or {}).get("holderIdentity") == self.identity
-                if ours and await self._write(lease, acquire=False):
+                if lease is not None and ours and await self._write(lease, acquire=False):
                     last_renewal = asyncio.get_running_loop().time()
                     continue
                 if not ours:

@@ -181,13 +181,13 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, rea
                   generation: int | None, now: str) -> list[dict[str, Any]]:
     """Conditions with `type_` set; lastTransitionTime moves only when the status does."""
     previous = next((c for c in conditions if c.get("type") == type_), None)
-    changed = previous is None or previous.get("status") != status
     entry = {
         "type": type_,
         "status": status,
         "reason": reason,
         "message": message,
-        "lastTransitionTime": now if changed else previous.get("lastTransitionTime", now),
+        "lastTransitionTime": (previous.get("lastTransitionTime", now)
+                               if previous is not None and previous.get("status") == status else now),
         "observedGeneration": generation,
     }
     if generation is None:

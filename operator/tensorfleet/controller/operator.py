@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import kopf
@@ -22,13 +23,13 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.controller import webhook
-from tensorfleet.controller.webhook import WebhookConfig
 from tensorfleet.controller.events import EventRecorder
 from tensorfleet.controller.kube import Connection, Kube
 from tensorfleet.controller.leader import LeaderElector, LostLease
 from tensorfleet.controller.queue import WorkQueue
-from tensorfleet.controller.reconcile import Reconciler
+from tensorfleet.controller.reconcile import Key, Reconciler
 from tensorfleet.controller.resources import CHILD_KINDS, INFERENCE_SERVICE, POD
+from tensorfleet.controller.webhook import WebhookConfig
 from tensorfleet.render import Images
 
 log = logging.getLogger(__name__)
@@ -81,13 +82,13 @@ class Operator:
         self.connection = connection
         self.kube = Kube(connection, timeout=config.api_timeout_seconds)
         self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), images=config.images)
-        self.queue: WorkQueue | None = None
+        self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
         self.leading = False
         self._kopf_task: asyncio.Task[None] | None = None
 
-    def registry(self, queue: WorkQueue) -> kopf.OperatorRegistry:
+    def registry(self, queue: WorkQueue[Key]) -> kopf.OperatorRegistry:
         registry = kopf.OperatorRegistry()
         connection = self.connection
         debounce = self.config.child_debounce_seconds
@@ -101,12 +102,14 @@ class Operator:
                 insecure=connection.insecure, scheme="Bearer" if connection.token else None)
 
         @kopf.on.event(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural, registry=registry)
-        async def inference_service_changed(namespace: str, name: str, **_: object) -> None:
-            queue.add((namespace, name))
+        # kopf types `namespace` as optional (for cluster-scoped kinds); every kind watched here is namespaced.
+        async def inference_service_changed(namespace: str | None, name: str, **_: object) -> None:
+            if namespace is not None:
+                queue.add((namespace, name))
 
-        async def owner_changed(labels: dict[str, str], namespace: str, **_: object) -> None:
+        async def owner_changed(labels: Mapping[str, str], namespace: str | None, **_: object) -> None:
             owner = labels.get(contract.LABEL_INSTANCE)
-            if owner:
+            if owner and namespace is not None:
                 # Our own applies echo back as events; a short delay folds them into one reconcile.
                 queue.add((namespace, owner), debounce)
 
@@ -163,8 +166,8 @@ class Operator:
         try:
             done, _ = await asyncio.wait({kopf_task, stopping, *ours}, return_when=asyncio.FIRST_COMPLETED)
             for task in done - {kopf_task, stopping}:
-                if not task.cancelled() and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                if not task.cancelled() and (error := task.exception()) is not None:
+                    raise error
         finally:
             self.stop_flag.set()
             stopping.cancel()
@@ -181,7 +184,7 @@ class Operator:
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
                 await asyncio.wait_for(kopf_task, 30)
 
-    async def _resync(self, queue: WorkQueue) -> None:
+    async def _resync(self, queue: WorkQueue[Key]) -> None:
         """Re-check every InferenceService now and then, in case an event was missed.
 
         Our own loop rather than a kopf timer: kopf guards timers with a
@@ -189,10 +192,11 @@ class Operator:
         """
         while True:
             await asyncio.sleep(self.config.resync_seconds)
-            for namespace in self.config.namespaces or [None]:
+            scopes: Sequence[str | None] = self.config.namespaces or [None]  # None: every namespace
+            for namespace in scopes:
                 try:
                     items = await self.kube.list(INFERENCE_SERVICE, namespace, {})
-                except Exception as exc:  # a failed resync is retried at the next one
+                except Exception as exc:  # noqa: BLE001 - a failed resync must not end the loop; the next one retries
                     log.warning("resync list failed: %s", exc)
                     continue
                 for item in items:

@@ -15,31 +15,34 @@ import itertools
 import logging
 import random
 from collections.abc import Awaitable, Callable, Hashable
+from typing import Generic, TypeVar
 
 from tensorfleet.controller import metrics
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Hashable], Awaitable[float | None]]
+K = TypeVar("K", bound=Hashable)
+# Reconciles one key; returns seconds until it should run again, or None.
+Handler = Callable[[K], Awaitable[float | None]]
 
 
-class WorkQueue:
-    def __init__(self, handler: Handler, *, workers: int = 4, base_backoff: float = 0.5, max_backoff: float = 300.0) -> None:
+class WorkQueue(Generic[K]):
+    def __init__(self, handler: Handler[K], *, workers: int = 4, base_backoff: float = 0.5, max_backoff: float = 300.0) -> None:
         self._handler = handler
         self._workers = workers
         self._base = base_backoff
         self._max = max_backoff
-        self._heap: list[tuple[float, int, Hashable]] = []
-        self._due: dict[Hashable, float] = {}
-        self._active: set[Hashable] = set()
-        self._again: dict[Hashable, float] = {}
-        self._failures: dict[Hashable, int] = {}
+        self._heap: list[tuple[float, int, K]] = []
+        self._due: dict[K, float] = {}
+        self._active: set[K] = set()
+        self._again: dict[K, float] = {}
+        self._failures: dict[K, int] = {}
         self._seq = itertools.count()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def add(self, key: Hashable, delay: float = 0.0) -> None:
+    def add(self, key: K, delay: float = 0.0) -> None:
         """Reconcile `key` after `delay` seconds (sooner if it is already due sooner)."""
         loop = asyncio.get_running_loop()
         due = loop.time() + max(delay, 0.0)
@@ -64,7 +67,7 @@ class WorkQueue:
     async def run(self) -> None:
         await asyncio.gather(*(self._worker() for _ in range(self._workers)))
 
-    async def _next(self) -> Hashable:
+    async def _next(self) -> K:
         loop = asyncio.get_running_loop()
         while True:
             while self._heap:
@@ -96,7 +99,7 @@ class WorkQueue:
                 self._failures.pop(key, None)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the handler's own errors are retried, never fatal
+            except Exception as exc:  # noqa: BLE001 - any reconcile failure is retried with backoff, never fatal
                 failures = self._failures.get(key, 0) + 1
                 self._failures[key] = failures
                 requeue = min(self._max, self._base * 2 ** (failures - 1)) * random.uniform(0.8, 1.2)

@@ -24,10 +24,26 @@ from tensorfleet.controller.diff import contains
 from tensorfleet.controller.events import EventRecorder
 from tensorfleet.controller.kube import ApiError, Kube
 from tensorfleet.controller.observe import Observation, condition_status, is_terminating, observe
-from tensorfleet.controller.resources import CHILD_KINDS, DEPLOYMENT, INFERENCE_SERVICE, POD, STATEFUL_SET, Kind, kind_of
+from tensorfleet.controller.resources import (
+    CHILD_KINDS,
+    DEPLOYMENT,
+    INFERENCE_SERVICE,
+    POD,
+    STATEFUL_SET,
+    Kind,
+    kind_of,
+)
 from tensorfleet.controller.status import PLAN_VALID, PROGRESSING, READY, rejected_status, serving_status
 from tensorfleet.planner import Plan, make_plan
-from tensorfleet.render import Images, desired_replicas, engine_selector, leader_selector, render, selector_string
+from tensorfleet.render import (
+    DEFAULT_IMAGES,
+    Images,
+    desired_replicas,
+    engine_selector,
+    leader_selector,
+    render,
+    selector_string,
+)
 
 log = logging.getLogger(__name__)
 # How long a reconcile waits for the garbage collector to finish an Orphan deletion.
@@ -37,7 +53,7 @@ Key = tuple[str, str]  # (namespace, name)
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -52,7 +68,7 @@ class Children:
 
 class Reconciler:
     def __init__(self, kube: Kube, events: EventRecorder, *, now: Callable[[], str] = utc_now,
-                 images: Images = Images()) -> None:
+                 images: Images = DEFAULT_IMAGES) -> None:
         self.kube = kube
         self.images = images
         self.events = events

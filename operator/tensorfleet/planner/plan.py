@@ -18,7 +18,7 @@ from tensorfleet.api.errors import SpecError
 from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
 from tensorfleet.catalog import GPUType, find_gpu, find_model, gpu_names
 from tensorfleet.planner import memory
-from tensorfleet.planner.memory import GiB, KV_BLOCK_SIZE
+from tensorfleet.planner.memory import KV_BLOCK_SIZE, GiB
 
 MAX_PIPELINE = 64
 QUANTIZED_FORMATS = {"fp8", "awq", "gptq", "mxfp4"}
@@ -312,7 +312,7 @@ def _alternatives(r: Resolved, spec: InferenceServiceSpec, failed: Plan) -> str:
     if not options:
         options.append("no layout of up to 64 nodes fits; choose a larger GPU type or a quantized checkpoint")
     text = ", ".join(options)
-    return text[3:] if text.startswith("or ") else text
+    return text.removeprefix("or ")
 
 
 def _check_layout(r: Resolved, tensor: int | None, pipeline: int | None) -> None:

@@ -14,6 +14,7 @@ from tensorfleet.planner import Plan
 from tensorfleet.render.autoscaling import hpa, pdb
 from tensorfleet.render.engine import desired_replicas, statefulsets
 from tensorfleet.render.meta import (
+    DEFAULT_IMAGES,
     Context,
     Images,
     engine_selector,
@@ -26,6 +27,7 @@ from tensorfleet.render.router import deployment, role, role_binding, service_ac
 from tensorfleet.render.services import services
 
 __all__ = [
+    "DEFAULT_IMAGES",
     "Images",
     "desired_replicas",
     "engine_selector",
@@ -43,7 +45,7 @@ def render(
     *,
     namespace: str | None = None,
     standalone: bool = False,
-    images: Images = Images(),
+    images: Images = DEFAULT_IMAGES,
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 

@@ -18,6 +18,10 @@ class Images:
     control_plane: str = contract.CONTROL_PLANE_IMAGE
 
 
+# The images when no flag overrides them (frozen, so one instance serves every default).
+DEFAULT_IMAGES = Images()
+
+
 @dataclass(frozen=True)
 class Context:
     """One render's inputs, resolved once so every module agrees on them."""
@@ -26,7 +30,7 @@ class Context:
     plan: Plan
     namespace: str
     standalone: bool
-    images: Images = Images()
+    images: Images = DEFAULT_IMAGES
 
     @property
     def name(self) -> str:

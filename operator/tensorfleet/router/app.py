@@ -187,11 +187,12 @@ class Router:
     async def models(self, _: web.Request) -> web.Response:
         """The union of the engines' model lists, each model once."""
         assert self.session is not None
+        session = self.session
         backends = [b for b in self.pool if b.healthy] or list(self.pool)
 
         async def one(backend: Backend) -> list[dict[str, Any]]:
             timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_SECONDS)
-            async with self.session.get(backend.url + "/v1/models", timeout=timeout) as resp:  # type: ignore[union-attr]
+            async with session.get(backend.url + "/v1/models", timeout=timeout) as resp:
                 if resp.status != 200:
                     return []
                 body = await resp.json(content_type=None)
@@ -307,14 +308,14 @@ class Router:
         except (aiohttp.ClientConnectorError, ConnectionError) as exc:
             self.pool.record_failure(backend, fatal=True)
             raise _Failed("connect", f"cannot connect to {backend.url}: {exc}") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             self.pool.record_failure(backend)
             raise _Failed("upstream", f"{backend.url} failed before answering: {exc!r}") from None
         try:
             if upstream.status >= 500:
                 try:
                     payload = await upstream.read()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.pool.record_failure(backend, fatal=True)
                     raise _Failed("upstream", f"{backend.url} failed mid-answer: {exc!r}") from None
                 self.pool.record_failure(backend)
@@ -324,7 +325,7 @@ class Router:
                 return await self._relay_stream(request, backend, upstream, start)
             try:
                 payload = await upstream.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 self.pool.record_failure(backend, fatal=True)
                 raise _Failed("upstream", f"{backend.url} failed mid-answer: {exc!r}") from None
             self.pool.record_success(backend)
@@ -347,7 +348,7 @@ class Router:
         content = upstream.content
         try:
             first = await content.readany()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             self.pool.record_failure(backend, fatal=True)
             raise _Failed("upstream", f"{backend.url} failed before its first token: {exc!r}") from None
         if not first:
@@ -363,7 +364,7 @@ class Router:
             while True:
                 try:
                     chunk = await content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     self.pool.record_failure(backend, fatal=True)
                     self.metrics.stream_error(backend)
                     log.warning("engine %s failed mid-stream: %r", backend.url, exc)

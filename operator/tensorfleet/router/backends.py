@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from tensorfleet import contract
@@ -85,7 +85,7 @@ class BackendPool:
     def __len__(self) -> int:
         return len(self.backends)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Backend]:
         return iter(self.backends.values())
 
     def set_urls(self, urls: Iterable[str]) -> None:

@@ -25,7 +25,7 @@ def _lenient(parser: argparse.ArgumentParser) -> None:
     """
     base = type(parser)
 
-    class Lenient(base):  # type: ignore[valid-type, misc]
+    class Lenient(base):  # type: ignore[valid-type, misc]  # a dynamic base: keeps the parser's own class
         def parse_known_args(self, args: Sequence[str] | None = None,
                              namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
             parsed, extra = super().parse_known_args(args, namespace)

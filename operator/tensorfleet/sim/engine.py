@@ -46,11 +46,7 @@ log = logging.getLogger("tensorfleet.sim")
 # Words of one token each under the simulator's tokenizer, so a streamed answer
 # re-tokenizes to exactly the number of tokens reported in `usage`.
 _WORDS = tuple(
-    " " + w for w in (
-        "the of and to in is it that for on with as was at by be this are or from an not but all "
-        "can had her one our out day get has him his how man new now old see two way who boy did "
-        "its let put say she too use data node pod gpu fast load time real work test next safe"
-    ).split()
+    " " + w for w in ["the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "was", "at", "by", "be", "this", "are", "or", "from", "an", "not", "but", "all", "can", "had", "her", "one", "our", "out", "day", "get", "has", "him", "his", "how", "man", "new", "now", "old", "see", "two", "way", "who", "boy", "did", "its", "let", "put", "say", "she", "too", "use", "data", "node", "pod", "gpu", "fast", "load", "time", "real", "work", "test", "next", "safe"]
 )
 # Answer length when a request sets no max_tokens: a model stopping at EOS.
 _DEFAULT_MIN_TOKENS, _DEFAULT_MEAN_TOKENS = 16, 128

@@ -179,7 +179,7 @@ def resilient_profile(model: str | None, accelerator: str | None, **options: int
     first_error: SpecError | None = None
     for name, gpu, opts in attempts:
         try:
-            profile = make_profile(name, gpu, **opts)  # type: ignore[arg-type]
+            profile = make_profile(name, gpu, **opts)
         except SpecError as exc:
             first_error = first_error or exc
             continue

@@ -16,10 +16,13 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from tensorfleet import argtypes, contract
 from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
+
+if TYPE_CHECKING:
+    from tensorfleet.worker.gpu import Thresholds
 
 PROG = contract.WORKER_COMMAND[0]
 
@@ -88,7 +91,7 @@ def _threshold_flags(parser: argparse.ArgumentParser) -> None:
                         help=f"XIDs that make a GPU unhealthy (default {','.join(map(str, sorted(DEFAULT_FATAL_XIDS)))})")
 
 
-def _thresholds(args: argparse.Namespace, min_gpus: int | None = None):  # type: ignore[no-untyped-def]
+def _thresholds(args: argparse.Namespace, min_gpus: int | None = None) -> Thresholds:
     from tensorfleet.worker.gpu import Thresholds
 
     return Thresholds(

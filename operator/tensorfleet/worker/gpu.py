@@ -271,9 +271,13 @@ class XidWatcher(threading.Thread):
                     data = nvml.nvmlEventSetWait(events, self.timeout_ms)
                 except nvml.NVMLError_Timeout:
                     continue
-                index = _optional(lambda d=data: int(nvml.nvmlDeviceGetIndex(d.device)), nvml)
-                self.log(f"GPU {index if index is not None else '?'} reported XID {int(data.eventData)}")
-                self.on_xid(index if index is not None else -1, int(data.eventData))
+                gpu: int | None
+                try:
+                    gpu = int(nvml.nvmlDeviceGetIndex(data.device))
+                except nvml.NVMLError:  # this GPU does not expose its index
+                    gpu = None
+                self.log(f"GPU {gpu if gpu is not None else '?'} reported XID {int(data.eventData)}")
+                self.on_xid(gpu if gpu is not None else -1, int(data.eventData))
         except nvml.NVMLError as exc:
             self.log(f"stopped watching GPU XID events: {exc}")
         finally:

@@ -205,9 +205,10 @@ def role_from_env(environ: Mapping[str, str]) -> Role:
             f"{contract.LABEL_POD_INDEX} label (Kubernetes >= 1.28 sets it on StatefulSet pods)",
         )
     raw["leader_address"] = _leader_address(raw["leader_address"], environ, group, raw["inference_service"], derived)
-    raw["extra_args"] = _extra_args(raw["extra_args"])
+    extra_args = _extra_args(raw["extra_args"])
     raw["served_model_name"] = raw["served_model_name"] or raw["model"]
-    values = {field: value for field, value in raw.items() if value is not None}
+    values: dict[str, str | tuple[str, ...]] = {field: value for field, value in raw.items() if value is not None}
+    values["extra_args"] = extra_args
     try:
         role = Role.model_validate(values)
     except ValidationError as exc:

@@ -34,7 +34,8 @@ class Signals:
         self.event = threading.Event()
         self.count = 0
         self.last: int | None = None
-        self._previous: dict[int, object] = {}
+        # What signal.signal returns: a handler, SIG_DFL/SIG_IGN, or None (not installed from Python).
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | signal.Handlers | None] = {}
 
     def install(self) -> Signals:
         for sig in STOP_SIGNALS:
@@ -43,7 +44,7 @@ class Signals:
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            signal.signal(sig, handler)
         self._previous.clear()
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
@@ -146,7 +147,7 @@ def in_flight(port: int, timeout: float = 2.0) -> int | None:
     """Requests running + waiting in the engine, from its /metrics; None if it does not answer."""
     url = f"http://127.0.0.1:{port}{contract.METRICS_PATH}"
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (loopback http)
+        with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read().decode("utf-8", "replace")
     except (urllib.error.URLError, OSError, ValueError):
         return None
