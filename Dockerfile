@@ -2,7 +2,8 @@
 #
 # The control-plane image: one image for the operator (`tensorfleet run`), the
 # router the operator deploys per InferenceService (`tensorfleet router`) and
-# the CPU-only engine simulator (`tensorfleet sim`).
+# the CPU-only engine simulator (`tensorfleet sim`), so it installs the
+# `control-plane` extra: operator + router + sim + fast (uvloop).
 #
 # Build from the repository root:
 #   docker build -t ghcr.io/tensorfleet/tensorfleet:0.1.0 .
@@ -22,13 +23,13 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY operator/ ./operator/
-RUN python -m pip wheel --wheel-dir /wheels ".[fast]"
+RUN python -m pip wheel --wheel-dir /wheels ".[control-plane]"
 
 # ---- final: runtime only, no compilers, no pip cache ----------------------
 FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m pip install --no-index --find-links /wheels "tensorfleet[fast]" \
+    python -m pip install --no-index --find-links /wheels "tensorfleet[control-plane]" \
     && python -m pip uninstall -y pip \
     && tensorfleet --help >/dev/null
 

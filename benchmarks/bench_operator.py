@@ -200,15 +200,13 @@ def _local_operator() -> tuple[int, int]:
 def _requests(port: int) -> Counter[str]:
     import urllib.request
 
-    from prometheus_client.parser import text_string_to_metric_families
+    from tensorfleet import promtext
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     counts: Counter[str] = Counter()
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "tensorfleet_api_requests_total":
-                counts[f"{sample.labels['method']} {sample.labels['kind']}"] += int(sample.value)
+    for sample in promtext.select(text, "tensorfleet_api_requests_total"):
+        counts[f"{sample.labels['method']} {sample.labels['kind']}"] += int(sample.value)
     return counts
 
 

@@ -27,6 +27,8 @@ from typing import Any
 
 import aiohttp
 
+from tensorfleet import promtext
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 MODEL = "bench"
@@ -141,11 +143,8 @@ async def scrape(url: str) -> str:
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """The sum of the samples of NAME whose labels include LABELS (0 when none)."""
+    return promtext.total(text, name, **labels)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -153,7 +153,7 @@ def local_cluster() -> bool:
 
 def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The local operator's Prometheus samples, keyed by (name, sorted labels)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    from tensorfleet import promtext
 
     status = subprocess.run(
         [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
@@ -162,11 +162,7 @@ def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     assert port, f"no local operator metrics port in e2e/cluster status: {status!r}"
     with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as answer:
         text = answer.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return samples
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in promtext.samples(text)}
 
 
 def operator_service_account() -> str:

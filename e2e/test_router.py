@@ -35,7 +35,7 @@ from kube import (
     wait_ready,
 )
 
-from tensorfleet import contract
+from tensorfleet import contract, promtext
 
 BIN = Path(sys.executable).parent
 
@@ -139,11 +139,10 @@ def _backends(router_port: int) -> dict[str, float]:
     except OSError:  # not listening yet
         return {}
     found = {}
-    for line in text.splitlines():
-        if line.startswith(contract.ROUTER_METRIC_BACKEND_HEALTHY + "{"):
-            backend = re.search(r'backend="([^"]+)"', line)
-            if backend:
-                found[backend.group(1)] = float(line.rsplit(" ", 1)[1])
+    for sample in promtext.select(text, contract.ROUTER_METRIC_BACKEND_HEALTHY):
+        backend = sample.labels.get(contract.ROUTER_LABEL_BACKEND)
+        if backend:
+            found[backend] = sample.value
     return found
 
 

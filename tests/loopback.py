@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tensorfleet import promtext
 from tensorfleet.httpapi import start_site
 from tensorfleet.router.app import Router, RouterConfig
 from tensorfleet.router.backends import BreakerPolicy
@@ -125,12 +126,7 @@ async def eventually(predicate: Any, timeout: float = 5.0, interval: float = 0.0
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:
     """The value of the first sample of NAME whose labels include LABELS."""
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith((name + "{", name + " ")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+    return promtext.value(text, name, **labels)
 
 
 @contextmanager

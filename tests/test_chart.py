@@ -415,11 +415,30 @@ def test_prometheus_adapter_rules_expose_the_hpa_metrics(chart: Any) -> None:
     assert config["rules"] == chart.values["autoscaling"]["prometheusAdapter"]["rules"]
 
 
-def test_hpa_the_operator_renders_uses_the_adapter_metric() -> None:
-    from tensorfleet.render import autoscaling
+def test_hpa_the_operator_renders_uses_the_adapter_metric(chart: Any) -> None:
+    """The HPA the renderer writes asks the custom-metrics API for a Pods metric the chart's adapter rules serve."""
+    from tensorfleet.api import load_inference_service
+    from tensorfleet.planner import make_plan
+    from tensorfleet.render import render as render_isvc
 
-    source = Path(autoscaling.__file__).read_text()
-    assert "contract.HPA_METRIC_WAITING" in source
+    isvc = load_inference_service({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND,
+        "metadata": {"name": "llama", "namespace": "ml"},
+        "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+                 "accelerator": {"type": "H100-80GB"}, "autoscaling": {"maxReplicas": 4}},
+    })
+    (hpa,) = by_kind(render_isvc(isvc, make_plan(isvc.spec)), "HorizontalPodAutoscaler")
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    name = metric["pods"]["metric"]["name"]
+
+    maps = {c["metadata"]["name"]: c for c in by_kind(render(chart), "ConfigMap")}
+    rules = yaml.safe_load(maps[f"{RELEASE}-tensorfleet-adapter-rules"]["data"]["config.yaml"])["rules"]
+    serving = [r for r in rules if r["name"]["as"] == name]
+    assert len(serving) == 1, f"no prometheus-adapter rule exposes the HPA's metric {name!r}"
+    # A Pods metric: the adapter must tie each series to its pod (and the pod's namespace).
+    overrides = serving[0]["resources"]["overrides"]
+    assert overrides["pod"] == {"resource": "pod"} and overrides["namespace"] == {"resource": "namespace"}
 
 
 def test_grafana_dashboard(chart: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -18,6 +19,16 @@ from tensorfleet import contract
 from tensorfleet.httpapi import start_site
 
 pytestmark = pytest.mark.asyncio
+
+
+class Clock:
+    """The router's breaker clock (`BackendPool.clock`), moved by the test: an ejection ends when the test says."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @asynccontextmanager
@@ -68,6 +79,7 @@ async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> N
         doomed = await doomed_context.__aenter__()
         # Health checks only at start-up: ejection and recovery come from traffic.
         r = await stack.enter_async_context(router([doomed.url, live.url], strategy="round-robin", health_interval=60))
+        clock = r.router.pool.clock = Clock()
         client = await stack.enter_async_context(aiohttp.ClientSession())
         assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
         assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
@@ -84,10 +96,10 @@ async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> N
         assert metric_value(text, contract.ROUTER_METRIC_BACKEND_HEALTHY, backend=backend.url) == 0
         assert metric_value(text, contract.ROUTER_METRIC_RETRIES + "_total", reason="connect") == 1
         assert metric_value(text, contract.ROUTER_METRIC_EJECTIONS + "_total", backend=backend.url) == 1
-        # Back on the same address: after the ejection time one request probes
-        # it (half-open), succeeds, and the breaker closes.
+        # Back on the same address: once the clock reaches the ejection time one
+        # request probes it (half-open), succeeds, and the breaker closes.
         revived = await stack.enter_async_context(sim(port=port))
-        await asyncio.sleep(0.35)
+        clock.now = backend.open_until
         results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
         assert backend.healthy
         assert Counter(url for _, url in results)[revived.url] >= 2
@@ -99,13 +111,19 @@ async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -
     async with AsyncExitStack() as stack:
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([dead_url, live.url], strategy="round-robin"))
+        clock = r.router.pool.clock = Clock()
         client = await stack.enter_async_context(aiohttp.ClientSession())
         dead = r.router.pool.backends[dead_url]
         await eventually(lambda: not dead.healthy)
         results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(4)]
         assert results == [(200, live.url)] * 4
         revived = await stack.enter_async_context(sim(port=port))
-        await eventually(lambda: dead.healthy, timeout=5)
+
+        def recovered() -> bool:
+            # Ejected until the clock passes its ejection time; then the next health check probes it back.
+            clock.now = max(clock.now, dead.open_until)
+            return dead.healthy
+        await eventually(recovered, timeout=5)
         results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
         assert Counter(url for _, url in results) == {revived.url: 3, live.url: 3}
 

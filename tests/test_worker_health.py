@@ -18,10 +18,9 @@ from typing import Any
 
 import pynvml
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from worker_helpers import free_port
 
-from tensorfleet import contract
+from tensorfleet import contract, promtext
 from tensorfleet.worker import cli, metrics
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
@@ -315,18 +314,14 @@ def test_xid_watcher_records_events(monkeypatch: pytest.MonkeyPatch, tmp_path: P
 
 # --- Prometheus gauges -----------------------------------------------------------
 
-def _families(text: str) -> dict[str, Any]:
-    return {f.name: f for f in text_string_to_metric_families(text)}
-
-
 def test_metrics_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
     install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu(temperature=92, ecc=2)])
     collector = metrics.GpuCollector(gpus.Thresholds(min_gpus=2), xids=lambda: [{"gpu": 1, "xid": 79}, {"gpu": 1, "xid": 79}])
-    fams = _families(metrics.exposition(collector))
+    parsed = promtext.samples(metrics.exposition(collector))
 
     def value(name: str, gpu: str | None = None) -> float:
-        samples = [s for s in fams[name].samples if gpu is None or s.labels.get("gpu") == gpu]
-        assert len(samples) == 1, (name, gpu, fams[name].samples)
+        samples = promtext.select(parsed, name) if gpu is None else promtext.select(parsed, name, gpu=gpu)
+        assert len(samples) == 1, (name, gpu, promtext.select(parsed, name))
         return samples[0].value
 
     assert value(contract.GPU_METRIC_NVML_UP) == 1
@@ -341,17 +336,17 @@ def test_metrics_exposition(monkeypatch: pytest.MonkeyPatch) -> None:
     assert value(contract.GPU_METRIC_POWER, "0") == 350 and value(contract.GPU_METRIC_POWER_LIMIT, "0") == 700
     assert value(contract.GPU_METRIC_ECC_UNCORRECTABLE, "1") == 2
     assert value(contract.GPU_METRIC_ROW_REMAP_FAILURE, "0") == 0
-    xid = [s for s in fams[contract.GPU_METRIC_XID_ERRORS].samples if s.name.endswith("_total")]
+    xid = promtext.select(parsed, contract.GPU_METRIC_XID_ERRORS + "_total")
     assert [(s.labels, s.value) for s in xid] == [({"gpu": "1", "xid": "79"}, 2)]
-    labels = fams[contract.GPU_METRIC_TEMPERATURE].samples[0].labels
+    labels = promtext.select(parsed, contract.GPU_METRIC_TEMPERATURE)[0].labels
     assert labels == {"gpu": "0", "uuid": "GPU-00000000-fake", "device": H100}
 
 
 def test_metrics_without_nvml() -> None:
-    fams = _families(metrics.exposition(metrics.GpuCollector(gpus.Thresholds(min_gpus=8))))
-    assert fams[contract.GPU_METRIC_NVML_UP].samples[0].value == 0
-    assert fams[contract.GPU_METRIC_EXPECTED].samples[0].value == 8
-    assert contract.GPU_METRIC_TEMPERATURE not in fams
+    text = metrics.exposition(metrics.GpuCollector(gpus.Thresholds(min_gpus=8)))
+    assert promtext.value(text, contract.GPU_METRIC_NVML_UP) == 0
+    assert promtext.value(text, contract.GPU_METRIC_EXPECTED) == 8
+    assert promtext.value(text, contract.GPU_METRIC_TEMPERATURE) is None
 
 
 def test_metrics_served_over_http(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -363,17 +358,15 @@ def test_metrics_served_over_http(monkeypatch: pytest.MonkeyPatch) -> None:
             text = response.read().decode()
     finally:
         server.shutdown()
-    fams = _families(text)
-    assert fams[contract.GPU_METRIC_ALL_HEALTHY].samples[0].value == 1
-    assert fams[contract.GPU_METRIC_TEMPERATURE].samples[0].value == 45
+    assert promtext.value(text, contract.GPU_METRIC_ALL_HEALTHY) == 1
+    assert promtext.value(text, contract.GPU_METRIC_TEMPERATURE) == 45
 
 
 def test_metrics_command_prints_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     install_fake_nvml(monkeypatch, [FakeGpu()])
     monkeypatch.setenv(contract.ENV_TENSOR_PARALLEL, "1")
     assert cli.main(["metrics"]) == 0
-    fams = _families(capsys.readouterr().out)
-    assert fams[contract.GPU_METRIC_ALL_HEALTHY].samples[0].value == 1
+    assert promtext.value(capsys.readouterr().out, contract.GPU_METRIC_ALL_HEALTHY) == 1
 
 
 def test_accelerator_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

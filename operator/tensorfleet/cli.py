@@ -20,11 +20,13 @@ from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.api.crd import crd
 from tensorfleet.catalog import GPUS, MODELS
+from tensorfleet.extras import MissingExtra
 from tensorfleet.planner import Plan, make_plan
 from tensorfleet.planner.memory import GiB, MiB, cuda_total_bytes
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_MISSING_EXTRA = 1  # a command whose extra is not installed, like any other failure to start
 
 
 class UsageError(Exception):
@@ -198,7 +200,8 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 # Modules adding long-running commands (operator, router, simulator). Each
 # exposes `register(subparsers)` and imports its heavy dependencies only when
-# its command runs, so `plan` and `render` stay fast.
+# its command runs, after `extras.require` has checked that its extra is
+# installed, so `plan` and `render` stay fast and need only the base install.
 COMMAND_MODULES: tuple[str, ...] = ("tensorfleet.controller.cli", "tensorfleet.sim.cli", "tensorfleet.router.cli")
 
 
@@ -240,6 +243,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return EXIT_INVALID
+    except MissingExtra as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_MISSING_EXTRA
     except BrokenPipeError:
         return 0
 

@@ -7,15 +7,18 @@ spell one of these strings anywhere else.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Literal, TypeAlias, get_args
 
 __version__: Final = "0.1.0"
 
 # --- API -------------------------------------------------------------------
-GROUP: Final = "tensorfleet.dev"
-VERSION: Final = "v1alpha1"
-API_VERSION: Final = f"{GROUP}/{VERSION}"
-KIND: Final = "InferenceService"
+# The Literal types are the one spelling; the constants are read from them.
+ApiVersion: TypeAlias = Literal["tensorfleet.dev/v1alpha1"]
+ApiKind: TypeAlias = Literal["InferenceService"]
+API_VERSION: Final[ApiVersion] = get_args(ApiVersion)[0]
+KIND: Final[ApiKind] = get_args(ApiKind)[0]
+GROUP: Final = API_VERSION.partition("/")[0]
+VERSION: Final = API_VERSION.partition("/")[2]
 PLURAL: Final = "inferenceservices"
 SINGULAR: Final = "inferenceservice"
 SHORT_NAMES: Final = ("infsvc",)
@@ -77,6 +80,12 @@ HF_HOME_PATH: Final = f"{CACHE_PATH}/huggingface"
 # Written by the worker launcher, read by `tensorfleet-worker health` (the
 # exec probe of stages > 0): the launcher's phase and the GPU XID errors it saw.
 WORKER_STATE_PATH: Final = "/tmp/tensorfleet-worker/state.json"
+
+# --- Engine ----------------------------------------------------------------
+# spec.engine.kind, passed to the launcher as ENV_ENGINE_KIND.
+EngineKind: TypeAlias = Literal["vllm", "simulator"]
+ENGINE_KINDS: Final[tuple[EngineKind, ...]] = get_args(EngineKind)
+DEFAULT_ENGINE_KIND: Final[EngineKind] = "vllm"
 
 # --- Worker launcher env (renderer writes, launcher reads) -----------------
 ENV_ENGINE_KIND: Final = "TF_ENGINE_KIND"
@@ -189,8 +198,10 @@ ROUTER_LABEL_BACKEND: Final = "backend"
 ROUTER_LABEL_CODE: Final = "code"
 
 # --- Router ----------------------------------------------------------------
-ROUTER_STRATEGIES: Final = ("least-pending", "round-robin", "session", "prefix-aware")
-DEFAULT_ROUTER_STRATEGY: Final = "least-pending"
+# spec.router.strategy and `tensorfleet router --strategy`.
+RouterStrategy: TypeAlias = Literal["least-pending", "round-robin", "session", "prefix-aware"]
+ROUTER_STRATEGIES: Final[tuple[RouterStrategy, ...]] = get_args(RouterStrategy)
+DEFAULT_ROUTER_STRATEGY: Final[RouterStrategy] = "least-pending"
 # Header a client sets to keep a conversation on one engine (`session`).
 SESSION_HEADER: Final = "x-session-id"
 # Response header naming the engine that served a request, for debugging.

@@ -191,8 +191,8 @@ class ResourceRequirements(ApiModel):
 
 
 class EngineSpec(ApiModel):
-    kind: Literal["vllm", "simulator"] = Field(
-        default="vllm",
+    kind: contract.EngineKind = Field(
+        default=contract.DEFAULT_ENGINE_KIND,
         description="`vllm` serves the model on GPUs; `simulator` runs a CPU-only vLLM stand-in with the same API and metrics (tests, demos, kind clusters). Default: vllm.",
     )
     image: str | None = Field(
@@ -346,13 +346,11 @@ class AutoscalingSpec(ApiModel):
         return self
 
 
-ROUTER_STRATEGIES = ("least-pending", "round-robin", "session", "prefix-aware")
-
-
 class RouterSpec(ApiModel):
     replicas: int = Field(default=2, ge=1, le=100, description="Router pods. Default: 2.")
-    strategy: Literal["least-pending", "round-robin", "session", "prefix-aware"] = Field(
-        default="least-pending", description="How the router picks an engine. Default: least-pending."
+    strategy: contract.RouterStrategy = Field(
+        default=contract.DEFAULT_ROUTER_STRATEGY,
+        description=f"How the router picks an engine. Default: {contract.DEFAULT_ROUTER_STRATEGY}.",
     )
     image: str | None = Field(default=None, min_length=1, max_length=512, description=f"Router image. Default: {contract.CONTROL_PLANE_IMAGE}.")
     max_concurrency_per_engine: int | None = Field(
@@ -466,8 +464,8 @@ class ObjectMeta(BaseModel):
 class InferenceService(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    api_version: Literal["tensorfleet.dev/v1alpha1"] = Field(alias="apiVersion")
-    kind: Literal["InferenceService"]
+    api_version: contract.ApiVersion = Field(alias="apiVersion")
+    kind: contract.ApiKind
     metadata: ObjectMeta
     spec: InferenceServiceSpec
     status: InferenceServiceStatus | None = None

@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from tensorfleet import argtypes
+from tensorfleet import argtypes, extras
 
 
 def _env_list(name: str) -> list[str]:
@@ -145,6 +145,7 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    extras.require("tensorfleet run", "operator")
     from prometheus_client import start_http_server
 
     from tensorfleet.controller.kube import Connection

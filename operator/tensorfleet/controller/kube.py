@@ -112,7 +112,6 @@ class Kube:
         self.timeout = timeout
         self.field_manager = field_manager
         self.writes: Counter[tuple[str, str]] = Counter()
-        self.reads: Counter[tuple[str, str]] = Counter()
         self._session: aiohttp.ClientSession | None = None
         self._refreshed_at = -CREDENTIAL_REFRESH_SECONDS
 
@@ -145,8 +144,8 @@ class Kube:
         url = self.connection.server + path
         if params:
             url += "?" + urllib.parse.urlencode(params)
-        counter = self.reads if method == "GET" else self.writes
-        counter[(method, kind.kind)] += 1
+        if method != "GET":
+            self.writes[(method, kind.kind)] += 1
         metrics.API_REQUESTS.labels(method=method, kind=kind.kind).inc()
         try:
             async with self._session.request(method, url, data=data, headers=headers) as response:

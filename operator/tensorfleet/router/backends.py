@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tensorfleet import contract
+from tensorfleet import contract, promtext
 
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
 
@@ -77,7 +77,6 @@ class BackendPool:
         self.policy = policy or BreakerPolicy()
         self.clock = clock
         self.backends: dict[str, Backend] = {}
-        self.on_added: list[Callable[[Backend], None]] = []
         self.on_removed: list[Callable[[Backend], None]] = []
         self.on_routable: list[Callable[[], None]] = []
         self.on_ejected: list[Callable[[Backend], None]] = []
@@ -99,10 +98,8 @@ class BackendPool:
         added = False
         for url in wanted:
             if url not in self.backends:
-                backend = self.backends[url] = Backend(url)
+                self.backends[url] = Backend(url)
                 added = True
-                for callback in self.on_added:
-                    callback(backend)
         if added:
             self._notify_routable()
 
@@ -171,42 +168,28 @@ _KV = contract.VLLM_METRIC_KV_CACHE_USAGE
 _CACHE_CONFIG = contract.VLLM_METRIC_CACHE_CONFIG
 
 
-def _sample_value(line: str) -> float:
-    # `name{labels} value [timestamp]`; label values may hold spaces, so cut
-    # after the closing brace when there is one.
-    rest = line[line.rindex("}") + 1:] if "}" in line else line.split(" ", 1)[1]
-    value = float(rest.split()[0])
-    return 0.0 if math.isnan(value) else value
-
-
-def _label(line: str, name: str) -> str | None:
-    key = f'{name}="'
-    start = line.find(key)
-    if start < 0:
-        return None
-    start += len(key)
-    return line[start:line.index('"', start)]
-
-
 def parse_engine_metrics(text: str) -> EngineLoad:
     """The few samples the router needs from vLLM's /metrics, summed over
-    engines (data-parallel ranks) where there are several; KV usage averaged."""
+    engines (data-parallel ranks) where there are several; KV usage averaged.
+    A NaN reads as 0. Text that is not Prometheus text raises ValueError (the
+    health check that scraped it has failed)."""
     load = EngineLoad()
     kv_samples = 0
     blocks = 0
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
+    for sample in promtext.samples(text):
+        name = sample.name
+        if name not in (_WAITING, _RUNNING, _KV, _CACHE_CONFIG):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+        value = 0.0 if math.isnan(sample.value) else sample.value
         if name == _WAITING:
-            load.waiting += _sample_value(line)
+            load.waiting += value
         elif name == _RUNNING:
-            load.running += _sample_value(line)
+            load.running += value
         elif name == _KV:
-            load.kv_usage += _sample_value(line)
+            load.kv_usage += value
             kv_samples += 1
-        elif name == _CACHE_CONFIG:
-            size, count = _label(line, "block_size"), _label(line, "num_gpu_blocks")
+        else:
+            size, count = sample.labels.get("block_size"), sample.labels.get("num_gpu_blocks")
             if size and count and size.isdigit() and count.isdigit():
                 blocks += int(size) * int(count)
     if kv_samples > 1:

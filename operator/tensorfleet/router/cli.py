@@ -12,7 +12,7 @@ import argparse
 import logging
 from typing import Any
 
-from tensorfleet import argtypes, contract
+from tensorfleet import argtypes, contract, extras
 
 log = logging.getLogger("tensorfleet.router")
 
@@ -52,6 +52,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("tensorfleet router", "router")
     from aiohttp import web
     from prometheus_client import disable_created_metrics
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet import argtypes, contract
+from tensorfleet import argtypes, contract, extras
 
 log = logging.getLogger("tensorfleet.sim")
 
@@ -65,6 +65,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    extras.require("tensorfleet sim", "sim")
     from aiohttp import web
     from prometheus_client import disable_created_metrics
 

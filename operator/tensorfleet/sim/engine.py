@@ -178,9 +178,6 @@ class BlockPool:
                 del self.refs[h]
                 self.evictable[h] = None
 
-    def reset(self) -> None:
-        self.evictable.clear()
-
 
 @dataclass
 class EngineStats:

@@ -192,11 +192,3 @@ def resilient_profile(model: str | None, accelerator: str | None, **options: int
     assert first_error is not None
     raise first_error
 
-
-def with_capacity(profile: Profile, *, kv_cache_tokens: int | None = None, max_num_seqs: int | None = None) -> Profile:
-    """The same timing with other capacity figures (tests shrink the cache)."""
-    return replace(
-        profile,
-        kv_cache_tokens=profile.kv_cache_tokens if kv_cache_tokens is None else kv_cache_tokens,
-        max_num_seqs=profile.max_num_seqs if max_num_seqs is None else max_num_seqs,
-    )

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NoReturn
 
-from tensorfleet import argtypes, contract
-from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
+from tensorfleet import argtypes, contract, extras
+from tensorfleet.worker.errors import EXIT_CONFIG, EXIT_NOT_FOUND, WorkerError
 
 if TYPE_CHECKING:
     from tensorfleet.worker.gpu import Thresholds
@@ -116,6 +116,7 @@ def _cmd_health(args: argparse.Namespace) -> int:
 
 
 def _cmd_metrics(args: argparse.Namespace) -> int:
+    extras.require(f"{PROG} metrics", "worker")
     from tensorfleet.worker import metrics
     from tensorfleet.worker.role import health_settings
 
@@ -137,6 +138,10 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    if not args.print_command:
+        # The GPU metrics exporter and the drain (which reads the engine's
+        # /metrics) use prometheus_client; printing the plan needs nothing.
+        extras.require(PROG, "worker")
     from tensorfleet.worker.command import print_document
     from tensorfleet.worker.launcher import Launcher, Options
     from tensorfleet.worker.role import role_from_env
@@ -166,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WorkerError as exc:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return exc.code
+    except extras.MissingExtra as exc:
+        # The line names the command already, as `tensorfleet`'s do.
+        sys.stderr.write(f"error: {exc}\n")
+        return EXIT_NOT_FOUND
     except BrokenPipeError:
         return 0
 

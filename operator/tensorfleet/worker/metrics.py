@@ -7,7 +7,6 @@ values are as fresh as the scrape. When NVML is unavailable only
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -109,8 +108,3 @@ def serve(port: int, collector: GpuCollector, addr: str = "0.0.0.0") -> Any:
     server, _thread = start_http_server(port, addr=addr, registry=registry_for(collector))
     return server
 
-
-def start_xid_watcher(on_xid: Callable[[int, int], None], stop: threading.Event, log: Callable[[str], None]) -> gpus.XidWatcher:
-    watcher = gpus.XidWatcher(on_xid, stop, log=log)
-    watcher.start()
-    return watcher

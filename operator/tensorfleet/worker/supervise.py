@@ -10,6 +10,7 @@ The pod's termination grace period bounds the whole sequence.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -144,25 +145,20 @@ def run_child(
 
 
 def in_flight(port: int, timeout: float = 2.0) -> int | None:
-    """Requests running + waiting in the engine, from its /metrics; None if it does not answer."""
+    """Requests running + waiting in the engine, from its /metrics; None if it
+    does not answer, or answers with what is not Prometheus text. A NaN or
+    infinite gauge counts as 0."""
+    from tensorfleet import promtext  # prometheus_client only when draining, not at launcher start
+
     url = f"http://127.0.0.1:{port}{contract.METRICS_PATH}"
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             text = response.read().decode("utf-8", "replace")
+        samples = promtext.samples(text)
     except (urllib.error.URLError, OSError, ValueError):
         return None
-    total = 0.0
     names = (contract.VLLM_METRIC_RUNNING, contract.VLLM_METRIC_WAITING)
-    for line in text.splitlines():
-        if line.startswith("#"):
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in names:
-            try:
-                total += float(line.rsplit(" ", 1)[-1])
-            except ValueError:
-                continue
-    return int(total)
+    return int(sum((s.value for s in samples if s.name in names and math.isfinite(s.value)), 0.0))
 
 
 class EngineDrain:
