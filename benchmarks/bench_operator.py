@@ -281,6 +281,15 @@ def run_cluster(count: int, idle_seconds: float) -> dict[str, Any]:
     }
 
 
+def _report(rows: list[tuple[str, Any]], result: dict[str, Any], file: str) -> None:
+    """Print the table and keep the figures as JSON under benchmarks/results/."""
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / file).write_text(json.dumps(result, indent=2))
+
+
 def main_cluster(args: argparse.Namespace) -> None:
     result = run_cluster(args.count, args.idle_seconds)
     rows = [
@@ -295,11 +304,7 @@ def main_cluster(args: argparse.Namespace) -> None:
         ("API writes / reads per minute, idle", f"{result['idle_writes_per_minute']} / {result['idle_reads_per_minute']}"),
         ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key.ljust(width)}  {value}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "operator-cluster.json").write_text(json.dumps(result, indent=2))
+    _report(rows, result, "operator-cluster.json")
 
 
 def main() -> None:
@@ -327,11 +332,7 @@ def main() -> None:
         (f"API writes per minute, idle (resync every {result['resync_seconds']:g} s)", result["idle_writes_per_minute"]),
         ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key.ljust(width)}  {value}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "operator.json").write_text(json.dumps(result, indent=2))
+    _report(rows, result, "operator.json")
 
 
 if __name__ == "__main__":

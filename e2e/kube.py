@@ -101,14 +101,27 @@ def example(file: str, namespace: str, *, drop: tuple[str, ...] = ("cache", "hfT
 
     KWOK runs no volume provisioner and no kubelet, so model-cache PVCs would
     never bind and secrets are never mounted: `drop` removes those spec keys.
-    Keyword arguments replace top-level spec keys.
+    Keyword arguments replace top-level spec keys; None removes one.
     """
     (doc,) = [d for d in yaml.safe_load_all((EXAMPLES / file).read_text()) if d]
     doc["metadata"]["namespace"] = namespace
     for key in drop:
         doc["spec"].pop(key, None)
-    doc["spec"].update(spec)
+    for key, value in spec.items():
+        if value is None:
+            doc["spec"].pop(key, None)
+        else:
+            doc["spec"][key] = value
     return dict(doc)
+
+
+def deploy(file: str, namespace: str, **spec: Any) -> tuple[str, dict[str, Any]]:
+    """Apply an example (see `example`) and wait until it is Ready; its name and the document."""
+    doc = example(file, namespace, **spec)
+    name = str(doc["metadata"]["name"])
+    apply(doc)
+    wait_ready(name, namespace)
+    return name, doc
 
 
 def isvc(name: str, namespace: str) -> dict[str, Any] | None:

@@ -8,11 +8,10 @@ from typing import Any
 import pytest
 from kube import (
     CHILD_KINDS,
-    apply,
     condition_status,
+    deploy,
     engine_pods,
     eventually,
-    example,
     get,
     isvc,
     kubectl,
@@ -25,10 +24,7 @@ from tensorfleet import contract
 
 
 def test_a_deleted_or_edited_child_is_restored(namespace: str) -> None:
-    doc = example("simulator-cpu.yaml", namespace)
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, doc = deploy("simulator-cpu.yaml", namespace)
     router = contract.router_name(name)
     service = get("service", name, namespace)
     assert service is not None
@@ -46,10 +42,7 @@ def test_a_deleted_or_edited_child_is_restored(namespace: str) -> None:
 
 
 def test_deleting_the_inference_service_leaves_nothing(namespace: str) -> None:
-    doc = example("simulator-cpu.yaml", namespace)
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, _ = deploy("simulator-cpu.yaml", namespace)
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name}"
     assert kubectl("get", CHILD_KINDS, "-n", namespace, "-l", selector, "-o", "name").strip()
     kubectl("delete", contract.PLURAL, name, "-n", namespace, "--wait=true", "--timeout=120s")
@@ -82,10 +75,7 @@ def test_a_converged_inference_service_costs_no_writes(namespace: str) -> None:
     """Real defaults (omitted false bools, added fields) must not look like drift to the operator."""
     if not local_cluster():
         pytest.skip("reads the local operator's metrics (e2e/cluster); in-cluster operators expose them on a Service")
-    doc = example("simulator-cpu.yaml", namespace)
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, _ = deploy("simulator-cpu.yaml", namespace)
     eventually("Progressing=False", lambda: condition_status(isvc(name, namespace), "Progressing") == "False")
     time.sleep(2)
     before = operator_metrics()
@@ -105,11 +95,7 @@ def test_an_immutable_statefulset_change_recreates_it_keeping_the_pods(namespace
     """spec.cache adds a volumeClaimTemplate, which a StatefulSet cannot change: the operator
     deletes it with propagationPolicy=Orphan, waits for the real garbage collector to release
     the pods, and creates the new one, which adopts them."""
-    doc = example("simulator-cpu.yaml", namespace, replicas=2)
-    doc["spec"].pop("autoscaling")
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, _ = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None)
     eventually("2 ready groups", lambda: (isvc(name, namespace) or {}).get("status", {}).get("readyReplicas") == 2)
     stage0 = contract.stage_name(name, 0)
     old = get("statefulset", stage0, namespace)

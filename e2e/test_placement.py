@@ -61,8 +61,7 @@ def test_h100_tensor_8_pipeline_2_puts_one_pod_on_each_h100_node(namespace: str)
 
 
 def test_a100_tensor_4_two_replicas_land_on_a100_nodes(namespace: str) -> None:
-    doc = example("llama-3.1-70b-a100.yaml", namespace, replicas=2)
-    doc["spec"].pop("autoscaling", None)
+    doc = example("llama-3.1-70b-a100.yaml", namespace, replicas=2, autoscaling=None)
     name = doc["metadata"]["name"]
     apply(doc)
     pods = _placed(name, namespace, 2)
@@ -110,8 +109,7 @@ def test_more_gpus_than_the_cluster_has_stay_pending_and_say_so(namespace: str) 
 
 
 def test_a_gpu_type_no_node_has_stays_pending_and_says_so(namespace: str) -> None:
-    doc = example("llama-3.1-8b-l4.yaml", namespace, replicas=1, accelerator={"type": "L40S"})
-    doc["spec"].pop("autoscaling", None)
+    doc = example("llama-3.1-8b-l4.yaml", namespace, replicas=1, accelerator={"type": "L40S"}, autoscaling=None)
     name = doc["metadata"]["name"]
     apply(doc)
     degraded = _degraded(name, namespace, r"1 engine pod cannot be scheduled: \d+ L40S GPUs short")

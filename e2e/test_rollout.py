@@ -67,8 +67,7 @@ def _rolled(name: str, namespace: str, image: str, replicas: int) -> dict[str, A
 
 
 def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
-    doc = example("simulator-cpu.yaml", namespace, replicas=replicas)
-    doc["spec"].pop("autoscaling")
+    doc = example("simulator-cpu.yaml", namespace, replicas=replicas, autoscaling=None)
     name = doc["metadata"]["name"]
     apply(doc)
     obj = wait_ready(name, namespace)

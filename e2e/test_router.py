@@ -24,15 +24,13 @@ from typing import Any
 import pytest
 from kube import (
     CLUSTER_SCRIPT,
-    apply,
+    deploy,
     engine_pods,
     eventually,
-    example,
     get,
     items,
     kubectl,
     kubectl_result,
-    wait_ready,
 )
 
 from tensorfleet import contract, promtext
@@ -147,10 +145,7 @@ def _backends(router_port: int) -> dict[str, float]:
 
 
 def test_the_router_identity_may_list_only_its_own_endpointslices(namespace: str) -> None:
-    doc = example("simulator-cpu.yaml", namespace)
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, _ = deploy("simulator-cpu.yaml", namespace)
     identity = f"system:serviceaccount:{namespace}:{contract.router_name(name)}"
     for verb in ("get", "list", "watch"):
         assert _can(identity, verb, "endpointslices.discovery.k8s.io", "-n", namespace)
@@ -169,11 +164,7 @@ def test_the_router_discovers_the_published_engines_and_serves_through_them(
     if "pod network: tensorfleet-e2e" not in status:
         pytest.fail("needs the pod network of `e2e/cluster up` (run as root), so that pod IPs are local: "
                     f"without it the router would dial addresses off this machine. status: {status!r}")
-    doc = example("simulator-cpu.yaml", namespace, replicas=2)
-    doc["spec"].pop("autoscaling")
-    name = doc["metadata"]["name"]
-    apply(doc)
-    wait_ready(name, namespace)
+    name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None)
     eventually("2 ready groups", lambda: (get(contract.PLURAL, name, namespace) or {}).get("status", {})
                .get("readyReplicas") == 2)
 

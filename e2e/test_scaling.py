@@ -16,8 +16,7 @@ def _scale(name: str, namespace: str) -> dict[str, Any]:
 
 
 def test_kubectl_scale_moves_every_stage(namespace: str) -> None:
-    doc = example("simulator-cpu.yaml", namespace, replicas=1)
-    doc["spec"].pop("autoscaling")
+    doc = example("simulator-cpu.yaml", namespace, replicas=1, autoscaling=None)
     name = doc["metadata"]["name"]
     pipeline = doc["spec"]["parallelism"]["pipeline"]
     apply(doc)
