@@ -41,18 +41,15 @@ from typing import Any
 
 import aiohttp
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from fake_workloads import FakeWorkloads
 from kmock import Server
-from kube_emulator import WRITE_METHODS, ClusterEmulator
-from loopback import free_port
 
 from tensorfleet import contract
 from tensorfleet.controller.kube import USER_AGENT
+from tensorfleet.testing.fake_workloads import FakeWorkloads
+from tensorfleet.testing.kube_emulator import WRITE_METHODS, ClusterEmulator
+from tensorfleet.testing.loopback import free_port
 
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 SETTLE_SECONDS = 3.0
 

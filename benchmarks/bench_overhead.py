@@ -26,7 +26,7 @@ from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy,
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 16}
 
 
-def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict]:  # type: ignore[type-arg]
+def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict]:  # type: ignore[type-arg]  # rows of mixed figures
     rows = []
     for stream in (False, True):
         body = json.dumps({**BODY, "stream": stream})
@@ -62,7 +62,7 @@ async def ttft(direct: str, routed: str, count: int) -> dict[str, float]:
     return out
 
 
-def memory(router, routed: str, target: int, chunk_seconds: float) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def memory(router, routed: str, target: int, chunk_seconds: float) -> dict:  # type: ignore[no-untyped-def,type-arg]  # router is the benchmark's process handle
     body = json.dumps(BODY)
     warm = wrk(routed, connections=32, seconds=5, body=body)
     start_rss = router.rss_bytes()

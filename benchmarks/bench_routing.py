@@ -46,7 +46,7 @@ def summarise(records: list[Record], start: float, window: tuple[float, float]) 
     lo, hi = start + window[0], start + window[1]
     inside = [r.result for r in records if lo <= r.result.sent_at < hi]
     ok = [r for r in inside if r.status == 200 and not r.error and r.ttft is not None]
-    ttft = [r.ttft / TIME_SCALE for r in ok]  # type: ignore[operator]
+    ttft = [r.ttft / TIME_SCALE for r in ok]  # type: ignore[operator]  # ok holds only answered requests, whose ttft is set
     e2e = [r.total / TIME_SCALE for r in ok]
     seconds = (window[1] - window[0]) / TIME_SCALE
     return {

@@ -293,9 +293,9 @@ def wrk(url: str, *, connections: int, seconds: float, body: str, path: str = "/
     out = subprocess.run(["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--latency", "--timeout", "10s",
                           "-s", str(ROOT / "post.lua"), url], capture_output=True, text=True, env=env, check=True).stdout
     latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.MULTILINE))
-    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    non_2xx = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]  # wrk always prints this line
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]  # wrk always prints this line
+    non_2xx = int(re.search(r"NON2XX (\d+)", out).group(1))  # type: ignore[union-attr]  # wrk always prints this line
     socket_errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     errors = sum(int(g) for g in socket_errors.groups()) if socket_errors else 0
     return WrkResult(requests, rps, _seconds(latency["50"]), _seconds(latency["99"]), non_2xx, errors, out)

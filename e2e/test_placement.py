@@ -92,8 +92,10 @@ def _degraded(name: str, namespace: str, says: str) -> dict[str, Any]:
         found = condition(obj, "Degraded")
         return obj if found and found["status"] == "True" and re.search(says, found["message"]) else None
     obj = eventually(f"{namespace}/{name} Degraded=True saying {says!r}", said)
-    assert condition(obj, "Ready")["status"] == "False"  # type: ignore[index]
-    return condition(obj, "Degraded")  # type: ignore[return-value]
+    ready, degraded = condition(obj, "Ready"), condition(obj, "Degraded")
+    assert ready is not None and ready["status"] == "False", ready
+    assert degraded is not None
+    return degraded
 
 
 def test_more_gpus_than_the_cluster_has_stay_pending_and_say_so(namespace: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kube import (
@@ -41,7 +42,7 @@ def _serving(pod: dict[str, Any]) -> bool:
     return any(c["type"] == "Ready" and c["status"] == "True" for c in pod.get("status", {}).get("conditions") or [])
 
 
-def group_invariants(replicas: int, pipeline: int):  # type: ignore[no-untyped-def]
+def group_invariants(replicas: int, pipeline: int) -> Callable[[dict[str, dict[str, Any]]], None]:
     def check(pods: dict[str, dict[str, Any]]) -> None:
         groups: dict[int, dict[int, dict[str, Any]]] = {}
         for pod in pods.values():

@@ -18,7 +18,7 @@ import yaml
 
 from tensorfleet import contract
 from tensorfleet.cli import build_parser
-from tensorfleet.controller.cli import _config, rbac_objects
+from tensorfleet.controller.cli import config_from_args, rbac_objects
 from tensorfleet.controller.resources import rbac_rules
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency (pip install -e '.[dev]')")
@@ -158,7 +158,7 @@ def test_operator_args_are_what_tensorfleet_run_accepts(chart: Any, name: str) -
     assert container.get("command") is None, "the image's ENTRYPOINT is `tensorfleet`"
     args = build_parser().parse_args(container["args"])
     assert args.command == "run"
-    config = _config(args)
+    config = config_from_args(args)
     assert config.namespaces == values.get("watchNamespaces", [])
     assert config.leader_election == values.get("operator", {}).get("leaderElection", True)
     assert config.health_port == 8080 and args.metrics_port == 9090 and args.log_format == "json"
@@ -331,9 +331,9 @@ def test_the_api_server_can_call_an_operator_outside_the_cluster(chart: Any, tmp
     import ssl
 
     import aiohttp
-    from loopback import free_port
 
     from tensorfleet.controller.webhook import WebhookConfig, serve
+    from tensorfleet.testing.loopback import free_port
 
     port = free_port()
     objects = render(chart, {"webhook": {"url": f"https://127.0.0.1:{port}/spec"}, "operator": {"replicas": 0}})

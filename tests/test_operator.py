@@ -8,13 +8,13 @@ from typing import Any
 
 import pytest
 from conftest import isvc_doc
-from kube_emulator import Faults
-from loopback import free_port
-from operator_harness import cluster, eventually, running_operator
 
 from tensorfleet import contract
 from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
+from tensorfleet.testing.kube_emulator import Faults
+from tensorfleet.testing.loopback import free_port
+from tensorfleet.testing.operator_harness import cluster, eventually, running_operator
 
 pytestmark = pytest.mark.asyncio
 

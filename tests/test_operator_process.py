@@ -12,8 +12,9 @@ import aiohttp
 import pytest
 import yaml
 from conftest import isvc_doc
-from loopback import free_port
-from operator_harness import cluster, eventually
+
+from tensorfleet.testing.loopback import free_port
+from tensorfleet.testing.operator_harness import cluster, eventually
 
 pytestmark = pytest.mark.asyncio
 

@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 import pytest
-from loopback import eventually
 
 from tensorfleet import contract
 from tensorfleet.router.discovery import EndpointSliceWatcher, slice_urls
+from tensorfleet.testing.loopback import eventually
 
 RESOURCE = "discovery.k8s.io/v1/endpointslices"
 NAMESPACE = "serving"
@@ -95,7 +95,8 @@ async def test_router_routes_to_the_engines_the_service_lists(kmock: Any) -> Non
     from contextlib import AsyncExitStack
 
     import aiohttp
-    from loopback import chat, router, sim
+
+    from tensorfleet.testing.loopback import chat, router, sim
 
     kmock.resources[RESOURCE] = {"kind": "EndpointSlice", "namespaced": True}
     async with AsyncExitStack() as stack:

@@ -13,10 +13,21 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import aiohttp
 import pytest
 from aiohttp import web
-from loopback import MODEL, chat, eventually, free_port, metric_value, router, sim, spawn_sim, sse_events, wait_healthy
 
 from tensorfleet import contract
 from tensorfleet.httpapi import start_site
+from tensorfleet.testing.loopback import (
+    MODEL,
+    chat,
+    eventually,
+    free_port,
+    metric_value,
+    router,
+    sim,
+    spawn_sim,
+    sse_events,
+    wait_healthy,
+)
 
 pytestmark = pytest.mark.asyncio
 
@@ -65,7 +76,7 @@ async def broken_engine(mode: str) -> AsyncIterator[tuple[str, list[str]]]:
         await runner.cleanup()
 
 
-async def post(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:  # type: ignore[type-arg]
+async def post(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:  # type: ignore[type-arg]  # any JSON body
     async with client.post(url + "/v1/chat/completions", json=body) as resp:
         await resp.read()
         return resp.status, resp.headers.get(contract.BACKEND_HEADER, "")

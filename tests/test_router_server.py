@@ -10,18 +10,18 @@ from contextlib import AsyncExitStack
 
 import aiohttp
 import pytest
-from loopback import MODEL, chat, eventually, metric_value, router, sim, sse_events
 
 from tensorfleet import contract
+from tensorfleet.testing.loopback import MODEL, chat, eventually, metric_value, router, sim, sse_events
 
 pytestmark = pytest.mark.asyncio
 
 
-async def fleet(stack: AsyncExitStack, n: int, **sim_options: object) -> list:  # type: ignore[type-arg]
-    return [await stack.enter_async_context(sim(**sim_options)) for _ in range(n)]  # type: ignore[arg-type]
+async def fleet(stack: AsyncExitStack, n: int, **sim_options: object) -> list:  # type: ignore[type-arg]  # simulator handles of mixed types
+    return [await stack.enter_async_context(sim(**sim_options)) for _ in range(n)]  # type: ignore[arg-type]  # sim() takes the options as keywords
 
 
-async def post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> tuple[int, str, dict]:  # type: ignore[type-arg]
+async def post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> tuple[int, str, dict]:  # type: ignore[type-arg]  # any JSON body and headers
     async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
         return resp.status, resp.headers.get(contract.BACKEND_HEADER, ""), await resp.json()
 

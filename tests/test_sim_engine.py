@@ -109,7 +109,7 @@ def test_block_pool_shares_evicts_lru_and_frees() -> None:
 # --- scheduler --------------------------------------------------------------------
 
 
-async def run_all(engine: Engine, requests: list, timeout: float = 10.0) -> None:  # type: ignore[type-arg]
+async def run_all(engine: Engine, requests: list, timeout: float = 10.0) -> None:  # type: ignore[type-arg]  # a list of the engine's request objects
     await asyncio.wait_for(asyncio.gather(*(r.wait(r.max_tokens) for r in requests)), timeout)
 
 

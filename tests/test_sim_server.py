@@ -8,11 +8,21 @@ from dataclasses import replace
 
 import aiohttp
 import pytest
-from loopback import MODEL, chat, eventually, free_port, metric_value, sim, spawn_sim, sse_events, wait_healthy
 
 from tensorfleet import contract
 from tensorfleet.cli import build_parser
 from tensorfleet.sim.profile import make_profile
+from tensorfleet.testing.loopback import (
+    MODEL,
+    chat,
+    eventually,
+    free_port,
+    metric_value,
+    sim,
+    spawn_sim,
+    sse_events,
+    wait_healthy,
+)
 
 DOCUMENTED_METRICS = (
     contract.VLLM_METRIC_RUNNING, contract.VLLM_METRIC_WAITING, contract.VLLM_METRIC_KV_CACHE_USAGE,

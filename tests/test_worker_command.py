@@ -264,7 +264,7 @@ class RecordingEnv(dict[str, str]):
         super().__init__(*args)
         self.read: set[str] = set()
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]  # a looser get() than dict's, as the stand-in needs
         self.read.add(key)
         return super().get(key, default)
 

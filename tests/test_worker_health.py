@@ -136,7 +136,7 @@ def install_fake_nvml(monkeypatch: pytest.MonkeyPatch, devices: list[FakeGpu], *
 
 
 @pytest.fixture
-def run_health(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path):  # type: ignore[no-untyped-def]
+def run_health(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path):  # type: ignore[no-untyped-def]  # returns the test's own runner closure
     monkeypatch.setenv(contract.ENV_TENSOR_PARALLEL, "2")
     monkeypatch.setenv(contract.ENV_ENGINE_KIND, "vllm")
 

@@ -7,9 +7,12 @@ import asyncio
 import logging
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorfleet import argtypes, extras
+
+if TYPE_CHECKING:
+    from tensorfleet.controller.operator import OperatorConfig
 
 
 def _env_list(name: str) -> list[str]:
@@ -110,7 +113,11 @@ def _cmd_rbac(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace) -> Any:
+def config_from_args(args: argparse.Namespace) -> OperatorConfig:
+    """The OperatorConfig that `tensorfleet run ARGS` runs with (env defaults applied).
+
+    Raises ValueError for a combination of arguments the operator cannot run with.
+    """
     from tensorfleet.controller.operator import OperatorConfig, WebhookConfig
     from tensorfleet.render import Images
 
@@ -153,7 +160,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tensorfleet.controller.operator import Operator
 
     try:
-        config = _config(args)
+        config = config_from_args(args)
     except ValueError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2

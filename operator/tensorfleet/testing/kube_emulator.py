@@ -46,6 +46,7 @@ deterministic per seed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
 import datetime
 import itertools
@@ -58,9 +59,7 @@ from typing import Any
 
 import aiohttp.web
 import jsonpatch
-from kmock import KubernetesEmulator, ResourceInfo, resource
-from kmock._internal import rendering
-from kmock._internal.k8s import KubernetesError
+from kmock import KubernetesEmulator, KubernetesError, Payload, Request, ResourceInfo, resource
 
 from tensorfleet.api.crd import crd
 from tensorfleet.controller.resources import ALL_KINDS
@@ -83,6 +82,10 @@ SCALE_PATHS = {
     "statefulsets": ("spec.replicas", "status.replicas", None),
     "deployments": ("spec.replicas", "status.replicas", None),
 }
+# The aiohttp request being served, for the watch streams `_read` writes itself:
+# kmock's Request keeps it only in a private attribute. Set in `__call__`, which
+# kmock's Server calls with it, and read in the same task.
+_RAW_REQUEST: contextvars.ContextVar[aiohttp.web.BaseRequest] = contextvars.ContextVar("raw_request")
 
 
 @dataclass
@@ -118,11 +121,12 @@ def _now() -> str:
 
 
 def _get(obj: dict[str, Any], dotted: str) -> Any:
+    node: Any = obj
     for part in dotted.split("."):
-        obj = obj.get(part) if isinstance(obj, dict) else None
-        if obj is None:
+        node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
             return None
-    return obj
+    return node
 
 
 def _set(obj: dict[str, Any], dotted: str, value: Any) -> None:
@@ -172,6 +176,12 @@ def _apply_defaults(schema: dict[str, Any], obj: Any) -> None:
 _CRD_SCHEMAS = {crd()["spec"]["names"]["plural"]: crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]}
 
 
+def _plural(request: Request) -> str:
+    """The plural of a resource request (`_handle` sends only those on to the handlers below)."""
+    assert request.resource is not None and request.resource.plural is not None, request
+    return request.resource.plural
+
+
 def _matches(labels: dict[str, str], selector: str) -> bool:
     for term in filter(None, (t.strip() for t in selector.split(","))):
         if " in " in term or " notin " in term or "(" in term:
@@ -216,18 +226,18 @@ class ClusterEmulator(KubernetesEmulator):
     def find(self, api_version: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         """The stored object, for assertions (None when absent)."""
         key = (resource(f"{api_version}/{plural}"), namespace, name)
-        if key in self._objects and not self._objects[key].deleted:
-            return copy.deepcopy(self._objects[key].raw)
+        if key in self.objects and not self.objects[key].deleted:
+            return copy.deepcopy(self.objects[key].raw)
         return None
 
     def all(self, api_version: str, plural: str, namespace: str | None = None) -> list[dict[str, Any]]:
         res = resource(f"{api_version}/{plural}")
-        return [copy.deepcopy(obj.raw) for (r, ns, _), obj in self._objects.items()
+        return [copy.deepcopy(obj.raw) for (r, ns, _), obj in self.objects.items()
                 if r == res and not obj.deleted and (namespace is None or ns == namespace)]
 
     def _stored(self, key: tuple[Any, ...]) -> dict[str, Any] | None:
-        if key in self._objects and not self._objects[key].deleted:
-            return copy.deepcopy(self._objects[key].raw)
+        if key in self.objects and not self.objects[key].deleted:
+            return copy.deepcopy(self.objects[key].raw)
         return None
 
     async def _store(self, key: tuple[Any, ...], obj: dict[str, Any], created: bool) -> None:
@@ -239,10 +249,10 @@ class ClusterEmulator(KubernetesEmulator):
             parent = _get(obj, ".".join(path))
             if isinstance(parent, dict) and parent.get(leaf) is False:
                 del parent[leaf]
-        if key in self._objects and not self._objects[key].deleted:
-            self._objects[key].history.append(obj)
+        if key in self.objects and not self.objects[key].deleted:
+            self.objects[key].history.append(obj)
         else:
-            self._objects[key] = obj
+            self.objects[key] = obj
         await self._buses[key[0]].put({"type": "ADDED" if created else "MODIFIED", "object": copy.deepcopy(obj)})
 
     def _new_metadata(self, obj: dict[str, Any], namespace: str | None) -> None:
@@ -274,7 +284,7 @@ class ClusterEmulator(KubernetesEmulator):
         return new
 
     @staticmethod
-    def _response(obj: dict[str, Any], status: int = 200) -> aiohttp.web.Response:
+    def _response(obj: Payload, status: int = 200) -> aiohttp.web.Response:
         return aiohttp.web.json_response(obj, status=status)
 
     # --- namespaces ------------------------------------------------------------------
@@ -282,10 +292,14 @@ class ClusterEmulator(KubernetesEmulator):
     async def __call__(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         if raw_request.path.rstrip("/") == "/api/v1/namespaces":
             return await self._namespaces(raw_request)
-        return await super().__call__(raw_request)
+        token = _RAW_REQUEST.set(raw_request)
+        try:
+            return await super().__call__(raw_request)
+        finally:
+            _RAW_REQUEST.reset(token)
 
     async def _namespaces(self, raw_request: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
-        names = sorted({ns for (_, ns, _), obj in self._objects.items() if ns and not obj.deleted} | {"default"})
+        names = sorted({ns for (_, ns, _), obj in self.objects.items() if ns and not obj.deleted} | {"default"})
         items = [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n, "resourceVersion": "1"}}
                  for n in names]
         if raw_request.query.get("watch") != "true":
@@ -302,27 +316,28 @@ class ClusterEmulator(KubernetesEmulator):
 
     # --- dispatch ---------------------------------------------------------------------
 
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _handle(self, request: Request) -> aiohttp.web.StreamResponse:
         if request.resource is None or request.resource.plural is None:
             return await super()._handle(request)
         method = str(request.method.value).upper()
+        faults = self.faults
         outcome = None
         agent = request.headers.get("User-Agent", "")
-        if self.faults is not None and method in WRITE_METHODS and agent.startswith(self.faults.user_agent):
-            outcome = self.faults.pick(request.resource.plural)
+        if faults is not None and method in WRITE_METHODS and agent.startswith(faults.user_agent):
+            outcome = faults.pick(request.resource.plural)
             if outcome == "500":
                 raise KubernetesError(status=500, reason="InternalError", message="injected fault")
             if outcome == "409":
                 raise KubernetesError(status=409, reason="Conflict", message="injected conflict")
             if outcome == "timeout-lost":
-                await asyncio.sleep(self.faults.hang_seconds)
+                await asyncio.sleep(faults.hang_seconds)
                 raise KubernetesError(status=504, reason="Timeout", message="injected timeout")
         response = await self._dispatch(request, method)
-        if outcome == "timeout-stored":
-            await asyncio.sleep(self.faults.hang_seconds)
+        if faults is not None and outcome == "timeout-stored":
+            await asyncio.sleep(faults.hang_seconds)
         return response
 
-    async def _dispatch(self, request: rendering.Request, method: str) -> aiohttp.web.StreamResponse:
+    async def _dispatch(self, request: Request, method: str) -> aiohttp.web.StreamResponse:
         if request.subresource == "scale":
             return await self._scale(request, method)
         if method == "POST" and request.name is None:
@@ -337,7 +352,7 @@ class ClusterEmulator(KubernetesEmulator):
             return await self._read(request)
         return await super()._handle(request)
 
-    async def _read(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _read(self, request: Request) -> aiohttp.web.StreamResponse:
         """GET, LIST and WATCH straight from storage.
 
         kmock's generic path matches each request against its recorded history,
@@ -345,7 +360,7 @@ class ClusterEmulator(KubernetesEmulator):
         would make that quadratic. The semantics are kmock's own serve functions'.
         """
         if request.params.get("watch") == "true":
-            raw = request._raw_request
+            raw = _RAW_REQUEST.get()
             response = aiohttp.web.StreamResponse()
             await response.prepare(raw)
             try:
@@ -361,7 +376,7 @@ class ClusterEmulator(KubernetesEmulator):
 
     # --- writes ---------------------------------------------------------------------
 
-    async def _create(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _create(self, request: Request) -> aiohttp.web.StreamResponse:
         obj = copy.deepcopy(request.data or {})
         namespace = request.namespace or obj.get("metadata", {}).get("namespace")
         key = (request.resource, namespace, obj.get("metadata", {}).get("name"))
@@ -372,7 +387,7 @@ class ClusterEmulator(KubernetesEmulator):
             await self._store(key, obj, created=True)
         return self._response(obj, 201)
 
-    async def _patch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _patch(self, request: Request) -> aiohttp.web.StreamResponse:
         key = (request.resource, request.namespace, request.name)
         body = copy.deepcopy(request.data or {})
         if isinstance(body, list):  # application/json-patch+json
@@ -385,7 +400,7 @@ class ClusterEmulator(KubernetesEmulator):
             return self._response(new)
         is_apply = request.headers.get("Content-Type", "").startswith(APPLY)
         manager = request.params.get("fieldManager", "")
-        plural = request.resource.plural
+        plural = _plural(request)
         async with self._lock:
             live = self._stored(key)
             if live is None:
@@ -411,7 +426,7 @@ class ClusterEmulator(KubernetesEmulator):
             await self._store(key, new, created=False)
         return self._response(new)
 
-    async def _put(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _put(self, request: Request) -> aiohttp.web.StreamResponse:
         key = (request.resource, request.namespace, request.name)
         body = copy.deepcopy(request.data or {})
         async with self._lock:
@@ -422,7 +437,7 @@ class ClusterEmulator(KubernetesEmulator):
             if wanted and wanted != live["metadata"]["resourceVersion"]:
                 raise KubernetesError(status=409, reason="Conflict",
                                       message="the object has been modified; please apply your changes to the latest version")
-            if request.resource.plural not in NO_STATUS_SUBRESOURCE:
+            if _plural(request) not in NO_STATUS_SUBRESOURCE:
                 if "status" in live:
                     body["status"] = live["status"]
                 else:
@@ -431,7 +446,7 @@ class ClusterEmulator(KubernetesEmulator):
             await self._store(key, new, created=False)
         return self._response(new)
 
-    async def _delete(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _delete(self, request: Request) -> aiohttp.web.StreamResponse:
         key = (request.resource, request.namespace, request.name)
         options = request.data if isinstance(request.data, dict) else {}
         policy = options.get("propagationPolicy") or request.params.get("propagationPolicy") or "Background"
@@ -467,10 +482,10 @@ class ClusterEmulator(KubernetesEmulator):
                 await self._remove(key, live, "Orphan")
 
     async def _remove(self, key: tuple[Any, ...], live: dict[str, Any], policy: str) -> None:
-        self._objects[key].delete()
+        self.objects[key].delete()
         await self._buses[key[0]].put({"type": "DELETED", "object": copy.deepcopy(live)})
         uid = live["metadata"]["uid"]
-        for dep_key, obj in list(self._objects.items()):
+        for dep_key, obj in list(self.objects.items()):
             if obj.deleted:
                 continue
             dependent = copy.deepcopy(obj.raw)
@@ -483,9 +498,9 @@ class ClusterEmulator(KubernetesEmulator):
             else:
                 await self._remove(dep_key, dependent, policy)
 
-    async def _scale(self, request: rendering.Request, method: str) -> aiohttp.web.StreamResponse:
+    async def _scale(self, request: Request, method: str) -> aiohttp.web.StreamResponse:
         key = (request.resource, request.namespace, request.name)
-        spec_path, status_path, selector_path = SCALE_PATHS[request.resource.plural]
+        spec_path, status_path, selector_path = SCALE_PATHS[_plural(request)]
         async with self._lock:
             live = self._stored(key)
             if live is None:
@@ -496,7 +511,7 @@ class ClusterEmulator(KubernetesEmulator):
                 _set(new, spec_path, replicas)
                 live = self._successor(live, new)
                 await self._store(key, live, created=False)
-        scale = {
+        scale: dict[str, Any] = {
             "apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {k: live["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion")},
             "spec": {"replicas": _get(live, spec_path) or 0},
@@ -531,8 +546,9 @@ class ClusterEmulator(KubernetesEmulator):
 
     # --- reads --------------------------------------------------------------------------
 
-    async def _serve_list(self, request: rendering.Request) -> rendering.Payload:
+    async def _serve_list(self, request: Request) -> Payload:
         result = await super()._serve_list(request)
+        assert isinstance(result, dict), result  # kmock lists as {"metadata": ..., "items": [...]}
         selector = request.params.get("labelSelector")
         if selector:
             result["items"] = [item for item in result["items"]
@@ -540,7 +556,7 @@ class ClusterEmulator(KubernetesEmulator):
         result["items"] = copy.deepcopy(result["items"])
         return result
 
-    async def _serve_watch(self, request: rendering.Request) -> AsyncIterator[rendering.Payload]:
+    async def _serve_watch(self, request: Request) -> AsyncIterator[Payload]:
         selector = request.params.get("labelSelector")
         async for event in super()._serve_watch(request):
             if selector and isinstance(event, dict):

@@ -16,9 +16,8 @@ import copy
 from collections.abc import Callable
 from typing import Any, Self
 
-from kube_emulator import ClusterEmulator, revision_of
-
 from tensorfleet import contract
+from tensorfleet.testing.kube_emulator import ClusterEmulator, revision_of
 
 
 class FakeWorkloads:

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
-from fake_workloads import FakeWorkloads
 from kmock import Server
-from kube_emulator import ClusterEmulator
 
 from tensorfleet import contract
 from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
+from tensorfleet.testing.fake_workloads import FakeWorkloads
+from tensorfleet.testing.kube_emulator import ClusterEmulator
 
 ISVC_API = contract.API_VERSION
 ISVC_PATH = f"/apis/{contract.API_VERSION}"
