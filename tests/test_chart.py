@@ -191,6 +191,23 @@ def test_operator_deployment_defaults(chart: Any) -> None:
     assert one(objects, "PodDisruptionBudget")["spec"]["selector"] == deployment["spec"]["selector"]
 
 
+def test_chart_defaults_are_the_operators_own(chart: Any) -> None:
+    """Ports, paths, the Lease and the downward-API env the chart wires are the ones `tensorfleet run` uses."""
+    objects = render(chart)
+    container = operator_container(objects)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": contract.OPERATOR_HEALTH_PORT, "metrics": contract.OPERATOR_METRICS_PORT,
+                     "webhook": contract.OPERATOR_WEBHOOK_PORT}
+    assert container["livenessProbe"]["httpGet"]["path"] == contract.OPERATOR_LIVENESS_PATH
+    assert container["readinessProbe"]["httpGet"]["path"] == contract.OPERATOR_READINESS_PATH
+    assert f"--lease-name={contract.OPERATOR_LEASE_NAME}" in container["args"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"] if "valueFrom" in e}
+    assert env[contract.ENV_OPERATOR_POD_NAMESPACE] == "metadata.namespace"
+    assert env[contract.ENV_OPERATOR_POD_NAME] == "metadata.name"
+    (hook,) = one(objects, "ValidatingWebhookConfiguration")["webhooks"]
+    assert hook["clientConfig"]["service"]["path"] == contract.WEBHOOK_PATH
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_restricted_pod_security(chart: Any, name: str) -> None:
     pod = one(render(chart, VALUE_SETS[name]), "Deployment")["spec"]["template"]["spec"]

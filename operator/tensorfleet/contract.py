@@ -149,6 +149,32 @@ GPU_METRIC_ROW_REMAP_PENDING: Final = "tensorfleet_gpu_row_remap_pending"
 GPU_METRIC_ROW_REMAP_FAILURE: Final = "tensorfleet_gpu_row_remap_failure"
 GPU_METRIC_XID_ERRORS: Final = "tensorfleet_gpu_xid_errors"              # counter: gpu, xid
 
+# --- The operator process (`tensorfleet run`) -----------------------------------
+# Its own ports and paths; the chart's values.yaml repeats the ports as defaults.
+OPERATOR_HEALTH_PORT: Final = 8080
+OPERATOR_METRICS_PORT: Final = 9090
+OPERATOR_WEBHOOK_PORT: Final = 9443
+OPERATOR_LIVENESS_PATH: Final = "/healthz"
+OPERATOR_READINESS_PATH: Final = "/readyz"
+# The validating webhook's path (the chart's ValidatingWebhookConfiguration uses it).
+WEBHOOK_PATH: Final = "/spec"
+OPERATOR_LEASE_NAME: Final = "tensorfleet-operator"
+# Its environment (the chart sets the first two through the downward API).
+ENV_OPERATOR_POD_NAMESPACE: Final = "POD_NAMESPACE"
+ENV_OPERATOR_POD_NAME: Final = "POD_NAME"            # the leader-election identity
+ENV_WATCH_NAMESPACES: Final = "WATCH_NAMESPACES"     # comma-separated, like repeated -n
+ENV_DEFAULT_WORKER_IMAGE: Final = "TENSORFLEET_WORKER_IMAGE"
+ENV_DEFAULT_CONTROL_PLANE_IMAGE: Final = "TENSORFLEET_CONTROL_PLANE_IMAGE"
+# Its metrics. Counters are named without `_total`; prometheus-client appends it on the wire.
+OPERATOR_METRIC_RECONCILES: Final = "tensorfleet_reconciles"                          # counter: result
+OPERATOR_METRIC_RECONCILE_DURATION: Final = "tensorfleet_reconcile_duration_seconds"  # histogram
+OPERATOR_METRIC_API_REQUESTS: Final = "tensorfleet_api_requests"                      # counter: method, kind
+OPERATOR_METRIC_API_ERRORS: Final = "tensorfleet_api_errors"                          # counter: method, kind, code
+OPERATOR_METRIC_MANAGED_OBJECTS: Final = "tensorfleet_managed_objects"                # gauge: kind
+OPERATOR_METRIC_INFERENCE_SERVICES: Final = "tensorfleet_inference_services"          # gauge: ready
+OPERATOR_METRIC_QUEUE_DEPTH: Final = "tensorfleet_work_queue_depth"                   # gauge
+OPERATOR_METRIC_LEADER: Final = "tensorfleet_leader"                                  # gauge, 1/0
+
 # --- Commands --------------------------------------------------------------
 WORKER_COMMAND: Final = ("tensorfleet-worker",)
 WORKER_HEALTH_COMMAND: Final = ("tensorfleet-worker", "health")

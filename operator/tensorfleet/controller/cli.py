@@ -9,7 +9,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tensorfleet import argtypes, extras
+from tensorfleet import argtypes, contract, extras
 
 if TYPE_CHECKING:
     from tensorfleet.controller.operator import OperatorConfig
@@ -23,27 +23,31 @@ def register(commands: Any) -> None:
     run = commands.add_parser("run", help="run the operator (against KUBECONFIG or the in-cluster service account)")
     scope = run.add_argument_group("scope")
     scope.add_argument("-n", "--namespace", dest="namespaces", action="append", default=None,
-                       help="watch only this namespace (repeatable; env WATCH_NAMESPACES=a,b); default: all namespaces")
+                       help=f"watch only this namespace (repeatable; env {contract.ENV_WATCH_NAMESPACES}=a,b); "
+                            "default: all namespaces")
     scope.add_argument("--context", help="kubeconfig context (outside a cluster)")
     tuning = run.add_argument_group("reconciling")
     tuning.add_argument("--workers", type=argtypes.positive_int, default=4, help="InferenceServices reconciled in parallel (default 4)")
     tuning.add_argument("--resync-seconds", type=argtypes.positive_float, default=300.0,
                         help="re-check every InferenceService this often, besides watch events (default 300)")
-    tuning.add_argument("--worker-image", default=os.environ.get("TENSORFLEET_WORKER_IMAGE") or None,
-                        help="default engine image for vllm InferenceServices (env TENSORFLEET_WORKER_IMAGE; "
+    tuning.add_argument("--worker-image", default=os.environ.get(contract.ENV_DEFAULT_WORKER_IMAGE) or None,
+                        help=f"default engine image for vllm InferenceServices (env {contract.ENV_DEFAULT_WORKER_IMAGE}; "
                              "default: the worker image of this release)")
-    tuning.add_argument("--control-plane-image", default=os.environ.get("TENSORFLEET_CONTROL_PLANE_IMAGE") or None,
-                        help="default router and simulator image (env TENSORFLEET_CONTROL_PLANE_IMAGE; "
+    tuning.add_argument("--control-plane-image", default=os.environ.get(contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE) or None,
+                        help=f"default router and simulator image (env {contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE}; "
                              "default: the control-plane image of this release)")
     election = run.add_argument_group("leader election")
     election.add_argument("--no-leader-election", action="store_true",
                           help="reconcile without holding the Lease (only for a single replica)")
-    election.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
-                          help="namespace of the Lease (default: $POD_NAMESPACE, else default)")
-    election.add_argument("--lease-name", default="tensorfleet-operator", help="name of the Lease")
+    election.add_argument("--lease-namespace", default=os.environ.get(contract.ENV_OPERATOR_POD_NAMESPACE, "default"),
+                          help=f"namespace of the Lease (default: ${contract.ENV_OPERATOR_POD_NAMESPACE}, else default)")
+    election.add_argument("--lease-name", default=contract.OPERATOR_LEASE_NAME, help="name of the Lease")
     serving = run.add_argument_group("endpoints")
-    serving.add_argument("--health-port", type=argtypes.non_negative_int, default=8080, help="/healthz and /readyz port (default 8080)")
-    serving.add_argument("--metrics-port", type=argtypes.non_negative_int, default=9090, help="Prometheus /metrics port; 0 turns it off (default 9090)")
+    serving.add_argument("--health-port", type=argtypes.non_negative_int, default=contract.OPERATOR_HEALTH_PORT,
+                         help=f"{contract.OPERATOR_LIVENESS_PATH} and {contract.OPERATOR_READINESS_PATH} port "
+                              f"(default {contract.OPERATOR_HEALTH_PORT})")
+    serving.add_argument("--metrics-port", type=argtypes.non_negative_int, default=contract.OPERATOR_METRICS_PORT,
+                         help=f"Prometheus /metrics port; 0 turns it off (default {contract.OPERATOR_METRICS_PORT})")
     serving.add_argument("--log-format", choices=("plain", "json"), default="plain", help="log line format (default plain)")
     serving.add_argument("--verbose", action="store_true", help="debug logging")
     hook = run.add_argument_group("validating admission webhook (off unless --webhook-port is given)")
@@ -128,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         webhook = WebhookConfig(port=args.webhook_port, certfile=args.webhook_cert, keyfile=args.webhook_key,
                                 insecure=args.webhook_insecure)
     return OperatorConfig(
-        namespaces=args.namespaces or _env_list("WATCH_NAMESPACES"),
+        namespaces=args.namespaces or _env_list(contract.ENV_WATCH_NAMESPACES),
         workers=args.workers,
         resync_seconds=args.resync_seconds,
         leader_election=not args.no_leader_election,

@@ -43,11 +43,11 @@ class OperatorConfig:
     child_debounce_seconds: float = 0.5
     leader_election: bool = True
     lease_namespace: str = "default"
-    lease_name: str = "tensorfleet-operator"
+    lease_name: str = contract.OPERATOR_LEASE_NAME
     lease_duration_seconds: int = 15
     lease_renew_seconds: float = 5.0
-    identity: str = field(default_factory=lambda: os.environ.get("POD_NAME") or socket.gethostname())
-    health_port: int | None = 8080
+    identity: str = field(default_factory=lambda: os.environ.get(contract.ENV_OPERATOR_POD_NAME) or socket.gethostname())
+    health_port: int | None = contract.OPERATOR_HEALTH_PORT
     api_timeout_seconds: float = 30.0
     webhook: WebhookConfig | None = None
     images: Images = field(default_factory=Images)
@@ -219,8 +219,8 @@ class Operator:
             return web.Response(status=200 if ready else 503, text="ready\n" if ready else "not ready\n")
 
         app = web.Application()
-        app.router.add_get("/healthz", healthz)
-        app.router.add_get("/readyz", readyz)
+        app.router.add_get(contract.OPERATOR_LIVENESS_PATH, healthz)
+        app.router.add_get(contract.OPERATOR_READINESS_PATH, readyz)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "0.0.0.0", self.config.health_port).start()

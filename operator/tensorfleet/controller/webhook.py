@@ -14,16 +14,17 @@ from typing import Any
 
 from aiohttp import web
 
+from tensorfleet import contract
 from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.planner import make_plan
 
 log = logging.getLogger(__name__)
-WEBHOOK_PATH = "/spec"
+WEBHOOK_PATH = contract.WEBHOOK_PATH
 
 
 @dataclass
 class WebhookConfig:
-    port: int = 9443
+    port: int = contract.OPERATOR_WEBHOOK_PORT
     addr: str = "0.0.0.0"
     certfile: str | None = None
     keyfile: str | None = None
