@@ -19,7 +19,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import pytest
 from kube import (
@@ -92,6 +92,12 @@ class Processes:
         self.running.append(proc)
         return proc
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
     def log(self, name: str) -> str:
         return (self.logs / f"{name}.log").read_text(errors="replace")
 
@@ -108,11 +114,8 @@ class Processes:
 
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[Processes]:
-    running = Processes(tmp_path)
-    try:
+    with Processes(tmp_path) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _run_engine_leader(processes: Processes, pod: dict[str, Any]) -> str:
