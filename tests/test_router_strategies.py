@@ -10,6 +10,7 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.api.models import RouterSpec
+from tensorfleet.prompts import prompt_text
 from tensorfleet.router.backends import (
     CLOSED,
     HALF_OPEN,
@@ -28,7 +29,6 @@ from tensorfleet.router.strategies import (
     RoundRobin,
     Session,
     prefix_hashes,
-    prompt_text,
 )
 
 

@@ -10,9 +10,10 @@ from conftest import isvc_doc
 
 from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.planner import make_plan
+from tensorfleet.prompts import render_chat
 from tensorfleet.sim.engine import BlockPool, Engine, RequestRejected
 from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_MODEL, make_profile
-from tensorfleet.sim.tokenizer import count_tokens, render_chat, tokenize
+from tensorfleet.sim.tokenizer import count_tokens, tokenize
 
 FAST = 0.001
 

@@ -26,11 +26,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, error_body, error_response
+from tensorfleet.prompts import prompt_text
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy, parse_engine_metrics
 from tensorfleet.router.discovery import EndpointSliceWatcher, in_cluster_namespace
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
-from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes, prompt_text
+from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
 
 log = logging.getLogger("tensorfleet.router")
 

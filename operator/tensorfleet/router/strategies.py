@@ -35,8 +35,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from tensorfleet.prompts import block_hashes
 from tensorfleet.router.backends import Backend
 
 LOAD_BOUND = 1.25          # bounded-load factor c: an engine may hold c x the average
@@ -62,38 +62,9 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
-def _content_text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(p.get("text", "") for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
-    return ""
-
-
-def prompt_text(body: Mapping[str, Any]) -> str:
-    """The prompt as the engine will see it, close enough to hash its prefix."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return "".join(
-            f"\x1e{m.get('role', '')}\x1f{_content_text(m.get('content'))}" for m in messages if isinstance(m, Mapping)
-        )
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        prompt = prompt[0] if isinstance(prompt[0], (str, list)) else prompt
-        if isinstance(prompt, list):
-            return " ".join(map(str, prompt))
-    return prompt if isinstance(prompt, str) else ""
-
-
 def prefix_hashes(text: str) -> list[int]:
-    """Chained hashes of the full PREFIX_BLOCK_CHARS blocks of `text`."""
-    out: list[int] = []
-    h = 0
-    end = min(len(text), PREFIX_BLOCK_CHARS * PREFIX_MAX_BLOCKS)
-    for start in range(0, end - PREFIX_BLOCK_CHARS + 1, PREFIX_BLOCK_CHARS):
-        h = hash((h, text[start:start + PREFIX_BLOCK_CHARS]))
-        out.append(h)
-    return out
+    """Chained hashes of the full PREFIX_BLOCK_CHARS blocks of `text` (at most PREFIX_MAX_BLOCKS)."""
+    return block_hashes(text, PREFIX_BLOCK_CHARS, max_blocks=PREFIX_MAX_BLOCKS)
 
 
 def _bound(routable: Sequence[Backend]) -> float:

@@ -39,6 +39,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from tensorfleet.prompts import block_hashes
 from tensorfleet.sim.profile import Profile
 
 log = logging.getLogger("tensorfleet.sim")
@@ -193,16 +194,6 @@ class EngineStats:
     steps: int = 0
     max_running: int = 0
     max_waiting: int = 0
-
-
-def block_hashes(tokens: Sequence[str], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `tokens`."""
-    out: list[int] = []
-    h = 0
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hash((h, *tokens[start:start + block_size]))
-        out.append(h)
-    return out
 
 
 class Engine:

@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_event
+from tensorfleet.prompts import render_chat
 from tensorfleet.sim.engine import Engine, RequestRejected, SimRequest
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.profile import Profile
-from tensorfleet.sim.tokenizer import render_chat, tokenize
+from tensorfleet.sim.tokenizer import tokenize
 
 log = logging.getLogger("tensorfleet.sim")
 

@@ -1,0 +1,69 @@
+"""OpenAI request bodies as prompt text, and chained hashes of a prompt's blocks.
+
+One module for both sides of prefix caching: the simulator renders a chat as
+an engine's chat template would and hashes its prompt's token blocks into its
+prefix cache, as vLLM does; the router renders the same text and hashes it in
+character blocks to send requests that share a prefix to the engine that
+likely holds it. Chained: each block's hash covers every block before it, so
+two prompts share a hash exactly as long as they share a prefix.
+
+Python's `hash` is salted per process: these hashes compare within one process
+(one router, one engine), never across processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+# Chat-template markers: a few tokens per message, like Llama 3's header ids.
+ROLE_OPEN = "<|start|>"
+ROLE_CLOSE = "<|end|>"
+
+
+def content_text(content: Any) -> str:
+    """Text of an OpenAI message `content`: a string, or the text parts of a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Iterable):
+        return "".join(
+            part["text"] for part in content
+            if isinstance(part, Mapping) and part.get("type", "text") == "text" and isinstance(part.get("text"), str)
+        )
+    return str(content)
+
+
+def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
+    """The prompt a chat template would build, ending with the assistant header."""
+    parts = [f"{ROLE_OPEN}{m.get('role', 'user')}\n{content_text(m.get('content'))}{ROLE_CLOSE}\n"
+             for m in messages if isinstance(m, Mapping)]
+    parts.append(f"{ROLE_OPEN}assistant\n")
+    return "".join(parts)
+
+
+def prompt_text(body: Mapping[str, Any]) -> str:
+    """The prompt of a chat or completions request body as the engine will see it ("" when there is none)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return render_chat(messages)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):
+            return first
+        return " ".join(map(str, first if isinstance(first, list) else prompt))
+    return prompt if isinstance(prompt, str) else ""
+
+
+def block_hashes(pieces: Sequence[Any], block_size: int, *, max_blocks: int | None = None) -> list[int]:
+    """Chained hashes of the full `block_size` blocks of `pieces` (a str's characters, or tokens)."""
+    out: list[int] = []
+    h = 0
+    end = len(pieces) if max_blocks is None else min(len(pieces), block_size * max_blocks)
+    for start in range(0, end - block_size + 1, block_size):
+        block = pieces[start:start + block_size]
+        h = hash((h, block if isinstance(block, str) else tuple(block)))
+        out.append(h)
+    return out
