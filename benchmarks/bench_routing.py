@@ -94,9 +94,10 @@ def hit_ceiling(sessions: int) -> float:
     """The prefix-cache hit rate of this workload with perfect affinity and an
     unbounded cache: every token any earlier prompt or answer computed hits.
     No router can beat it; each session's document is new on its first turn."""
-    from tensorfleet.sim.engine import Engine, block_hashes
+    from tensorfleet.prompts import block_hashes, render_chat
+    from tensorfleet.sim.engine import Engine
     from tensorfleet.sim.profile import make_profile
-    from tensorfleet.sim.tokenizer import render_chat, tokenize
+    from tensorfleet.sim.tokenizer import tokenize
 
     profile = make_profile("meta-llama/Llama-3.1-8B-Instruct", "L4")
     engine = Engine(profile, clock=time.monotonic)  # used only to draw the simulator's answers
