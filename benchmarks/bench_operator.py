@@ -182,16 +182,14 @@ def _kubectl(*args: str, stdin: str | None = None) -> str:
 
 def _local_operator() -> tuple[int, int]:
     """(pid, metrics port) of the operator e2e/cluster runs."""
-    import re
     import subprocess
 
-    status = subprocess.run(
-        [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
-    ).stdout
-    pid, port = re.search(r"operator: pid (\d+) running", status), re.search(r"metrics :(\d+)", status)
-    if not pid or not port:
-        raise SystemExit(f"error: no local operator running (eval \"$(e2e/cluster up)\" first): {status.strip()!r}")
-    return int(pid.group(1)), int(port.group(1))
+    done = subprocess.run([str(CLUSTER_SCRIPT), "status", "--json"], capture_output=True, text=True, timeout=30,
+                          check=False)
+    operator = (json.loads(done.stdout or "null") or {}).get("operator") or {}
+    if not operator.get("running") or not operator.get("metricsPort"):
+        raise SystemExit(f"error: no local operator running (eval \"$(e2e/cluster up)\" first): {done.stdout.strip()!r}")
+    return int(operator["pid"]), int(operator["metricsPort"])
 
 
 def _requests(port: int) -> Counter[str]:

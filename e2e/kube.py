@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import threading
 import time
@@ -158,22 +157,34 @@ def delete_namespace(name: str) -> None:
     kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true", f"--timeout={int(TIMEOUT)}s", check=False)
 
 
+def cluster_status() -> dict[str, Any] | None:
+    """`e2e/cluster status --json`: the local cluster's processes and ports (None when it is not up)."""
+    done = subprocess.run([str(CLUSTER_SCRIPT), "status", "--json"], capture_output=True, text=True, timeout=30,
+                          check=False)
+    found = json.loads(done.stdout) if done.stdout.strip() else None
+    return found if isinstance(found, dict) else None
+
+
 def local_cluster() -> bool:
     """True when the cluster is the one e2e/cluster runs (its operator is a local process)."""
-    done = subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False)
-    return done.returncode == 0 and "running" in done.stdout.split("operator:", 1)[-1].split("\n", 1)[0]
+    found = cluster_status()
+    return bool(found and found["operator"]["running"])
+
+
+def token_kubeconfig(account: str, namespace: str, path: Path) -> Path:
+    """A kubeconfig for a ServiceAccount of the local cluster (a TokenRequest token)."""
+    subprocess.run([str(CLUSTER_SCRIPT), "kubeconfig-for", account, "-n", namespace, "-o", str(path)],
+                   check=True, capture_output=True, timeout=60)
+    return path
 
 
 def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The local operator's Prometheus samples, keyed by (name, sorted labels)."""
     from tensorfleet import promtext
 
-    status = subprocess.run(
-        [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
-    ).stdout
-    port = re.search(r"metrics :(\d+)", status)
-    assert port, f"no local operator metrics port in e2e/cluster status: {status!r}"
-    with urllib.request.urlopen(f"http://127.0.0.1:{port.group(1)}/metrics", timeout=10) as answer:
+    found = cluster_status()
+    assert found and found["operator"]["metricsPort"], f"no local operator metrics port: {found!r}"
+    with urllib.request.urlopen(f"http://127.0.0.1:{found['operator']['metricsPort']}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for s in promtext.samples(text)}
 
@@ -198,7 +209,7 @@ def kill_operator() -> None:
 
 def start_operator() -> None:
     """Start the local operator again (in a real cluster its Deployment already did)."""
-    if subprocess.run([str(CLUSTER_SCRIPT), "status"], capture_output=True, timeout=30, check=False).returncode == 0:
+    if cluster_status() is not None:
         subprocess.run([str(CLUSTER_SCRIPT), "operator", "start"], check=True, capture_output=True, timeout=120)
 
 

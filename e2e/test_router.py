@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -24,39 +23,24 @@ from typing import Any, Self
 import pytest
 from kube import (
     CLUSTER_SCRIPT,
+    cluster_status,
     deploy,
     engine_pods,
     eventually,
     get,
     items,
-    kubectl,
     kubectl_result,
+    token_kubeconfig,
 )
 
 from tensorfleet import contract, promtext
+from tensorfleet.testing.loopback import free_port
 
 BIN = Path(sys.executable).parent
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _can(identity: str, *args: str) -> bool:
     return kubectl_result("auth", "can-i", *args, f"--as={identity}").stdout.strip() == "yes"
-
-
-def _token_kubeconfig(account: str, namespace: str, path: Path) -> Path:
-    token = kubectl("create", "token", account, "-n", namespace, "--duration=1h").strip()
-    admin = json.loads(kubectl("config", "view", "--raw", "--minify", "-o", "json"))
-    config = {"apiVersion": "v1", "kind": "Config", "current-context": "router",
-              "clusters": [{"name": "e2e", "cluster": admin["clusters"][0]["cluster"]}],
-              "users": [{"name": "router", "user": {"token": token}}],
-              "contexts": [{"name": "router", "context": {"cluster": "e2e", "user": "router", "namespace": namespace}}]}
-    path.write_text(json.dumps(config))
-    return path
 
 
 def _field(pod: dict[str, Any], path: str) -> str:
@@ -161,10 +145,8 @@ def test_the_router_identity_may_list_only_its_own_endpointslices(namespace: str
 
 def test_the_router_discovers_the_published_engines_and_serves_through_them(
         namespace: str, processes: Processes, tmp_path: Path) -> None:
-    status = subprocess.run(
-        [str(CLUSTER_SCRIPT), "status"], capture_output=True, text=True, timeout=30, check=False
-    ).stdout
-    if "pod network: tensorfleet-e2e" not in status:
+    status = cluster_status()
+    if not status or not status["podNetwork"]:
         pytest.fail("needs the pod network of `e2e/cluster up` (run as root), so that pod IPs are local: "
                     f"without it the router would dial addresses off this machine. status: {status!r}")
     name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None)
@@ -183,14 +165,14 @@ def test_the_router_discovers_the_published_engines_and_serves_through_them(
     assert {p["status"]["podIP"] for p in leaders} == addresses
 
     # The router, as its Deployment runs it, under its own ServiceAccount.
-    config = _token_kubeconfig(contract.router_name(name), namespace, tmp_path / "router.kubeconfig")
-    proxy_port = _free_port()
+    config = token_kubeconfig(contract.router_name(name), namespace, tmp_path / "router.kubeconfig")
+    proxy_port = free_port()
     processes.start("kubectl-proxy", ["kubectl", "proxy", f"--kubeconfig={config}", f"--port={proxy_port}",
                                       "--address=127.0.0.1"])
     deployment = get("deployment", contract.router_name(name), namespace)
     assert deployment is not None
     container = deployment["spec"]["template"]["spec"]["containers"][0]
-    router_port = _free_port()
+    router_port = free_port()
     argv = [str(BIN / container["command"][0]), *container["command"][1:], *container.get("args", []),
             "--kube-api", f"http://127.0.0.1:{proxy_port}", "--host", "127.0.0.1", "--port", str(router_port),
             "--health-interval", "0.5"]
