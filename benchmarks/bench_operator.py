@@ -44,7 +44,6 @@ import yaml
 from kmock import Server
 
 from tensorfleet import contract
-from tensorfleet.controller.kube import USER_AGENT
 from tensorfleet.testing.fake_workloads import FakeWorkloads
 from tensorfleet.testing.kube_emulator import WRITE_METHODS, ClusterEmulator
 from tensorfleet.testing.loopback import free_port
@@ -68,7 +67,7 @@ def _spec(name: str) -> dict[str, Any]:
 def _operator_writes(emulator: ClusterEmulator, start: int, end: int | None = None) -> Counter[str]:
     counts: Counter[str] = Counter()
     for request in list(emulator)[start:end]:
-        if request.headers.get("User-Agent", "").startswith(USER_AGENT.split("/")[0]) \
+        if request.headers.get("User-Agent", "").startswith(contract.OPERATOR_COMPONENT) \
                 and str(request.method.value).upper() in WRITE_METHODS and request.resource is not None:
             counts[request.resource.plural + ("/" + request.subresource if request.subresource else "")] += 1
     return counts

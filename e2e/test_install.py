@@ -8,7 +8,7 @@ import re
 from kube import SYSTEM_NAMESPACE, get, kubectl, kubectl_result, operator_service_account
 
 from tensorfleet import contract
-from tensorfleet.controller.resources import rbac_rules
+from tensorfleet.kube.resources import rbac_rules
 
 # Rows every authenticated identity gets from the default system:basic-user binding.
 DEFAULT_ROWS = {("selfsubjectreviews.authentication.k8s.io", "create"),

@@ -1,8 +1,9 @@
-"""Shared fixtures: example manifests and a builder for InferenceService documents."""
+"""Shared fixtures: example manifests, a builder for InferenceService documents, and CRD schema walkers."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,25 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+
+def schema_nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from schema_nodes(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from schema_nodes(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from schema_nodes(node["additionalProperties"], f"{path}{{}}")
+
+
+def strict_schema(node: dict[str, Any]) -> dict[str, Any]:
+    """The schema as `kubectl apply --validate=strict` applies it: unknown fields are errors."""
+    node = copy.deepcopy(node)
+    for _, child in schema_nodes(node):
+        if child.get("type") == "object" and "properties" in child and not child.get("x-kubernetes-preserve-unknown-fields"):
+            child["additionalProperties"] = False
+    return node
 
 
 def example_documents() -> list[tuple[str, dict[str, Any]]]:

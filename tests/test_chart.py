@@ -19,7 +19,7 @@ import yaml
 from tensorfleet import contract
 from tensorfleet.cli import build_parser
 from tensorfleet.controller.cli import config_from_args, rbac_objects
-from tensorfleet.controller.resources import rbac_rules
+from tensorfleet.kube.resources import rbac_rules
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency (pip install -e '.[dev]')")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +10,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import ROOT, example_documents, isvc_doc
+from conftest import ROOT, example_documents, isvc_doc, schema_nodes, strict_schema
 
 from tensorfleet.api.crd import crd
 from tensorfleet.cli import main
@@ -22,16 +21,6 @@ K8S_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
 
 def _schema() -> dict[str, Any]:
     return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-
-
-def _nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-    yield path, node
-    for name, child in node.get("properties", {}).items():
-        yield from _nodes(child, f"{path}.{name}")
-    if isinstance(node.get("items"), dict):
-        yield from _nodes(node["items"], f"{path}[]")
-    if isinstance(node.get("additionalProperties"), dict):
-        yield from _nodes(node["additionalProperties"], f"{path}{{}}")
 
 
 def test_checked_in_crd_is_current(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,7 +37,7 @@ def test_crd_validates_against_kubernetes_schema(version: str) -> None:
 
 def test_crd_is_structural() -> None:
     """The rules of a structural schema (Kubernetes docs, 'Specifying a structural schema')."""
-    for path, node in _nodes(_schema()):
+    for path, node in schema_nodes(_schema()):
         assert "$ref" not in node and "definitions" not in node and "$defs" not in node, path
         for forbidden in ("anyOf", "oneOf", "allOf", "not", "const", "title"):
             assert forbidden not in node, f"{path}: {forbidden}"
@@ -68,7 +57,7 @@ def test_crd_is_structural() -> None:
 def test_every_spec_and_status_field_is_described() -> None:
     schema = _schema()
     for root in ("spec", "status"):
-        for path, node in _nodes(schema["properties"][root], root):
+        for path, node in schema_nodes(schema["properties"][root], root):
             if path.endswith(("[]", "}")):
                 continue
             assert node.get("description"), f"{path} has no description"
@@ -96,17 +85,8 @@ def test_crd_names_subresources_and_columns() -> None:
 def test_crd_sets_only_the_replicas_default() -> None:
     """Defaults stay in the models so stored objects keep what users wrote; spec.replicas is the
     exception, because the HPA reads it through /scale and a missing value disables scaling."""
-    defaults = {path: node["default"] for path, node in _nodes(_schema()) if "default" in node}
+    defaults = {path: node["default"] for path, node in schema_nodes(_schema()) if "default" in node}
     assert defaults == {".spec.replicas": 1}
-
-
-def _strict(node: dict[str, Any]) -> dict[str, Any]:
-    """The schema as `kubectl apply --validate=strict` applies it: unknown fields are errors."""
-    node = copy.deepcopy(node)
-    for _, child in _nodes(node):
-        if child.get("type") == "object" and "properties" in child and not child.get("x-kubernetes-preserve-unknown-fields"):
-            child["additionalProperties"] = False
-    return node
 
 
 def _cel_rules(node: dict[str, Any], value: Any) -> Iterator[tuple[str, Any]]:
@@ -133,12 +113,12 @@ def _cel_ok(document: dict[str, Any]) -> bool:
 
 @pytest.mark.parametrize("name,document", example_documents(), ids=[n for n, _ in example_documents()])
 def test_examples_validate_against_the_crd_schema(name: str, document: dict[str, Any]) -> None:
-    jsonschema.validate(document, _strict(_schema()))
+    jsonschema.validate(document, strict_schema(_schema()))
     assert _cel_ok(document), name
 
 
 def test_schema_rejects_what_models_reject() -> None:
-    strict = _strict(_schema())
+    strict = strict_schema(_schema())
     bad = [
         isvc_doc({"replicas": -1}),
         isvc_doc({"model": {"name": "m", "nmae": "typo"}}),

@@ -10,8 +10,8 @@ import pytest
 from conftest import isvc_doc
 
 from tensorfleet import contract
-from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
+from tensorfleet.kube.connection import Connection
 from tensorfleet.testing.kube_emulator import Faults
 from tensorfleet.testing.loopback import free_port
 from tensorfleet.testing.operator_harness import cluster, eventually, running_operator
@@ -328,16 +328,21 @@ async def test_injected_api_faults_converge_to_the_same_state() -> None:
         assert sorted(pods) == sorted(f"demo-stage-{k}-{i}" for k in (0, 1) for i in range(3))
 
 
-async def test_no_writes_when_nothing_changes() -> None:
+async def test_no_writes_and_no_lists_when_nothing_changes() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
         await _converged(c)
         await op.queue.wait_idle()
         writes = sum(op.kube.writes.values())
+        before = len(c.requests())
         for _ in range(5):
             op.queue.add(("default", "demo"))
             await op.queue.wait_idle()
         assert sum(op.kube.writes.values()) == writes, op.kube.writes
+        # Children and pods come from the watch-fed cache: the only reads are GETs of the InferenceService.
+        calls = [(_verb(r), r.resource.plural if r.resource else r.url.path) for r in c.requests()[before:]
+                 if r.headers.get("User-Agent", "").startswith(contract.OPERATOR_COMPONENT)]
+        assert calls == [("get", contract.PLURAL)] * 5, calls
         # The watches on children and pods are filtered by the API server, not after the fact.
         watches = [r for r in c.requests() if r.params.get("watch") == "true" and r.resource
                    and r.resource.plural in ("pods", "statefulsets")]
@@ -428,8 +433,8 @@ def _verb(request: Any) -> str:
 
 
 async def test_every_api_call_is_covered_by_the_rbac_rules() -> None:
-    """The RBAC table in controller/resources.py against what the running operator actually calls."""
-    from tensorfleet.controller.resources import rbac_rules
+    """The RBAC table in kube/resources.py against what the running operator actually calls."""
+    from tensorfleet.kube.resources import rbac_rules
 
     allowed = {(group, resource, verb) for rule in rbac_rules()
                for group in rule["apiGroups"] for resource in rule["resources"] for verb in rule["verbs"]}

@@ -193,7 +193,7 @@ def test_worker_extra_installs_the_launcher_without_kopf_or_kubernetes(installs:
 
 @pytest.mark.parametrize(("argv", "extra", "missing"), [
     (["run"], "operator", "kopf, kubernetes, aiohttp"),
-    (["router", "--backend", "http://127.0.0.1:9"], "router", "aiohttp"),
+    (["router", "--backend", "http://127.0.0.1:9"], "router", "aiohttp, kubernetes"),
     (["sim", "--served-model-name", "m"], "sim", "aiohttp"),
 ])
 def test_commands_of_other_extras_fail_in_one_line_naming_theirs(

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from tensorfleet import contract
+from tensorfleet.kube.connection import Connection
 from tensorfleet.router.discovery import EndpointSliceWatcher, slice_urls
 from tensorfleet.testing.loopback import eventually
 
@@ -56,7 +57,7 @@ async def test_watch_follows_slices_of_the_engine_service(kmock: Any) -> None:
 
     await create(endpoint_slice("llama-engine-abc", SERVICE, [("10.0.0.1", True), ("10.0.0.2", False)]))
     await create(endpoint_slice("other-engine-xyz", "other-engine", [("10.9.9.9", True)]))
-    watcher = EndpointSliceWatcher(SERVICE, NAMESPACE, published.append, api=str(kmock.url))
+    watcher = EndpointSliceWatcher(SERVICE, NAMESPACE, published.append, connection=Connection.for_url(str(kmock.url)))
     task = asyncio.create_task(watcher.run())
     try:
         await eventually(lambda: published and published[-1] == ["http://10.0.0.1:8000"])
@@ -82,7 +83,7 @@ async def test_watch_follows_slices_of_the_engine_service(kmock: Any) -> None:
 @pytest.mark.asyncio
 async def test_watch_survives_an_unreachable_api_and_backs_off() -> None:
     published: list[list[str]] = []
-    watcher = EndpointSliceWatcher(SERVICE, NAMESPACE, published.append, api="http://127.0.0.1:9")
+    watcher = EndpointSliceWatcher(SERVICE, NAMESPACE, published.append, connection=Connection.for_url("http://127.0.0.1:9"))
     task = asyncio.create_task(watcher.run())
     await asyncio.sleep(0.3)
     assert not task.done() and published == []
@@ -106,7 +107,7 @@ async def test_router_routes_to_the_engines_the_service_lists(kmock: Any) -> Non
             body = endpoint_slice(f"llama-engine-{i}", SERVICE, [("127.0.0.1", True)], port=port)
             async with kmock.post(PATH, json=body) as resp:
                 assert resp.status < 300
-        r = await stack.enter_async_context(router([], service=SERVICE, namespace=NAMESPACE, kube_api=str(kmock.url),
+        r = await stack.enter_async_context(router([], service=SERVICE, namespace=NAMESPACE, kube=Connection.for_url(str(kmock.url)),
                                                    strategy="round-robin"))
         await eventually(lambda: len(r.router.pool) == 2)
         client = await stack.enter_async_context(aiohttp.ClientSession())

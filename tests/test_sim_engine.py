@@ -1,18 +1,23 @@
-"""The simulator's profile (from the planner) and its scheduler, without HTTP."""
+"""The simulator's profile (the capacity it is handed, timing from the catalog) and its scheduler, without HTTP."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
 from conftest import isvc_doc
 
+from tensorfleet import vllm_defaults
 from tensorfleet.api import SpecError, load_inference_service
+from tensorfleet.catalog import MODELS, ModelEntry
 from tensorfleet.planner import make_plan
+from tensorfleet.planner.memory import stages
 from tensorfleet.prompts import render_chat
 from tensorfleet.sim.engine import BlockPool, Engine, RequestRejected
-from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_MODEL, make_profile
+from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MODEL, make_profile
 from tensorfleet.sim.tokenizer import count_tokens, tokenize
 
 FAST = 0.001
@@ -28,16 +33,56 @@ def words(n: int, salt: str = "") -> list[str]:
 # --- profile ----------------------------------------------------------------------
 
 
-def test_profile_capacity_is_the_planners() -> None:
-    profile = make_profile("meta-llama/Llama-3.1-70B-Instruct", "H100-80GB", tensor=4, max_model_len=8192)
+def test_profile_capacity_is_what_it_is_handed() -> None:
+    """The operator hands the simulator its plan's figures as flags; the profile takes them as they are."""
     plan = make_plan(load_inference_service(isvc_doc({
         "model": {"name": "meta-llama/Llama-3.1-70B-Instruct", "maxModelLen": 8192},
         "parallelism": {"tensor": 4, "pipeline": 1},
     })).spec)
-    assert profile.kv_cache_tokens == plan.kv_cache_tokens
-    assert profile.max_num_seqs == plan.max_num_seqs
-    assert profile.weight_bytes_per_gpu == plan.weight_bytes_per_gpu
-    assert profile.num_blocks == plan.kv_cache_tokens // 16
+    profile = make_profile("meta-llama/Llama-3.1-70B-Instruct", plan.accelerator, tensor=plan.tensor,
+                           max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
+                           kv_cache_tokens=plan.kv_cache_tokens)
+    assert (profile.tensor, profile.max_model_len) == (plan.tensor, plan.max_model_len)
+    assert (profile.kv_cache_tokens, profile.max_num_seqs) == (plan.kv_cache_tokens, plan.max_num_seqs)
+    assert profile.num_blocks == plan.kv_cache_tokens // vllm_defaults.BLOCK_SIZE
+    # Figures no plan would give are taken all the same: the simulator does not size anything itself.
+    odd = make_profile("meta-llama/Llama-3.1-70B-Instruct", "L4", tensor=3, max_model_len=1000, max_num_seqs=7,
+                       kv_cache_tokens=12345, max_num_batched_tokens=99, block_size=32)
+    assert (odd.tensor, odd.max_model_len, odd.max_num_seqs, odd.kv_cache_tokens) == (3, 1000, 7, 12345)
+    assert (odd.max_num_batched_tokens, odd.block_size, odd.num_blocks) == (99, 32, 12345 // 32)
+
+
+@pytest.mark.parametrize("entry", MODELS, ids=[m.key for m in MODELS])
+@pytest.mark.parametrize("tensor", [1, 2, 8])
+def test_timing_bytes_are_the_planners_for_one_stage(entry: ModelEntry, tensor: int) -> None:
+    """Weights and KV bytes per GPU come from the same catalog arithmetic the planner sizes a stage with."""
+    arch, max_model_len = entry.arch, 4096
+    stage, = stages(arch, arch.weight_format, tensor, 1, 2, max_model_len)
+    profile = make_profile(entry.display, "H200-141GB", tensor=tensor, max_model_len=max_model_len)
+    assert profile.kv_bytes_per_token_per_gpu == stage.kv_bytes_per_token_per_gpu
+    # The planner adds a stage's parts before rounding, the profile rounds the model's total: a byte apart at most.
+    assert abs(profile.weight_bytes_per_gpu - stage.weight_bytes_per_gpu) <= 1
+
+
+def test_capacity_defaults_without_flags_are_vllms() -> None:
+    small, large = make_profile(accelerator="L4"), make_profile(accelerator="H100-80GB")
+    assert (small.max_num_seqs, small.max_num_batched_tokens) == (vllm_defaults.MAX_NUM_SEQS,
+                                                                   vllm_defaults.MAX_NUM_BATCHED_TOKENS)
+    assert (large.max_num_seqs, large.max_num_batched_tokens) == (vllm_defaults.LARGE_GPU_MAX_NUM_SEQS,
+                                                                   vllm_defaults.LARGE_GPU_MAX_NUM_BATCHED_TOKENS)
+    for profile in (small, large):
+        assert profile.tensor == vllm_defaults.TENSOR_PARALLEL_SIZE
+        assert profile.block_size == vllm_defaults.BLOCK_SIZE
+        assert profile.kv_cache_tokens == DEFAULT_KV_CACHE_TOKENS
+    # A budget below max-num-seqs is raised to it.
+    assert make_profile(accelerator="L4", max_num_seqs=4096).max_num_batched_tokens == 4096
+
+
+def test_the_simulator_imports_no_planner() -> None:
+    code = ("import sys, tensorfleet.sim.cli, tensorfleet.sim.profile, tensorfleet.sim.engine, tensorfleet.sim.server; "
+            "print(sorted(m for m in sys.modules if m.startswith('tensorfleet.planner')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_default_profile_is_llama_8b_on_l4() -> None:
@@ -247,13 +292,18 @@ async def test_same_prompt_and_seed_give_the_same_answer() -> None:
         await engine.stop()
 
 
-def test_models_the_planner_cannot_size_still_get_an_engine() -> None:
+def test_models_outside_the_catalog_still_get_an_engine() -> None:
     from tensorfleet.sim.profile import resilient_profile
 
     unknown = resilient_profile("acme/Private-13B", "H100-80GB", kv_cache_tokens=50_000, max_num_seqs=64)
     assert unknown.model == "acme/Private-13B" and unknown.accelerator == "H100-80GB"
     assert unknown.kv_cache_tokens == 50_000 and unknown.max_num_seqs == 64
+    # Borrowed timing: the default model's on that GPU.
+    assert unknown.weight_bytes_per_gpu == make_profile(DEFAULT_MODEL, "H100-80GB").weight_bytes_per_gpu
+    nowhere = resilient_profile("acme/Private-13B", "Z9000", kv_cache_tokens=4096, tensor=2)
+    assert nowhere.accelerator == DEFAULT_ACCELERATOR and (nowhere.kv_cache_tokens, nowhere.tensor) == (4096, 2)
+    # A layout the operator would never plan is not judged here: it is simulated as handed.
     too_big = resilient_profile("meta-llama/Llama-3.1-405B-Instruct", "L4", tensor=1)
-    assert too_big.kv_cache_tokens > 0
+    assert too_big.model == "meta-llama/Llama-3.1-405B-Instruct" and too_big.accelerator == "L4"
     exact = resilient_profile("meta-llama/Llama-3.1-8B-Instruct", "H100-80GB")
     assert exact == make_profile("meta-llama/Llama-3.1-8B-Instruct", "H100-80GB")

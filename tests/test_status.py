@@ -1,13 +1,20 @@
-"""InferenceService status from what the cluster shows: the Degraded condition's words."""
+"""InferenceService status from what the cluster shows: the Degraded condition's words, how conditions
+move, and a status the CRD's status schema accepts (what the API server would otherwise prune or refuse)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
+
+import jsonschema
+import pytest
+from conftest import strict_schema
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
+from tensorfleet.api.crd import crd
 from tensorfleet.controller.observe import observe
-from tensorfleet.controller.status import serving_status
+from tensorfleet.controller.status import condition_status, rejected_status, serving_status
 from tensorfleet.planner import make_plan
 
 # What kube-scheduler 1.36 wrote on a TP8 H100 pod when every H100 node's GPUs were taken.
@@ -68,3 +75,105 @@ def test_scheduled_pods_are_not_degraded() -> None:
     plan = _plan(4, 1, "A100-80GB")
     degraded = _degraded(plan, [_pod(0, 0, 4, scheduled=True, ready=True)], desired=1)
     assert (degraded["status"], degraded["reason"]) == ("False", "AsExpected")
+
+
+def _serving(pods: list[dict[str, Any]], *, desired: int = 2, previous: dict[str, Any] | None = None,
+             generation: int | None = 1, now: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+    plan = _plan(8, 2, "H100-80GB")
+    obs = observe(plan.pipeline, desired, pods, {}, {"status": {"availableReplicas": 1}})
+    return serving_status(copy.deepcopy(previous or {}), name="m", namespace="ns", generation=generation, plan=plan,
+                          obs=obs, selector="a=b", now=now)
+
+
+def _ready_pods(groups: int = 2) -> list[dict[str, Any]]:
+    return [_pod(stage, index, 8, scheduled=True, ready=True) for index in range(groups) for stage in range(2)]
+
+
+def _rejected(previous: dict[str, Any], now: str = "2026-01-01T00:05:00Z") -> dict[str, Any]:
+    return rejected_status(copy.deepcopy(previous), generation=2, field="spec.accelerator.type",
+                           message="unknown GPU type 'B100'", now=now)
+
+
+def _status_schema() -> dict[str, Any]:
+    root = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    return strict_schema(root["properties"]["status"])
+
+
+def _written() -> dict[str, dict[str, Any]]:
+    serving = _serving(_ready_pods())
+    degraded = _serving([*_ready_pods(1), _pod(0, 1, 8, scheduled=False), _pod(1, 1, 8, scheduled=False)])
+    return {
+        "serving": serving,
+        "degraded": degraded,
+        "rejected-at-creation": _rejected({}),
+        "rejected-while-serving": _rejected(serving),
+    }
+
+
+@pytest.mark.parametrize("case", list(_written()))
+def test_written_status_validates_against_the_crd_status_schema(case: str) -> None:
+    """Every field is one the CRD knows (an unknown one would be pruned on a real API server) and typed as it says."""
+    jsonschema.validate(_written()[case], _status_schema())
+
+
+def test_the_schema_check_refuses_what_the_api_server_would_not_keep() -> None:
+    status = _written()["serving"]
+    ready = {**status["conditions"][2], "status": "Yes"}
+    for broken in (
+        {**status, "phase": "Running"},                                # unknown field: pruned
+        {**status, "plan": {**status["plan"], "gpus": 16}},            # unknown nested field
+        {**status, "plan": {**status["plan"], "tensor_parallel": 8}},  # snake_case instead of the alias
+        {**status, "readyReplicas": "2"},                              # wrong type
+        {**status, "conditions": [*status["conditions"][:2], ready]},  # not True, False or Unknown
+        {**status, "conditions": [{"type": "Ready"}]},                 # a condition without its status
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(broken, _status_schema())
+
+
+def test_serving_status_fields_and_condition_order() -> None:
+    status = _written()["serving"]
+    assert list(status) == ["observedGeneration", "conditions", "replicas", "readyReplicas", "updatedReplicas",
+                            "selector", "endpoint", "plan"]
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
+    assert status["endpoint"] == "http://m.ns.svc/v1" and status["selector"] == "a=b"
+    assert status["plan"]["tensor"] == 8 and status["plan"]["pipeline"] == 2 and status["plan"]["gpusPerReplica"] == 16
+    assert [c["type"] for c in status["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded"]
+    for condition in status["conditions"]:
+        assert list(condition) == ["type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"]
+    assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
+        "PlanValid": ("True", "PlanAccepted"), "Progressing": ("False", "Complete"),
+        "Ready": ("True", "Serving"), "Degraded": ("False", "AsExpected"),
+    }
+
+
+def test_last_transition_time_moves_only_with_the_status() -> None:
+    starting = _serving([_pod(0, 0, 8, scheduled=True), _pod(1, 0, 8, scheduled=True)], desired=1, now="t0")
+    assert condition_status(starting["conditions"], "Ready") == "False"
+    serving = _serving(_ready_pods(1), desired=1, previous=starting, generation=2, now="t1")
+    since = {c["type"]: c["lastTransitionTime"] for c in serving["conditions"]}
+    assert since == {"PlanValid": "t0", "Progressing": "t1", "Ready": "t1", "Degraded": "t0"}
+    assert all(c["observedGeneration"] == 2 for c in serving["conditions"])
+
+
+def test_rejected_spec_keeps_what_runs_and_says_why() -> None:
+    serving = _written()["serving"]
+    rejected = _written()["rejected-while-serving"]
+    assert {k: v for k, v in rejected.items() if k not in ("observedGeneration", "conditions")} == \
+        {k: v for k, v in serving.items() if k not in ("observedGeneration", "conditions")}
+    assert rejected["observedGeneration"] == 2
+    conditions = {c["type"]: c for c in rejected["conditions"]}
+    assert [c["type"] for c in rejected["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded"]
+    assert (conditions["PlanValid"]["status"], conditions["PlanValid"]["reason"]) == ("False", "InvalidSpec")
+    assert conditions["PlanValid"]["message"] == "spec.accelerator.type: unknown GPU type 'B100'"
+    assert conditions["Ready"] == next(c for c in serving["conditions"] if c["type"] == "Ready"), "still serving"
+    fresh = _written()["rejected-at-creation"]
+    assert list(fresh) == ["observedGeneration", "conditions"]
+    assert {c["type"]: (c["status"], c["reason"]) for c in fresh["conditions"]} == {
+        "PlanValid": ("False", "InvalidSpec"), "Progressing": ("False", "PlanInvalid"), "Ready": ("False", "PlanInvalid"),
+    }
+
+
+def test_unknown_generation_is_left_out_of_the_conditions() -> None:
+    status = _serving(_ready_pods(), generation=None)
+    assert all("observedGeneration" not in c for c in status["conditions"])

@@ -88,6 +88,8 @@ ENGINE_KINDS: Final[tuple[EngineKind, ...]] = get_args(EngineKind)
 DEFAULT_ENGINE_KIND: Final[EngineKind] = "vllm"
 
 # --- Worker launcher env (renderer writes, launcher reads) -----------------
+# The table of what each one carries (Role field, engine flags) and the list of
+# them all is tensorfleet.engine_settings.
 ENV_ENGINE_KIND: Final = "TF_ENGINE_KIND"
 ENV_INFERENCE_SERVICE: Final = "TF_INFERENCE_SERVICE"
 ENV_NAMESPACE: Final = "TF_NAMESPACE"
@@ -110,23 +112,15 @@ ENV_GPU_MEMORY_UTILIZATION: Final = "TF_GPU_MEMORY_UTILIZATION"
 ENV_MAX_NUM_SEQS: Final = "TF_MAX_NUM_SEQS"
 # JSON list of strings: extra engine flags, passed through as argv items.
 ENV_EXTRA_ARGS: Final = "TF_EXTRA_ARGS"
-# The GPU type and the planner's KV-cache size: the simulator times itself
-# from them, and the launcher logs them beside vLLM's own figure.
+# The GPU type and the planner's KV-cache size: the simulator times itself from
+# the GPU type and takes the size as its cache, and the launcher logs them
+# beside vLLM's own figure.
 ENV_ACCELERATOR: Final = "TF_ACCELERATOR"
 ENV_KV_CACHE_TOKENS: Final = "TF_KV_CACHE_TOKENS"
 ENV_GPU_METRICS_PORT: Final = "TF_GPU_METRICS_PORT"
 # Standard names read by huggingface_hub / vLLM themselves.
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 ENV_HF_HOME: Final = "HF_HOME"
-
-WORKER_ENV_VARS: Final = (
-    ENV_ENGINE_KIND, ENV_INFERENCE_SERVICE, ENV_NAMESPACE, ENV_POD_NAME,
-    ENV_GROUP_INDEX, ENV_STAGE_INDEX, ENV_LEADER_ADDRESS, ENV_RAY_PORT,
-    ENV_ENGINE_PORT, ENV_TENSOR_PARALLEL, ENV_PIPELINE_PARALLEL, ENV_MODEL,
-    ENV_SERVED_MODEL_NAME, ENV_MODEL_REVISION, ENV_DTYPE, ENV_QUANTIZATION,
-    ENV_KV_CACHE_DTYPE, ENV_MAX_MODEL_LEN, ENV_GPU_MEMORY_UTILIZATION,
-    ENV_MAX_NUM_SEQS, ENV_EXTRA_ARGS, ENV_ACCELERATOR, ENV_KV_CACHE_TOKENS, ENV_GPU_METRICS_PORT,
-)
 
 # --- GPU health exporter (the launcher, on WORKER_METRICS_PORT) --------------
 # Gauges read with pynvml, labelled `gpu` (index), `uuid` and `device` (NVML
@@ -159,6 +153,10 @@ OPERATOR_READINESS_PATH: Final = "/readyz"
 # The validating webhook's path (the chart's ValidatingWebhookConfiguration uses it).
 WEBHOOK_PATH: Final = "/spec"
 OPERATOR_LEASE_NAME: Final = "tensorfleet-operator"
+# Who the operator and the router say they are to the API server (User-Agent,
+# the Events' reporting component).
+OPERATOR_COMPONENT: Final = "tensorfleet-operator"
+ROUTER_COMPONENT: Final = "tensorfleet-router"
 # Its environment (the chart sets the first two through the downward API).
 ENV_OPERATOR_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_OPERATOR_POD_NAME: Final = "POD_NAME"            # the leader-election identity

@@ -17,7 +17,7 @@ import importlib.util
 # still runs and `tensorfleet-worker health` says NVML is unavailable (exit 3).
 MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf", "kubernetes", "aiohttp", "prometheus_client"),
-    "router": ("aiohttp", "prometheus_client"),
+    "router": ("aiohttp", "prometheus_client", "kubernetes"),
     "sim": ("aiohttp", "prometheus_client"),
     "worker": ("prometheus_client",),
 }

@@ -18,6 +18,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api.models import MAX_NAME_LENGTH, InferenceServiceSpec, InferenceServiceStatus
+from tensorfleet.engine_settings import WORKER_ENV_VARS
 
 # Keys of a Kubernetes JSONSchemaProps that this generator may emit.
 _KEEP = {
@@ -105,7 +106,7 @@ def spec_schema() -> dict[str, Any]:
     }]})
     _set(schema, "engine.env", **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]})
     _set(schema, "engine.args", **{"x-kubernetes-list-type": "atomic"})
-    reserved = ", ".join(f"'{name}'" for name in contract.WORKER_ENV_VARS)
+    reserved = ", ".join(f"'{name}'" for name in WORKER_ENV_VARS)
     _set(schema, "engine.env", **{"x-kubernetes-validations": [{
         "rule": f"self.all(e, !(e.name in [{reserved}]))",
         "message": "TF_* variables are set by the operator and cannot be overridden",

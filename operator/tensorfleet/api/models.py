@@ -2,7 +2,8 @@
 
 These models are the single source of truth: the CRD's openAPIV3Schema is
 generated from them (see `crd.py`), the CLI and the operator parse with them,
-and every `description` below is what `kubectl explain` shows.
+the operator builds the status it writes with them (controller/status.py), and
+every `description` below is what `kubectl explain` shows.
 
 Defaults live here, not in the CRD: the stored object keeps exactly what the
 user wrote (clean GitOps diffs), and the operator applies the defaults when it
@@ -17,7 +18,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from tensorfleet import contract
+from tensorfleet import contract, vllm_defaults
+from tensorfleet.engine_settings import REFUSED_ENGINE_FLAGS, WORKER_ENV_VARS
 
 # Kubernetes resource.Quantity in the forms people write (e.g. 500Gi, 16G, 1.5Ti).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
@@ -32,29 +34,6 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 MAX_NAME_LENGTH = 43
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
-
-# Engine flags the operator sets from typed fields; passing them in
-# `engine.args` too would silently fight the plan, so they are refused and the
-# error names the field to use instead.
-MANAGED_ENGINE_FLAGS: dict[str, str] = {
-    "--model": "spec.model.name",
-    "--served-model-name": "spec.model.servedName",
-    "--revision": "spec.model.revision",
-    "--dtype": "spec.model.dtype",
-    "--quantization": "spec.model.quantization",
-    "-q": "spec.model.quantization",
-    "--max-model-len": "spec.model.maxModelLen",
-    "--tensor-parallel-size": "spec.parallelism.tensor",
-    "-tp": "spec.parallelism.tensor",
-    "--pipeline-parallel-size": "spec.parallelism.pipeline",
-    "-pp": "spec.parallelism.pipeline",
-    "--gpu-memory-utilization": "spec.engine.gpuMemoryUtilization",
-    "--kv-cache-dtype": "spec.engine.kvCacheDtype",
-    "--max-num-seqs": "spec.engine.maxNumSeqs",
-    "--distributed-executor-backend": "spec.parallelism.pipeline (the operator picks Ray for pipeline > 1)",
-    "--port": "nothing: the engine port is fixed by the operator",
-    "--host": "nothing: the engine listens on all addresses",
-}
 
 
 class ApiModel(BaseModel):
@@ -203,15 +182,22 @@ class EngineSpec(ApiModel):
         default=None, description="Kubernetes imagePullPolicy of the engine container. Default: Kubernetes' own."
     )
     gpu_memory_utilization: float = Field(
-        default=0.9, ge=0.1, le=0.99,
-        description="Share of each GPU's memory vLLM may use for weights, activations and KV cache. Default: 0.9.",
+        default=vllm_defaults.GPU_MEMORY_UTILIZATION, ge=0.1, le=0.99,
+        description=(
+            "Share of each GPU's memory vLLM may use for weights, activations and KV cache. "
+            f"Default: {vllm_defaults.GPU_MEMORY_UTILIZATION}."
+        ),
     )
     kv_cache_dtype: Literal["auto", "fp8"] = Field(
         default="auto", description="KV-cache element type; fp8 doubles KV capacity. Default: auto (the model dtype)."
     )
     max_num_seqs: int | None = Field(
         default=None, ge=1, le=65536,
-        description="Most sequences the engine batches at once (vLLM --max-num-seqs). Default: vLLM's, 1024 on GPUs of 70 GiB or more other than A100, else 256.",
+        description=(
+            "Most sequences the engine batches at once (vLLM --max-num-seqs). Default: vLLM's, "
+            f"{vllm_defaults.LARGE_GPU_MAX_NUM_SEQS} on GPUs of {vllm_defaults.LARGE_GPU_MIN_MIB // 1024} GiB or more "
+            f"other than A100, else {vllm_defaults.MAX_NUM_SEQS}."
+        ),
     )
     args: list[str] = Field(
         default_factory=list, max_length=256,
@@ -247,8 +233,8 @@ class EngineSpec(ApiModel):
     def _args_are_argv(cls, value: list[str]) -> list[str]:
         for index, arg in enumerate(value):
             flag = arg.split("=", 1)[0]
-            if flag in MANAGED_ENGINE_FLAGS:
-                raise ValueError(f"item {index} {arg!r} is set by the operator; use {MANAGED_ENGINE_FLAGS[flag]} instead")
+            if flag in REFUSED_ENGINE_FLAGS:
+                raise ValueError(f"item {index} {arg!r} is set by the operator; use {REFUSED_ENGINE_FLAGS[flag]} instead")
             if arg.startswith("-") and "=" not in arg and re.search(r"\s", arg):
                 raise ValueError(
                     f"item {index} {arg!r} holds a flag and its value in one string; split it into separate items"
@@ -259,7 +245,7 @@ class EngineSpec(ApiModel):
     @classmethod
     def _env_not_reserved(cls, value: list[EnvVar]) -> list[EnvVar]:
         for var in value:
-            if var.name in contract.WORKER_ENV_VARS:
+            if var.name in WORKER_ENV_VARS:
                 raise ValueError(f"{var.name} is set by the operator and cannot be overridden")
         return value
 
@@ -414,9 +400,12 @@ class InferenceServiceSpec(ApiModel):
 # --- status ---------------------------------------------------------------------
 
 
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
 class Condition(ApiModel):
     type: str = Field(description="PlanValid, Progressing, Ready or Degraded.")
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(default="", description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="Human-readable details.")
     last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")

@@ -70,7 +70,7 @@ def register(commands: Any) -> None:
 def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None) -> list[dict[str, Any]]:
     """RBAC objects granting exactly controller.resources' verbs; cluster-wide unless namespaces are given."""
     from tensorfleet import contract
-    from tensorfleet.controller.resources import rbac_rules
+    from tensorfleet.kube.resources import rbac_rules
 
     name = "tensorfleet-operator"
     labels = {contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: "operator"}
@@ -159,9 +159,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     extras.require("tensorfleet run", "operator")
     from prometheus_client import start_http_server
 
-    from tensorfleet.controller.kube import Connection
-    from tensorfleet.controller.leader import LostLease
     from tensorfleet.controller.operator import Operator
+    from tensorfleet.kube.connection import Connection
+    from tensorfleet.kube.lease import LostLease
 
     try:
         config = config_from_args(args)

@@ -175,28 +175,3 @@ def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulset
     revisions = {stage: (sts.get("status") or {}).get("updateRevision") for stage, sts in statefulsets.items()}
     available = int(((router or {}).get("status") or {}).get("availableReplicas") or 0)
     return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions, router_available=available)
-
-
-def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str, message: str,
-                  generation: int | None, now: str) -> list[dict[str, Any]]:
-    """Conditions with `type_` set; lastTransitionTime moves only when the status does."""
-    previous = next((c for c in conditions if c.get("type") == type_), None)
-    entry = {
-        "type": type_,
-        "status": status,
-        "reason": reason,
-        "message": message,
-        "lastTransitionTime": (previous.get("lastTransitionTime", now)
-                               if previous is not None and previous.get("status") == status else now),
-        "observedGeneration": generation,
-    }
-    if generation is None:
-        del entry["observedGeneration"]
-    if previous is None:
-        return [*conditions, entry]
-    # Replaced in place: a stable order keeps status writes to real changes.
-    return [entry if c is previous else c for c in conditions]
-
-
-def condition_status(conditions: list[dict[str, Any]], type_: str) -> str | None:
-    return next((c.get("status") for c in conditions if c.get("type") == type_), None)

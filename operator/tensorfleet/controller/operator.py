@@ -1,11 +1,11 @@
-"""The running operator: kopf watches feed a work queue, workers reconcile.
+"""The running operator: kopf watches feed a work queue and the cache, workers reconcile.
 
-kopf provides the watch streams (with reconnects and backoff); it is
-configured so that it keeps
-no state in users' objects (no finalizers, no progress or diff-base
-annotations: the handlers used here need none, and the storage prefix is
-ours if that ever changes). Periodic resync, leader election, health and
-metrics are ours.
+kopf provides the watch streams (with reconnects and backoff) and, through
+its indexes, the cache reconciles read from (`tensorfleet.kube.cache`). It is
+configured so that it keeps no state in users' objects (no finalizers, no
+progress or diff-base annotations: the handlers used here need none, and the
+storage prefix is ours if that ever changes). Periodic resync, leader
+election, health and metrics are ours.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import kopf
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.controller import webhook
-from tensorfleet.controller.events import EventRecorder
-from tensorfleet.controller.kube import Connection, Kube
-from tensorfleet.controller.leader import LeaderElector, LostLease
+from tensorfleet.controller import metrics, webhook
 from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Key, Reconciler
-from tensorfleet.controller.resources import CHILD_KINDS, INFERENCE_SERVICE, POD
 from tensorfleet.controller.webhook import WebhookConfig
+from tensorfleet.kube.cache import Cache
+from tensorfleet.kube.client import Kube
+from tensorfleet.kube.connection import Connection
+from tensorfleet.kube.events import EventRecorder
+from tensorfleet.kube.lease import LeaderElector, LostLease
+from tensorfleet.kube.resources import CHILD_KINDS, INFERENCE_SERVICE, POD, Kind
 from tensorfleet.render import Images
 
 log = logging.getLogger(__name__)
@@ -76,12 +79,22 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     return settings
 
 
+def _count_request(method: str, kind: str, error: str | None) -> None:
+    metrics.API_REQUESTS.labels(method=method, kind=kind).inc()
+    if error is not None:
+        metrics.API_ERRORS.labels(method=method, kind=kind, code=error).inc()
+
+
 class Operator:
+    """One operator replica: a standby until it holds the Lease, then kopf, the queue and its workers."""
+
     def __init__(self, config: OperatorConfig, connection: Connection) -> None:
         self.config = config
         self.connection = connection
-        self.kube = Kube(connection, timeout=config.api_timeout_seconds)
-        self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), images=config.images)
+        self.kube = Kube(connection, timeout=config.api_timeout_seconds, observe=_count_request)
+        self.cache = Cache(INFERENCE_SERVICE, (*CHILD_KINDS, POD))
+        self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), self.cache,
+                                     images=config.images)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
@@ -92,6 +105,8 @@ class Operator:
         registry = kopf.OperatorRegistry()
         connection = self.connection
         debounce = self.config.child_debounce_seconds
+        cache = self.cache
+        cache.register(registry)
 
         # Handlers are coroutines: kopf runs plain functions in threads, away from the queue's loop.
         @kopf.on.login(registry=registry)
@@ -107,15 +122,20 @@ class Operator:
             if namespace is not None:
                 queue.add((namespace, name))
 
-        async def owner_changed(labels: Mapping[str, str], namespace: str | None, **_: object) -> None:
-            owner = labels.get(contract.LABEL_INSTANCE)
-            if owner and namespace is not None:
-                # Our own applies echo back as events; a short delay folds them into one reconcile.
-                queue.add((namespace, owner), debounce)
+        def owner_changed(kind: Kind) -> Any:
+            async def handler(event: kopf.RawEvent, labels: Mapping[str, str], namespace: str | None,
+                              **_: object) -> None:
+                """A child or engine pod changed: its index is current now; reconcile its InferenceService."""
+                cache.observed(kind, event["object"])
+                owner = labels.get(contract.LABEL_INSTANCE)
+                if owner and namespace is not None:
+                    # Our own applies echo back as events; a short delay folds them into one reconcile.
+                    queue.add((namespace, owner), debounce)
+            return handler
 
         for kind in (*CHILD_KINDS, POD):
             kopf.on.event(kind.group, kind.version, kind.plural, registry=registry, id=f"owned-{kind.plural}",
-                          labels={contract.LABEL_MANAGED_BY: contract.APP_NAME})(owner_changed)
+                          labels={contract.LABEL_MANAGED_BY: contract.APP_NAME})(owner_changed(kind))
 
         return registry
 
@@ -130,7 +150,8 @@ class Operator:
                 if self.config.leader_election:
                     elector = LeaderElector(self.kube, self.config.lease_namespace, self.config.lease_name,
                                             self.config.identity, lease_seconds=self.config.lease_duration_seconds,
-                                            renew_seconds=self.config.lease_renew_seconds)
+                                            renew_seconds=self.config.lease_renew_seconds,
+                                            on_leading=lambda leading: metrics.IS_LEADER.set(int(leading)))
                     acquired = asyncio.create_task(elector.acquire())
                     stopped = asyncio.create_task(self.stop_flag.wait())
                     await asyncio.wait({acquired, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -188,19 +209,14 @@ class Operator:
         """Re-check every InferenceService now and then, in case an event was missed.
 
         Our own loop rather than a kopf timer: kopf guards timers with a
-        finalizer on every object, and this operator needs none.
+        finalizer on every object, and this operator needs none. The keys come
+        from kopf's index of InferenceServices, not from a LIST.
         """
         while True:
             await asyncio.sleep(self.config.resync_seconds)
-            scopes: Sequence[str | None] = self.config.namespaces or [None]  # None: every namespace
-            for namespace in scopes:
-                try:
-                    items = await self.kube.list(INFERENCE_SERVICE, namespace, {})
-                except Exception as exc:  # noqa: BLE001 - a failed resync must not end the loop; the next one retries
-                    log.warning("resync list failed: %s", exc)
-                    continue
-                for item in items:
-                    queue.add((item["metadata"]["namespace"], item["metadata"]["name"]))
+            if self.cache.ready:
+                for key in list(self.cache.owners()):
+                    queue.add(key)
 
     def stop(self) -> None:
         self.stop_flag.set()

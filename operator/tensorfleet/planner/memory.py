@@ -11,28 +11,12 @@ vLLM logs the result as "GPU KV cache size: N tokens"; with tensor
 parallelism every rank holds the same tokens for its share of the KV heads, and
 with pipeline parallelism the engine takes the smallest stage's figure.
 
-Weights (vLLM loads parameters as stored; quantized linear layers keep
-16-bit embeddings and output head):
-    16-bit          2 bytes/parameter
-    fp8             1 byte + per-tensor/per-block scales (negligible)
-    awq/gptq int4   4 bits + one 16-bit scale and 4-bit zero per group of 128
-    mxfp4           4 bits + one 8-bit scale per block of 32 (gpt-oss MoE experts)
-Tensor parallelism shards every linear layer and the vocabulary over `tensor`
-ranks. Pipeline parallelism splits layers the way vLLM's `get_pp_indices`
-does: an even share each, the remainder to the stages before the last; the
-first stage also holds the input embedding, the last the output head.
-
-KV cache bytes per token and layer:
-    standard/GQA    2 (K and V) x kv heads on this rank x head dim x element bytes,
-                    kv heads on this rank = max(1, kv_heads / tensor) (vLLM
-                    replicates heads when tensor > kv_heads)
-    MLA (DeepSeek)  (kv_lora_rank + qk_rope_head_dim) x element bytes, the same on
-                    every tensor rank: the latent is not split by head.
-Sliding-window layers (gpt-oss alternates 128-token windows with full
-attention) keep at most `window` tokens per sequence; vLLM's hybrid KV-cache
-manager gives them only that. They are charged here as a share
-window / maxModelLen of a full layer per token, i.e. their cost spread over a
-full-length sequence.
+Weights and KV-cache bytes per token are the model's: `tensorfleet.catalog.sizes`
+computes them from its architecture facts (and says how). Pipeline parallelism
+splits layers the way vLLM's `get_pp_indices` does: an even share each, the
+remainder to the stages before the last; the first stage also holds the input
+embedding, the last the output head. The block size is vLLM's default
+(`tensorfleet.vllm_defaults`).
 
 Reserve (what the profiler measures beside weights), calibrated against the
 published vLLM start-up logs cited in tests/test_planner_published.py:
@@ -50,23 +34,18 @@ import math
 from dataclasses import dataclass
 
 from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.catalog.sizes import (
+    DEFAULT_VOCAB,
+    EMBEDDING_BYTES,
+    effective_kv_layers,
+    embedding_parameters,
+    kv_bytes_per_token_layer,
+    layer_weight_bytes,
+)
 
 GiB = 1024**3
 MiB = 1024**2
-KV_BLOCK_SIZE = 16  # vLLM's default --block-size on CUDA
 
-# Weight bytes per parameter of quantizable (linear) layers, per format.
-BYTES_PER_PARAMETER: dict[str, float] = {
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "awq": 0.5 + (2 + 0.5) / 128,
-    "gptq": 0.5 + (2 + 0.5) / 128,
-    "mxfp4": 0.5 + 1 / 32,
-}
-EMBEDDING_BYTES = 2  # embeddings and output head stay 16-bit under every format
-
-DEFAULT_VOCAB = 32000
 # The CUDA total vLLM starts from is NVML's total less what the driver keeps:
 # an H100 reporting 81559 MiB in nvidia-smi shows total_memory=79.19GiB in
 # vLLM's log, an A100-40GB 40960 MiB shows 39.50GiB.
@@ -97,45 +76,6 @@ def stage_layers(layers: int, pipeline: int) -> list[int]:
     for i in range(2, remainder + 2):
         parts[-i % pipeline] += 1
     return parts
-
-
-def embedding_parameters(arch: ArchitectureSpec) -> int:
-    """Parameters of one embedding matrix (input, or output head)."""
-    return (arch.vocab_size or DEFAULT_VOCAB) * arch.hidden_size
-
-
-def _all_embedding_parameters(arch: ArchitectureSpec) -> int:
-    """Input embedding plus output head (one matrix when they are tied)."""
-    return embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
-
-
-def layer_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> float:
-    """Bytes of one transformer layer (all tensor ranks together)."""
-    body = max(arch.parameters - _all_embedding_parameters(arch), 0)
-    return body * BYTES_PER_PARAMETER[weight_format] / arch.layers
-
-
-def total_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> int:
-    return int(layer_weight_bytes(arch, weight_format) * arch.layers + _all_embedding_parameters(arch) * EMBEDDING_BYTES)
-
-
-def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_bytes: int) -> int:
-    """KV-cache bytes one token needs in one layer on one tensor rank."""
-    if arch.mla is not None:
-        return (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * kv_element_bytes
-    kv_heads = arch.kv_heads or arch.attention_heads
-    head_dim = arch.head_dim or arch.hidden_size // arch.attention_heads
-    heads_here = max(1, kv_heads // tensor)
-    return 2 * heads_here * head_dim * kv_element_bytes
-
-
-def effective_kv_layers(arch: ArchitectureSpec, layers: int, max_model_len: int) -> float:
-    """Layers of a stage as full-attention equivalents for KV sizing."""
-    if not arch.sliding_window:
-        return float(layers)
-    sliding_share = (arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers) / arch.layers
-    sliding = layers * sliding_share
-    return (layers - sliding) + sliding * min(1.0, arch.sliding_window / max_model_len)
 
 
 def stages(

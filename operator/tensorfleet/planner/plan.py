@@ -14,18 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from tensorfleet import vllm_defaults
 from tensorfleet.api.errors import SpecError
 from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
-from tensorfleet.catalog import GPUType, find_gpu, find_model, gpu_names
+from tensorfleet.catalog import GPUType, find_gpu, find_model, gpu_names, sizes
 from tensorfleet.planner import memory
-from tensorfleet.planner.memory import KV_BLOCK_SIZE, GiB
+from tensorfleet.planner.memory import GiB
 
 MAX_PIPELINE = 64
 QUANTIZED_FORMATS = {"fp8", "awq", "gptq", "mxfp4"}
-# vLLM's defaults for the OpenAI server (EngineArgs): larger batches on
-# >= 70 GiB GPUs other than A100.
-LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS = 8192, 1024
-SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
 
 
 @dataclass(frozen=True)
@@ -127,10 +124,9 @@ def _resolve(spec: InferenceServiceSpec) -> Resolved:
     native = implied_format if (implied_format and source == "the catalog") else arch.weight_format
     weight_format = _weight_format(spec, native, source, gpu)
     dtype = _dtype(spec, gpu)
-    kv_element_bytes = 1 if spec.engine.kv_cache_dtype == "fp8" else 2
+    kv_element_bytes = sizes.kv_element_bytes(spec.engine.kv_cache_dtype)
     max_model_len = _max_model_len(spec, arch)
-    large = gpu.memory_mib >= 70 * 1024 and not gpu.name.startswith("A100")
-    default_seqs = LARGE_GPU_MAX_SEQS if large else SMALL_GPU_MAX_SEQS
+    batch = vllm_defaults.batch_defaults(gpu_memory_mib=gpu.memory_mib, gpu_name=gpu.name)
     return Resolved(
         model=spec.model.name,
         arch=arch,
@@ -141,8 +137,8 @@ def _resolve(spec: InferenceServiceSpec) -> Resolved:
         kv_element_bytes=kv_element_bytes,
         max_model_len=max_model_len,
         utilization=spec.engine.gpu_memory_utilization,
-        max_num_seqs=spec.engine.max_num_seqs or default_seqs,
-        batched_tokens=LARGE_GPU_BATCHED_TOKENS if large else SMALL_GPU_BATCHED_TOKENS,
+        max_num_seqs=spec.engine.max_num_seqs or batch.max_num_seqs,
+        batched_tokens=batch.max_num_batched_tokens,
     )
 
 
@@ -229,8 +225,8 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
     worst = stages[0]
     for stage in stages:
         free = budget - stage.weight_bytes_per_gpu - activation - non_torch
-        blocks = max(free, 0) // (KV_BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
-        stage_tokens = blocks * KV_BLOCK_SIZE
+        blocks = max(free, 0) // (vllm_defaults.BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
+        stage_tokens = blocks * vllm_defaults.BLOCK_SIZE
         if tokens is None or stage_tokens < tokens:
             tokens, worst = stage_tokens, stage
     notes: list[str] = []
@@ -248,7 +244,7 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
         kv_cache_dtype="fp8" if r.kv_element_bytes == 1 else r.dtype,
         gpu_memory_bytes=r.gpu.memory_bytes,
         budget_bytes_per_gpu=budget,
-        weight_bytes_total=memory.total_weight_bytes(arch, r.weight_format),
+        weight_bytes_total=sizes.total_weight_bytes(arch, r.weight_format),
         weight_bytes_per_gpu=max(s.weight_bytes_per_gpu for s in stages),
         activation_bytes_per_gpu=activation,
         non_torch_bytes_per_gpu=non_torch,

@@ -1,15 +1,22 @@
-"""Engine StatefulSets: one per pipeline stage; ordinal i of every stage forms group i."""
+"""Engine StatefulSets: one per pipeline stage; ordinal i of every stage forms group i.
+
+The engine container's env holds one variable per row of
+`tensorfleet.engine_settings`, in the table's order: `_env` gives each row its
+value from the spec and the plan.
+"""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
 from tensorfleet.catalog import find_gpu
+from tensorfleet.engine_settings import SETTINGS
 from tensorfleet.render.meta import Context, metadata, pod_labels, stage_selector
 
 CONTAINER_NAME = "engine"
@@ -173,47 +180,68 @@ def _field(name: str, path: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
+@dataclass(frozen=True)
+class _FieldRef:
+    """A value the kubelet fills in from the pod itself (the downward API)."""
+
+    path: str
+
+
+def _settings_env(values: dict[str, str | _FieldRef | None]) -> list[dict[str, Any]]:
+    """One variable per row of the settings table, in its order; a None value leaves the variable out."""
+    rows = [setting.env for setting in SETTINGS]
+    if set(values) != set(rows):
+        raise ValueError(
+            f"the engine env needs a value (or None) for exactly the rows of tensorfleet.engine_settings: "
+            f"missing {sorted(set(rows) - set(values))}, unknown {sorted(set(values) - set(rows))}"
+        )
+    env: list[dict[str, Any]] = []
+    for name in rows:
+        value = values[name]
+        if isinstance(value, _FieldRef):
+            env.append(_field(name, value.path))
+        elif value is not None:
+            env.append(_value(name, value))
+    return env
+
+
 def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
     spec, plan, name = ctx.spec, ctx.plan, ctx.name
     leader = (
         f"{contract.stage_name(name, 0)}-$({contract.ENV_GROUP_INDEX})"
         f".{contract.workers_service_name(name)}.$({contract.ENV_NAMESPACE}).svc"
     )
-    # Order matters: $(VAR) expands only variables defined earlier in the list.
-    env = [
-        _value(contract.ENV_ENGINE_KIND, spec.engine.kind),
-        _value(contract.ENV_INFERENCE_SERVICE, name),
-        _field(contract.ENV_NAMESPACE, "metadata.namespace"),
-        _field(contract.ENV_POD_NAME, "metadata.name"),
-        _field(contract.ENV_GROUP_INDEX, f"metadata.labels['{contract.LABEL_POD_INDEX}']"),
-        _value(contract.ENV_STAGE_INDEX, str(stage)),
-        _value(contract.ENV_LEADER_ADDRESS, leader),
-        _value(contract.ENV_RAY_PORT, str(contract.RAY_PORT)),
-        _value(contract.ENV_ENGINE_PORT, str(contract.ENGINE_PORT)),
+    quantization = spec.model.quantization
+    # The table's order is the env's: $(VAR) expands only variables defined earlier in the list.
+    env = _settings_env({
+        contract.ENV_ENGINE_KIND: spec.engine.kind,
+        contract.ENV_INFERENCE_SERVICE: name,
+        contract.ENV_NAMESPACE: _FieldRef("metadata.namespace"),
+        contract.ENV_POD_NAME: _FieldRef("metadata.name"),
+        contract.ENV_GROUP_INDEX: _FieldRef(f"metadata.labels['{contract.LABEL_POD_INDEX}']"),
+        contract.ENV_STAGE_INDEX: str(stage),
+        contract.ENV_LEADER_ADDRESS: leader,
+        contract.ENV_RAY_PORT: str(contract.RAY_PORT),
+        contract.ENV_ENGINE_PORT: str(contract.ENGINE_PORT),
         # The plan's layout, not the spec's: the planner may have chosen it.
-        _value(contract.ENV_TENSOR_PARALLEL, str(plan.tensor)),
-        _value(contract.ENV_PIPELINE_PARALLEL, str(plan.pipeline)),
-        _value(contract.ENV_MODEL, spec.model.name),
-        _value(contract.ENV_SERVED_MODEL_NAME, ctx.served_name),
-    ]
-    if spec.model.revision:
-        env.append(_value(contract.ENV_MODEL_REVISION, spec.model.revision))
-    env.append(_value(contract.ENV_DTYPE, plan.dtype))
-    # "none" means "no quantization flag", the same as leaving it out.
-    if spec.model.quantization and spec.model.quantization != "none":
-        env.append(_value(contract.ENV_QUANTIZATION, spec.model.quantization))
-    env += [
-        _value(contract.ENV_KV_CACHE_DTYPE, spec.engine.kv_cache_dtype),
-        _value(contract.ENV_MAX_MODEL_LEN, str(plan.max_model_len)),
-        _value(contract.ENV_GPU_MEMORY_UTILIZATION, str(spec.engine.gpu_memory_utilization)),
-        _value(contract.ENV_MAX_NUM_SEQS, str(plan.max_num_seqs)),
-        _value(contract.ENV_EXTRA_ARGS, json.dumps(list(spec.engine.args))),
-        _value(contract.ENV_ACCELERATOR, plan.accelerator),
-        _value(contract.ENV_KV_CACHE_TOKENS, str(plan.kv_cache_tokens)),
-    ]
-    if is_gpu(ctx):
+        contract.ENV_TENSOR_PARALLEL: str(plan.tensor),
+        contract.ENV_PIPELINE_PARALLEL: str(plan.pipeline),
+        contract.ENV_MODEL: spec.model.name,
+        contract.ENV_SERVED_MODEL_NAME: ctx.served_name,
+        contract.ENV_MODEL_REVISION: spec.model.revision or None,
+        contract.ENV_DTYPE: plan.dtype,
+        # "none" means "no quantization flag", the same as leaving it out.
+        contract.ENV_QUANTIZATION: quantization if quantization and quantization != "none" else None,
+        contract.ENV_KV_CACHE_DTYPE: spec.engine.kv_cache_dtype,
+        contract.ENV_MAX_MODEL_LEN: str(plan.max_model_len),
+        contract.ENV_GPU_MEMORY_UTILIZATION: str(spec.engine.gpu_memory_utilization),
+        contract.ENV_MAX_NUM_SEQS: str(plan.max_num_seqs),
+        contract.ENV_EXTRA_ARGS: json.dumps(list(spec.engine.args)),
+        contract.ENV_ACCELERATOR: plan.accelerator,
+        contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),
         # The launcher serves GPU health gauges (pynvml) on this port.
-        env.append(_value(contract.ENV_GPU_METRICS_PORT, str(contract.WORKER_METRICS_PORT)))
+        contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_gpu(ctx) else None,
+    })
     env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
     token = spec.hf_token_secret_ref
     if token is not None:

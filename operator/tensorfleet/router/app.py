@@ -26,9 +26,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, error_body, error_response
+from tensorfleet.kube.connection import Connection, in_cluster_namespace
 from tensorfleet.prompts import prompt_text
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy, parse_engine_metrics
-from tensorfleet.router.discovery import EndpointSliceWatcher, in_cluster_namespace
+from tensorfleet.router.discovery import EndpointSliceWatcher
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
 from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
@@ -59,7 +60,7 @@ class RouterConfig:
     static_backends: tuple[str, ...] = ()
     service: str | None = None
     namespace: str | None = None
-    kube_api: str | None = None
+    kube: Connection | None = None  # the API server that lists `service`'s EndpointSlices
     breaker: BreakerPolicy | None = None
 
 
@@ -119,7 +120,8 @@ class Router:
         tasks = [asyncio.create_task(self._health_loop(), name="router-health")]
         if self.config.service:
             namespace = self.config.namespace or in_cluster_namespace() or "default"
-            watcher = EndpointSliceWatcher(self.config.service, namespace, self._on_discovered, api=self.config.kube_api)
+            connection = self.config.kube or Connection.from_environment()
+            watcher = EndpointSliceWatcher(self.config.service, namespace, self._on_discovered, connection=connection)
             tasks.append(asyncio.create_task(watcher.run(), name="router-discovery"))
         yield
         for task in tasks:

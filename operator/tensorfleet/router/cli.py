@@ -31,7 +31,8 @@ def register(subparsers: Any) -> None:
     where.add_argument("--service", help="headless engine Service whose EndpointSlices list the backends")
     where.add_argument("--namespace", help="namespace of --service (default: the pod's own)")
     where.add_argument("--kube-api", metavar="URL",
-                       help="Kubernetes API base URL (default: in-cluster; e.g. http://127.0.0.1:8001 for kubectl proxy)")
+                       help="Kubernetes API base URL without credentials, e.g. http://127.0.0.1:8001 for kubectl "
+                            "proxy (default: the pod's service account, else the kubeconfig)")
     p.add_argument("--strategy", choices=contract.ROUTER_STRATEGIES, default=contract.DEFAULT_ROUTER_STRATEGY)
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=contract.ROUTER_PORT)
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import disable_created_metrics
 
     from tensorfleet.httpapi import run_server, setup_logging
+    from tensorfleet.kube.connection import Connection, NoConfiguration
     from tensorfleet.router.app import Router, RouterConfig
 
     setup_logging(args.log_level)
@@ -64,6 +66,12 @@ def run(args: argparse.Namespace) -> int:
     disable_created_metrics()
     if not args.backend and not args.service:
         raise SystemExit("error: --backend or --service: give static engine URLs or the engine Service to watch")
+    kube = None
+    if args.service:
+        try:
+            kube = Connection.for_url(args.kube_api) if args.kube_api else Connection.from_environment()
+        except NoConfiguration as exc:
+            raise SystemExit(f"error: --service {args.service}: {exc}; run in the cluster, or give --kube-api") from None
     config = RouterConfig(
         strategy=args.strategy,
         model=args.model,
@@ -76,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         static_backends=tuple(args.backend),
         service=args.service,
         namespace=args.namespace,
-        kube_api=args.kube_api,
+        kube=kube,
     )
 
     async def make_app() -> web.Application:

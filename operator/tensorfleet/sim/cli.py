@@ -12,7 +12,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet import argtypes, contract, extras
+from tensorfleet import argtypes, contract, extras, vllm_defaults
+from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
 
 log = logging.getLogger("tensorfleet.sim")
 
@@ -41,19 +42,30 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "sim", allow_abbrev=False,
         help="run the vLLM-compatible engine simulator (no GPU)",
-        description="Serve vLLM's OpenAI API and /metrics from a simulated engine whose capacity and timing come "
-                    "from the planner. Unknown vLLM flags are accepted and ignored.",
+        description="Serve vLLM's OpenAI API and /metrics from a simulated engine whose capacity is what its flags "
+                    "say (in a pod, the operator's plan) and whose timing comes from the catalog's model and GPU facts. "
+                    "Unknown vLLM flags are accepted and ignored.",
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=contract.ENGINE_PORT)
     parser.add_argument("--served-model-name", required=True, help="the OpenAI `model` name to answer to")
-    parser.add_argument("--model", help="Hugging Face id of the simulated model (default: Llama-3.1-8B)")
-    parser.add_argument("--accelerator", help="GPU type, as in spec.accelerator.type (default: L4)")
-    parser.add_argument("--tensor-parallel-size", type=argtypes.positive_int)
-    parser.add_argument("--max-model-len", type=argtypes.positive_int)
-    parser.add_argument("--max-num-seqs", type=argtypes.positive_int)
-    parser.add_argument("--max-num-batched-tokens", type=argtypes.positive_int)
-    parser.add_argument("--kv-cache-tokens", type=argtypes.positive_int, help="override the planner's KV-cache size")
+    parser.add_argument("--model", help=f"Hugging Face id of the simulated model (default: {DEFAULT_MODEL})")
+    parser.add_argument("--accelerator", help=f"GPU type, as in spec.accelerator.type (default: {DEFAULT_ACCELERATOR})")
+    parser.add_argument("--tensor-parallel-size", type=argtypes.positive_int,
+                        help=f"GPUs the model is split over (default: {vllm_defaults.TENSOR_PARALLEL_SIZE})")
+    parser.add_argument("--max-model-len", type=argtypes.positive_int,
+                        help=f"longest sequence in tokens (default: {DEFAULT_MAX_MODEL_LEN}, or the model's context if shorter)")
+    parser.add_argument("--max-num-seqs", type=argtypes.positive_int,
+                        help=f"most sequences per step (default: vLLM's, {vllm_defaults.LARGE_GPU_MAX_NUM_SEQS} on GPUs of "
+                             f"{vllm_defaults.LARGE_GPU_MIN_MIB // 1024} GiB or more other than A100, else "
+                             f"{vllm_defaults.MAX_NUM_SEQS})")
+    parser.add_argument("--max-num-batched-tokens", type=argtypes.positive_int,
+                        help=f"tokens per step (default: vLLM's, {vllm_defaults.LARGE_GPU_MAX_NUM_BATCHED_TOKENS} or "
+                             f"{vllm_defaults.MAX_NUM_BATCHED_TOKENS} by the same rule, at least max-num-seqs)")
+    parser.add_argument("--kv-cache-tokens", type=argtypes.positive_int,
+                        help=f"KV-cache size in tokens, as the operator plans it (default: {DEFAULT_KV_CACHE_TOKENS})")
+    parser.add_argument("--block-size", type=argtypes.positive_int,
+                        help=f"tokens per KV-cache block (default: vLLM's, {vllm_defaults.BLOCK_SIZE})")
     parser.add_argument("--startup-delay", type=argtypes.non_negative_float, default=0.0,
                         help="seconds /health answers 503, like a model loading")
     parser.add_argument("--time-scale", type=argtypes.non_negative_float, default=1.0,
@@ -84,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         profile = resilient_profile(
             args.model, args.accelerator, tensor=args.tensor_parallel_size, max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         )
     except SpecError as exc:
         raise SystemExit(f"error: {exc}") from None

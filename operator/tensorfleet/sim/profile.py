@@ -1,7 +1,19 @@
-"""Capacity and timing of the simulated engine, derived from the planner.
+"""Capacity and timing of the simulated engine.
 
-Capacity comes from `make_plan`, the same sizing the operator puts in
-`status.plan`: KV-cache tokens per replica and max-num-seqs. Timing is a
+Capacity is what the simulator is handed, never re-derived: in a pod the
+operator passes its plan's figures (`--kv-cache-tokens`, `--max-num-seqs`,
+`--max-model-len`, `--tensor-parallel-size`, `--accelerator`; see
+tensorfleet.engine_settings), and a user's `engine.args` may add vLLM's
+`--max-num-batched-tokens` and `--block-size`. What is not handed defaults as
+vLLM would (`tensorfleet.vllm_defaults`: max-num-seqs and the batched-token
+budget by GPU, the block size, one GPU), except two figures vLLM derives
+itself, for which a standalone `tensorfleet sim` takes:
+
+  max-model-len     DEFAULT_MAX_MODEL_LEN (8192), or the model's context length if shorter
+  kv-cache-tokens   DEFAULT_KV_CACHE_TOKENS (32768): about what the operator
+                    plans for Llama 3.1 8B on one L4 at maxModelLen 8192
+
+Timing comes from the catalog's facts about the model and the GPU, as a
 roofline model of one engine step (one forward pass over the whole batch):
 
     step = overhead + max(bytes read / (bandwidth x BANDWIDTH_EFFICIENCY),
@@ -16,29 +28,32 @@ roofline model of one engine step (one forward pass over the whole batch):
 
 so a small decode batch is memory-bound (time ~ weights / bandwidth and it
 grows with context through the KV reads), a large batch or a long prefill is
-compute-bound (time ~ tokens). Efficiency fractions are typical of vLLM on
-datacenter GPUs: decode kernels reach 70-85% of HBM bandwidth, prefill
-reaches 40-60% model FLOPs utilisation; the step overhead is the scheduler,
-sampling and kernel launches vLLM v1 spends per step (1-3 ms measured).
+compute-bound (time ~ tokens). Weights and KV bytes per token are those of
+the checkpoint as it ships, split over the tensor ranks
+(`tensorfleet.catalog.sizes`); a pipeline's stages run one after another, so
+a step reads the same bytes per rank as one stage holding every layer.
+Efficiency fractions are typical of vLLM on datacenter GPUs: decode kernels
+reach 70-85% of HBM bandwidth, prefill reaches 40-60% model FLOPs
+utilisation; the step overhead is the scheduler, sampling and kernel launches
+vLLM v1 spends per step (1-3 ms measured).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, replace
 
-from tensorfleet import contract
-from tensorfleet.api import SpecError, load_inference_service
-from tensorfleet.catalog import find_gpu, find_model
-from tensorfleet.planner import make_plan
-from tensorfleet.planner.memory import KV_BLOCK_SIZE
-from tensorfleet.planner.plan import LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS, SMALL_GPU_BATCHED_TOKENS
+from tensorfleet import vllm_defaults
+from tensorfleet.api import SpecError
+from tensorfleet.catalog import find_gpu, find_model, gpu_names, sizes
 
 log = logging.getLogger("tensorfleet.sim")
 
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 DEFAULT_ACCELERATOR = "L4"
 DEFAULT_MAX_MODEL_LEN = 8192
+DEFAULT_KV_CACHE_TOKENS = 32768
 
 BANDWIDTH_EFFICIENCY = 0.8
 COMPUTE_EFFICIENCY = 0.5
@@ -46,6 +61,8 @@ STEP_OVERHEAD_SECONDS = 0.002
 # Tensor parallelism adds two all-reduces per layer; NVLink makes that
 # roughly a fixed cost per step at serving batch sizes.
 TENSOR_PARALLEL_OVERHEAD_SECONDS = 0.0005
+# The KV-cache dtype the timing assumes: the model's own (vLLM's `auto`).
+KV_CACHE_DTYPE = "auto"
 
 # Dense bf16/fp16 tensor-core peak (datasheet, without sparsity), TFLOPS.
 # The catalog has no compute figures; only the simulator needs them.
@@ -107,88 +124,83 @@ class Profile:
 
 def make_profile(model: str | None = None, accelerator: str | None = None, *, tensor: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
-                 kv_cache_tokens: int | None = None, max_num_batched_tokens: int | None = None) -> Profile:
-    """A profile for MODEL on ACCELERATOR, sized by the planner.
+                 kv_cache_tokens: int | None = None, max_num_batched_tokens: int | None = None,
+                 block_size: int | None = None) -> Profile:
+    """A profile for MODEL on ACCELERATOR x TENSOR with the capacity it is handed (see the module docstring).
 
-    Raises SpecError (naming the flag's field) when the planner refuses the
-    combination, e.g. a model that does not fit the GPU.
+    Raises SpecError (naming the flag) when the catalog does not know the
+    model or the GPU, whose facts the timing needs.
     """
     model = model or DEFAULT_MODEL
     accelerator = accelerator or DEFAULT_ACCELERATOR
-    spec: dict[str, object] = {"model": {"name": model}, "accelerator": {"type": accelerator}}
-    entry, _ = find_model(model)
+    entry, implied_format = find_model(model)
     if entry is None:
         raise SpecError("--model", f"{model!r} is not in the catalog; use one `tensorfleet catalog` lists")
-    limit = entry.arch.max_context_length
-    spec["model"] = {"name": model, "maxModelLen": max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit or DEFAULT_MAX_MODEL_LEN)}
-    if tensor:
-        spec["parallelism"] = {"tensor": tensor, "pipeline": 1}
-    if max_num_seqs:
-        spec["engine"] = {"maxNumSeqs": max_num_seqs}
-    document = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "sim"}, "spec": spec}
-    plan = make_plan(load_inference_service(document).spec)
-    gpu = find_gpu(plan.accelerator)
-    assert gpu is not None  # the planner resolved it
+    gpu = find_gpu(accelerator)
+    if gpu is None:
+        raise SpecError("--accelerator", f"unknown GPU type {accelerator!r}; known types: {', '.join(gpu_names())}")
     arch = entry.arch
+    tensor = tensor or vllm_defaults.TENSOR_PARALLEL_SIZE
+    max_model_len = max_model_len or min(DEFAULT_MAX_MODEL_LEN, arch.max_context_length or DEFAULT_MAX_MODEL_LEN)
+    batch = vllm_defaults.batch_defaults(gpu_memory_mib=gpu.memory_mib, gpu_name=gpu.name)
+    max_num_seqs = max_num_seqs or batch.max_num_seqs
+    kv_tokens = kv_cache_tokens if kv_cache_tokens is not None else DEFAULT_KV_CACHE_TOKENS
+    if kv_tokens < max_model_len:
+        # vLLM refuses to start here; the simulator serves shorter requests
+        # instead, so tests can run it with a tiny cache.
+        log.warning("KV cache of %d tokens is smaller than max-model-len %d; serving at most %d tokens per request",
+                    kv_tokens, max_model_len, kv_tokens)
+    weight_format = implied_format or arch.weight_format
+    kv_per_layer = sizes.kv_bytes_per_token_layer(arch, tensor, sizes.kv_element_bytes(KV_CACHE_DTYPE))
     active = arch.parameters
     touched = 1.0
     if arch.moe is not None:
         active = arch.moe.active_parameters or arch.parameters * arch.moe.experts_per_token // arch.moe.experts
         touched = arch.moe.experts_per_token / arch.moe.experts
-    # vLLM's default chunked-prefill budget follows the same large-GPU rule as max-num-seqs.
-    batched = LARGE_GPU_BATCHED_TOKENS if plan.max_num_seqs >= LARGE_GPU_MAX_SEQS else SMALL_GPU_BATCHED_TOKENS
-    overhead = STEP_OVERHEAD_SECONDS + (TENSOR_PARALLEL_OVERHEAD_SECONDS if plan.tensor > 1 else 0.0)
-    kv_tokens = kv_cache_tokens if kv_cache_tokens is not None else plan.kv_cache_tokens
-    if kv_tokens < plan.max_model_len:
-        # vLLM refuses to start here; the simulator serves shorter requests
-        # instead, so tests can run it with a tiny cache.
-        log.warning("KV cache of %d tokens is smaller than max-model-len %d; serving at most %d tokens per request",
-                    kv_tokens, plan.max_model_len, kv_tokens)
+    overhead = STEP_OVERHEAD_SECONDS + (TENSOR_PARALLEL_OVERHEAD_SECONDS if tensor > 1 else 0.0)
     return Profile(
         model=model,
-        accelerator=plan.accelerator,
-        tensor=plan.tensor,
-        max_model_len=min(plan.max_model_len, kv_tokens),
-        max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens or max(batched, plan.max_num_seqs),
+        accelerator=gpu.name,
+        tensor=tensor,
+        max_model_len=min(max_model_len, kv_tokens),
+        max_num_seqs=max_num_seqs,
+        # A step holds at least one token of every sequence it may run.
+        max_num_batched_tokens=max_num_batched_tokens or max(batch.max_num_batched_tokens, max_num_seqs),
         kv_cache_tokens=kv_tokens,
-        block_size=KV_BLOCK_SIZE,
-        weight_bytes_per_gpu=plan.weight_bytes_per_gpu,
-        kv_bytes_per_token_per_gpu=plan.kv_bytes_per_token_per_gpu,
+        block_size=block_size or vllm_defaults.BLOCK_SIZE,
+        weight_bytes_per_gpu=math.ceil(sizes.total_weight_bytes(arch, weight_format) / tensor),
+        kv_bytes_per_token_per_gpu=math.ceil(sizes.effective_kv_layers(arch, arch.layers, max_model_len) * kv_per_layer),
         bandwidth_bytes_per_s=gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY,
         flops_per_s=PEAK_TFLOPS.get(gpu.name, 100.0) * 1e12 * COMPUTE_EFFICIENCY,
-        flops_per_token_per_gpu=2.0 * active / plan.tensor,
+        flops_per_token_per_gpu=2.0 * active / tensor,
         active_fraction=min(active / arch.parameters, 1.0),
         experts_touched_per_token=touched,
         overhead_s=overhead,
     )
 
 
-def resilient_profile(model: str | None, accelerator: str | None, **options: int | None) -> Profile:
-    """make_profile, falling back to the default model's (then GPU's) timing
-    when the planner cannot size MODEL on ACCELERATOR.
+def resilient_profile(model: str | None, accelerator: str | None, **capacity: int | None) -> Profile:
+    """make_profile, borrowing the default model's (then the default GPU's)
+    timing when the catalog does not know MODEL (or ACCELERATOR).
 
     A simulator pod must start whatever the InferenceService names: a model
-    outside the catalog (sized from spec.model.architecture) or a layout the
-    planner would refuse still gets an engine, with a warning that its timing
-    is borrowed. Capacity overrides (--kv-cache-tokens, ...) still apply.
+    outside the catalog (which the operator sized from spec.model.architecture)
+    still gets an engine, with a warning that its timing is borrowed. The
+    capacity it is handed applies all the same.
     """
-    attempts = [(model, accelerator, options)]
-    attempts.append((DEFAULT_MODEL, accelerator, {**options, "tensor": None}))
-    attempts.append((DEFAULT_MODEL, DEFAULT_ACCELERATOR, {**options, "tensor": None, "max_model_len": None}))
+    attempts = [(model, accelerator), (DEFAULT_MODEL, accelerator), (DEFAULT_MODEL, DEFAULT_ACCELERATOR)]
     first_error: SpecError | None = None
-    for name, gpu, opts in attempts:
+    for name, gpu in attempts:
         try:
-            profile = make_profile(name, gpu, **opts)
+            profile = make_profile(name, gpu, **capacity)
         except SpecError as exc:
             first_error = first_error or exc
             continue
         if first_error is not None:
-            log.warning("cannot size %s on %s (%s); simulating with the timing of %s on %s",
+            log.warning("no timing facts for %s on %s (%s); simulating with the timing of %s on %s",
                         model or DEFAULT_MODEL, accelerator or DEFAULT_ACCELERATOR, first_error,
                         profile.model, profile.accelerator)
             profile = replace(profile, model=model or profile.model)
         return profile
     assert first_error is not None
     raise first_error
-

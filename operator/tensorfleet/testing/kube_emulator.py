@@ -4,7 +4,8 @@ kmock 0.8 stores objects as plain dicts and merges patches. The real API
 server does more, and the operator's code is written for the real one, so
 each gap is filled here, each as the Kubernetes API documents it:
 
-- object metadata: `uid`, `resourceVersion` (bumped on every write),
+- object metadata: `uid`, `resourceVersion` (bumped on every write, a
+  deletion included: the DELETED event carries the deletion's version),
   `generation` (1 on create, +1 when anything outside metadata and status
   changes) and `creationTimestamp` are set by the server;
 - server-side apply (PATCH with application/apply-patch+yaml) creates a
@@ -62,7 +63,7 @@ import jsonpatch
 from kmock import KubernetesEmulator, KubernetesError, Payload, Request, ResourceInfo, resource
 
 from tensorfleet.api.crd import crd
-from tensorfleet.controller.resources import ALL_KINDS
+from tensorfleet.kube.resources import ALL_KINDS
 
 APPLY = "application/apply-patch+yaml"
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
@@ -483,6 +484,8 @@ class ClusterEmulator(KubernetesEmulator):
 
     async def _remove(self, key: tuple[Any, ...], live: dict[str, Any], policy: str) -> None:
         self.objects[key].delete()
+        # As etcd does: the deletion is a revision of its own, and the DELETED event carries it.
+        live["metadata"]["resourceVersion"] = str(next(self._rv))
         await self._buses[key[0]].put({"type": "DELETED", "object": copy.deepcopy(live)})
         uid = live["metadata"]["uid"]
         for dep_key, obj in list(self.objects.items()):

@@ -14,8 +14,8 @@ import aiohttp
 from kmock import Server
 
 from tensorfleet import contract
-from tensorfleet.controller.kube import Connection
 from tensorfleet.controller.operator import Operator, OperatorConfig
+from tensorfleet.kube.connection import Connection
 from tensorfleet.testing.fake_workloads import FakeWorkloads
 from tensorfleet.testing.kube_emulator import ClusterEmulator
 
@@ -113,7 +113,7 @@ class Cluster:
 
     def children(self, name: str, namespace: str = "default") -> dict[tuple[str, str], dict[str, Any]]:
         """Every object labelled as part of `name` (pods excluded), keyed by (kind, name)."""
-        from tensorfleet.controller.resources import CHILD_KINDS
+        from tensorfleet.kube.resources import CHILD_KINDS
 
         out = {}
         for kind in CHILD_KINDS:

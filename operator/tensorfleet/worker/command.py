@@ -1,5 +1,8 @@
 """Role -> the argv lists the launcher runs, in order. Pure: no I/O.
 
+The engine's flags come from the rows of `tensorfleet.engine_settings`: each
+row names the `vllm serve` and `tensorfleet sim` flag that carries its value.
+
 Every command is an argv list handed to the OS as is: no shell, so extra
 engine args from the spec stay one item each, whatever characters they hold.
 """
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import contract
+from tensorfleet.engine_settings import BY_FIELD, EXECUTOR_FLAG, HOST_FLAG, SETTINGS, Setting
 from tensorfleet.worker.role import Role, worker_hosts
 
 VLLM = "vllm"
@@ -45,6 +49,19 @@ class Step:
         return out
 
 
+# The flags each command line opens with, in this order (who and where, as `ps`
+# shows it); every other row of the settings table that the command takes
+# follows in the table's order, each flag left out while its value is unset.
+_VLLM_FIRST = ("engine_port", "served_model_name", "tensor_parallel_size", "pipeline_parallel_size")
+_SIM_FIRST = ("engine_port", "served_model_name", "model", "accelerator", "tensor_parallel_size")
+_SIMULATOR_HOST = "0.0.0.0"
+_RAY_EXECUTOR = "ray"
+
+
+def _in_order(first: tuple[str, ...]) -> list[Setting]:
+    return [BY_FIELD[name] for name in first] + [setting for setting in SETTINGS if setting.field not in first]
+
+
 def _flag(argv: list[str], flag: str, value: object | None) -> None:
     if value is not None:
         argv += [flag, str(value)]
@@ -52,31 +69,25 @@ def _flag(argv: list[str], flag: str, value: object | None) -> None:
 
 def vllm_argv(role: Role) -> list[str]:
     """`vllm serve MODEL ...`; flags the operator manages, then the user's extra args as given."""
-    argv = [VLLM, "serve", role.model, "--port", str(role.engine_port),
-            "--served-model-name", role.served_model_name,
-            "--tensor-parallel-size", str(role.tensor_parallel_size)]
-    if role.multi_node:
-        argv += ["--pipeline-parallel-size", str(role.pipeline_parallel_size),
-                 "--distributed-executor-backend", "ray"]
-    _flag(argv, "--revision", role.model_revision)
-    _flag(argv, "--dtype", role.dtype)
-    _flag(argv, "--quantization", role.quantization)
-    _flag(argv, "--kv-cache-dtype", role.kv_cache_dtype)
-    _flag(argv, "--max-model-len", role.max_model_len)
-    _flag(argv, "--gpu-memory-utilization", role.gpu_memory_utilization)
-    _flag(argv, "--max-num-seqs", role.max_num_seqs)
+    argv = [VLLM, "serve", role.model]
+    for setting in _in_order(_VLLM_FIRST):
+        if setting.vllm_flag is None or setting.field == "model":  # the model is the positional argument
+            continue
+        if setting.field == "pipeline_parallel_size":
+            # One stage needs no flag; more run over Ray.
+            if role.multi_node:
+                argv += [setting.vllm_flag, str(role.pipeline_parallel_size), EXECUTOR_FLAG, _RAY_EXECUTOR]
+            continue
+        _flag(argv, setting.vllm_flag, getattr(role, setting.field))
     return argv + list(role.extra_args)
 
 
 def simulator_argv(role: Role) -> list[str]:
     """`tensorfleet sim` with the same port, model name and sizing; extra vLLM flags pass through."""
-    argv = [*contract.SIMULATOR_COMMAND, "--host", "0.0.0.0", "--port", str(role.engine_port),
-            "--served-model-name", role.served_model_name, "--model", role.model]
-    _flag(argv, "--accelerator", role.accelerator)
-    argv += ["--tensor-parallel-size", str(role.tensor_parallel_size)]
-    _flag(argv, "--max-model-len", role.max_model_len)
-    _flag(argv, "--max-num-seqs", role.max_num_seqs)
-    _flag(argv, "--kv-cache-tokens", role.kv_cache_tokens)
+    argv = [*contract.SIMULATOR_COMMAND, HOST_FLAG, _SIMULATOR_HOST]
+    for setting in _in_order(_SIM_FIRST):
+        if setting.sim_flag is not None:
+            _flag(argv, setting.sim_flag, getattr(role, setting.field))
     return argv + list(role.extra_args)
 
 

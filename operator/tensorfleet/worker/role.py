@@ -1,8 +1,9 @@
 """The launcher's role, parsed from the env the renderer writes.
 
-Every variable name comes from `tensorfleet.contract`; `ENV_FIELDS` is the
-complete list of what the launcher reads, and a test checks it against what
-the renderer sets, both ways. Values are checked here, so a bad value stops
+Every variable, the field it fills and where the operator takes it from are
+rows of `tensorfleet.engine_settings`; `ENV_FIELDS` is that table's complete
+list of what the launcher reads, and a test checks it against what the
+renderer sets, both ways. Values are checked here, so a bad value stops
 the pod with one line naming the variable instead of a vLLM traceback later.
 """
 
@@ -15,50 +16,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tensorfleet import contract
+from tensorfleet import contract, vllm_defaults
+from tensorfleet.engine_settings import SETTINGS
 from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
 
-# env var -> Role field. Everything the launcher reads from its env.
-ENV_FIELDS: dict[str, str] = {
-    contract.ENV_ENGINE_KIND: "engine_kind",
-    contract.ENV_INFERENCE_SERVICE: "inference_service",
-    contract.ENV_NAMESPACE: "namespace",
-    contract.ENV_POD_NAME: "pod_name",
-    contract.ENV_GROUP_INDEX: "group_index",
-    contract.ENV_STAGE_INDEX: "stage_index",
-    contract.ENV_LEADER_ADDRESS: "leader_address",
-    contract.ENV_RAY_PORT: "ray_port",
-    contract.ENV_ENGINE_PORT: "engine_port",
-    contract.ENV_TENSOR_PARALLEL: "tensor_parallel_size",
-    contract.ENV_PIPELINE_PARALLEL: "pipeline_parallel_size",
-    contract.ENV_MODEL: "model",
-    contract.ENV_SERVED_MODEL_NAME: "served_model_name",
-    contract.ENV_MODEL_REVISION: "model_revision",
-    contract.ENV_DTYPE: "dtype",
-    contract.ENV_QUANTIZATION: "quantization",
-    contract.ENV_KV_CACHE_DTYPE: "kv_cache_dtype",
-    contract.ENV_MAX_MODEL_LEN: "max_model_len",
-    contract.ENV_GPU_MEMORY_UTILIZATION: "gpu_memory_utilization",
-    contract.ENV_MAX_NUM_SEQS: "max_num_seqs",
-    contract.ENV_EXTRA_ARGS: "extra_args",
-    contract.ENV_ACCELERATOR: "accelerator",
-    contract.ENV_KV_CACHE_TOKENS: "kv_cache_tokens",
-    contract.ENV_GPU_METRICS_PORT: "gpu_metrics_port",
-}
+# env var -> Role field: everything the launcher reads from its env.
+ENV_FIELDS: dict[str, str] = {setting.env: setting.field for setting in SETTINGS}
 FIELD_ENV = {field: env for env, field in ENV_FIELDS.items()}
 
 # Where each value comes from, for error messages.
-_SOURCE: dict[str, str] = {
-    contract.ENV_TENSOR_PARALLEL: "spec.parallelism.tensor",
-    contract.ENV_PIPELINE_PARALLEL: "spec.parallelism.pipeline",
-    contract.ENV_MODEL: "spec.model.name",
-    contract.ENV_SERVED_MODEL_NAME: "spec.model.servedName",
-    contract.ENV_MAX_MODEL_LEN: "spec.model.maxModelLen",
-    contract.ENV_GPU_MEMORY_UTILIZATION: "spec.engine.gpuMemoryUtilization",
-    contract.ENV_MAX_NUM_SEQS: "spec.engine.maxNumSeqs",
-    contract.ENV_EXTRA_ARGS: "spec.engine.args",
-    contract.ENV_ENGINE_KIND: "spec.engine.kind",
-}
+_SOURCE: dict[str, str] = {setting.env: setting.source for setting in SETTINGS if setting.source}
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 _ORDINAL = re.compile(r"-(\d+)$")
@@ -78,8 +45,8 @@ class Role(BaseModel):
     leader_address: str | None = None
     ray_port: int = Field(default=contract.RAY_PORT, ge=1, le=65535)
     engine_port: int = Field(default=contract.ENGINE_PORT, ge=1, le=65535)
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(default=1, ge=1, le=64)
+    tensor_parallel_size: int = Field(default=vllm_defaults.TENSOR_PARALLEL_SIZE, ge=1, le=64)
+    pipeline_parallel_size: int = Field(default=vllm_defaults.PIPELINE_PARALLEL_SIZE, ge=1, le=64)
     model: str = Field(min_length=1)
     served_model_name: str = Field(min_length=1)
     model_revision: str | None = None

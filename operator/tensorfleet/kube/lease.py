@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import datetime
 import logging
+from collections.abc import Callable
 from typing import Any
 
-from tensorfleet.controller import metrics
-from tensorfleet.controller.kube import ApiError, Kube
-from tensorfleet.controller.resources import LEASE
+from tensorfleet.kube.client import ApiError, Kube
+from tensorfleet.kube.resources import LEASE
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,13 @@ def _parse(value: str | None) -> datetime.datetime | None:
 
 
 class LeaderElector:
+    """One candidate for one Lease; `on_leading(True/False)` hears when it wins and loses it."""
+
     def __init__(self, kube: Kube, namespace: str, name: str, identity: str, *,
-                 lease_seconds: int = 15, renew_seconds: float = 5.0) -> None:
+                 lease_seconds: int = 15, renew_seconds: float = 5.0,
+                 on_leading: Callable[[bool], None] | None = None) -> None:
         self.kube = kube
+        self.on_leading = on_leading or (lambda _: None)
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -60,6 +64,7 @@ class LeaderElector:
         return spec
 
     async def try_acquire(self) -> bool:
+        """One attempt: create the Lease, renew our own, or take over an expired one. True when we hold it."""
         lease = await self.kube.get(LEASE, self.namespace, self.name)
         if lease is None:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
@@ -82,6 +87,7 @@ class LeaderElector:
         return await self._write(lease, acquire=holder != self.identity)
 
     async def _write(self, lease: dict[str, Any], *, acquire: bool) -> bool:
+        """Write our holder record with the resourceVersion read; False when another candidate wrote first."""
         body = {**lease, "spec": self._spec(lease, acquire=acquire)}
         try:
             await self.kube.replace(LEASE, self.namespace, body)
@@ -98,7 +104,7 @@ class LeaderElector:
             try:
                 if await self.try_acquire():
                     log.info("acquired leader lease %s/%s as %s", self.namespace, self.name, self.identity)
-                    metrics.IS_LEADER.set(1)
+                    self.on_leading(True)
                     return
             except ApiError as exc:
                 log.warning("leader election: %s", exc)
@@ -119,12 +125,12 @@ class LeaderElector:
                     last_renewal = asyncio.get_running_loop().time()
                     continue
                 if not ours:
-                    metrics.IS_LEADER.set(0)
+                    self.on_leading(False)
                     raise LostLease(f"lease {self.namespace}/{self.name} is held by someone else now")
             except ApiError as exc:
                 log.warning("could not renew leader lease: %s", exc)
             if asyncio.get_running_loop().time() - last_renewal > self.lease_seconds:
-                metrics.IS_LEADER.set(0)
+                self.on_leading(False)
                 raise LostLease(f"could not renew lease {self.namespace}/{self.name} for {self.lease_seconds}s")
 
     async def release(self) -> None:
@@ -136,4 +142,4 @@ class LeaderElector:
                 await self.kube.replace(LEASE, self.namespace, {**lease, "spec": {k: v for k, v in spec.items() if v is not None}})
         except ApiError as exc:
             log.warning("could not release leader lease: %s", exc)
-        metrics.IS_LEADER.set(0)
+        self.on_leading(False)

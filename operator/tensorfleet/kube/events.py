@@ -1,6 +1,6 @@
 """Kubernetes Events for the decisions a user wants to see in `kubectl describe`.
 
-Posted through the reconciler's own client (core/v1 Events). The same
+Posted through the operator's client (core/v1 Events). The same
 reason and message for the same object are posted once per window, so a
 level-triggered reconcile that keeps seeing the same thing does not spam.
 A failure to post is logged, never fatal: events are best effort.
@@ -15,28 +15,33 @@ import time
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.controller.kube import ApiError, Kube
-from tensorfleet.controller.resources import EVENT
+from tensorfleet.kube.client import ApiError, Kube
+from tensorfleet.kube.resources import EVENT
 
 log = logging.getLogger(__name__)
-COMPONENT = "tensorfleet-operator"
+COMPONENT = contract.OPERATOR_COMPONENT
 REPEAT_WINDOW_SECONDS = 600.0
 MAX_MESSAGE = 1024
 
 
 class EventRecorder:
+    """Posts Events about InferenceServices, each distinct one at most once per REPEAT_WINDOW_SECONDS."""
+
     def __init__(self, kube: Kube, instance: str = "") -> None:
         self.kube = kube
         self.instance = instance
         self._posted: dict[tuple[str, str, str], float] = {}
 
     async def normal(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        """Post a Normal event about `obj`."""
         await self.post(obj, "Normal", reason, message)
 
     async def warning(self, obj: dict[str, Any], reason: str, message: str) -> None:
+        """Post a Warning event about `obj` (something a person should look at)."""
         await self.post(obj, "Warning", reason, message)
 
     async def post(self, obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """Post one event unless the same one was posted within the window; failures are logged only."""
         meta = obj.get("metadata", {})
         key = (meta.get("uid") or f"{meta.get('namespace')}/{meta.get('name')}", reason, message)
         now = time.monotonic()

@@ -1,0 +1,87 @@
+"""Bytes of a model's weights and KV cache, from its architecture facts. Pure functions.
+
+The planner sizes a layout's GPUs with them (planner/memory.py), and the
+simulator times its steps with them; neither re-derives them.
+
+Weights (vLLM loads parameters as stored; quantized linear layers keep
+16-bit embeddings and output head):
+    16-bit          2 bytes/parameter
+    fp8             1 byte + per-tensor/per-block scales (negligible)
+    awq/gptq int4   4 bits + one 16-bit scale and 4-bit zero per group of 128
+    mxfp4           4 bits + one 8-bit scale per block of 32 (gpt-oss MoE experts)
+Tensor parallelism shards every linear layer and the vocabulary over `tensor`
+ranks.
+
+KV cache bytes per token and layer:
+    standard/GQA    2 (K and V) x kv heads on this rank x head dim x element bytes,
+                    kv heads on this rank = max(1, kv_heads / tensor) (vLLM
+                    replicates heads when tensor > kv_heads)
+    MLA (DeepSeek)  (kv_lora_rank + qk_rope_head_dim) x element bytes, the same on
+                    every tensor rank: the latent is not split by head.
+Sliding-window layers (gpt-oss alternates 128-token windows with full
+attention) keep at most `window` tokens per sequence; vLLM's hybrid KV-cache
+manager gives them only that. They are charged here as a share
+window / maxModelLen of a full layer per token, i.e. their cost spread over a
+full-length sequence.
+"""
+
+from __future__ import annotations
+
+from tensorfleet.api.models import ArchitectureSpec
+
+# Weight bytes per parameter of quantizable (linear) layers, per format.
+BYTES_PER_PARAMETER: dict[str, float] = {
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "awq": 0.5 + (2 + 0.5) / 128,
+    "gptq": 0.5 + (2 + 0.5) / 128,
+    "mxfp4": 0.5 + 1 / 32,
+}
+EMBEDDING_BYTES = 2  # embeddings and output head stay 16-bit under every format
+
+DEFAULT_VOCAB = 32000
+
+
+def kv_element_bytes(kv_cache_dtype: str) -> int:
+    """Bytes of one KV-cache element: fp8, or `auto` (the 16-bit model dtype)."""
+    return 1 if kv_cache_dtype == "fp8" else 2
+
+
+def embedding_parameters(arch: ArchitectureSpec) -> int:
+    """Parameters of one embedding matrix (input, or output head)."""
+    return (arch.vocab_size or DEFAULT_VOCAB) * arch.hidden_size
+
+
+def _all_embedding_parameters(arch: ArchitectureSpec) -> int:
+    """Input embedding plus output head (one matrix when they are tied)."""
+    return embedding_parameters(arch) * (1 if arch.tied_embeddings else 2)
+
+
+def layer_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> float:
+    """Bytes of one transformer layer (all tensor ranks together)."""
+    body = max(arch.parameters - _all_embedding_parameters(arch), 0)
+    return body * BYTES_PER_PARAMETER[weight_format] / arch.layers
+
+
+def total_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> int:
+    return int(layer_weight_bytes(arch, weight_format) * arch.layers + _all_embedding_parameters(arch) * EMBEDDING_BYTES)
+
+
+def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_bytes: int) -> int:
+    """KV-cache bytes one token needs in one layer on one tensor rank."""
+    if arch.mla is not None:
+        return (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * kv_element_bytes
+    kv_heads = arch.kv_heads or arch.attention_heads
+    head_dim = arch.head_dim or arch.hidden_size // arch.attention_heads
+    heads_here = max(1, kv_heads // tensor)
+    return 2 * heads_here * head_dim * kv_element_bytes
+
+
+def effective_kv_layers(arch: ArchitectureSpec, layers: int, max_model_len: int) -> float:
+    """Layers of a stage as full-attention equivalents for KV sizing."""
+    if not arch.sliding_window:
+        return float(layers)
+    sliding_share = (arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers) / arch.layers
+    sliding = layers * sliding_share
+    return (layers - sliding) + sliding * min(1.0, arch.sliding_window / max_model_len)

@@ -1,0 +1,94 @@
+"""What only engine StatefulSets need: recreation on immutable changes, scale events, group rollouts.
+
+A StatefulSet's volumeClaimTemplates (and most of its spec) cannot change in
+place. The API server answers 422; the StatefulSet is then deleted with the
+Orphan policy, so its pods keep serving, and re-created: the new one adopts
+the pods and replaces them under its own update strategy.
+
+A multi-stage engine is one group per ordinal across every stage's
+StatefulSet; the StatefulSet controller rolls each stage on its own, which
+would mix versions inside a group. `roll_groups` replaces whole groups
+instead: every idle outdated group at once, a serving one only when all are
+ready (see `observe.Observation.groups_to_replace`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.controller.children import ChildHandler, Context
+from tensorfleet.controller.observe import Observation
+from tensorfleet.kube.client import ApiError
+from tensorfleet.kube.resources import POD, STATEFUL_SET, Kind
+
+log = logging.getLogger(__name__)
+# How long a reconcile waits for the garbage collector to finish an Orphan deletion.
+ORPHAN_DELETE_TIMEOUT_SECONDS = 30.0
+
+
+class StatefulSetHandler(ChildHandler):
+    """Engine stages: recreate on an immutable-field change, and a Scaled event when stage 0's replicas move."""
+
+    async def apply(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
+        """Apply; on 422 for an existing StatefulSet, recreate it keeping its pods."""
+        try:
+            return await super().apply(ctx, kind, obj, live)
+        except ApiError as exc:
+            if not exc.invalid or live is None:
+                raise
+            name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
+            log.info("recreating StatefulSet %s/%s: %s", namespace, name, exc.message)
+            answer = await ctx.kube.delete(STATEFUL_SET, namespace, name, propagation="Orphan",
+                                           uid=live["metadata"].get("uid"))
+            ctx.cache.deleted(STATEFUL_SET, live, answer)
+            await wait_deleted(ctx, namespace, name, live["metadata"]["uid"])
+            applied = await super().apply(ctx, kind, obj, None)
+            await ctx.events.normal(ctx.owner, "StatefulSetRecreated",
+                                    f"{name}: an immutable field changed; recreated it keeping its pods")
+            return applied
+
+    async def changed(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any]) -> None:
+        """A Scaled event when the group count (stage 0's replicas) moved."""
+        before = (live.get("spec") or {}).get("replicas")
+        after = obj["spec"]["replicas"]
+        if before != after and obj["metadata"]["name"] == contract.stage_name(ctx.name, 0):
+            await ctx.events.normal(ctx.owner, "Scaled", f"replicas {before} -> {after}")
+
+
+async def wait_deleted(ctx: Context, namespace: str, name: str, uid: str) -> None:
+    """Wait out an Orphan deletion, which the garbage collector finishes after the DELETE returns.
+
+    Until then the old object is still there (with a deletionTimestamp and the
+    `orphan` finalizer), and applying its successor would patch it, failing the
+    same immutable-field validation again. GETs, not the cache: this waits on
+    the garbage collector, and returns as soon as it is done.
+    """
+    deadline = time.monotonic() + ORPHAN_DELETE_TIMEOUT_SECONDS
+    delay = 0.05
+    while True:
+        current = await ctx.kube.get(STATEFUL_SET, namespace, name)
+        if current is None or current["metadata"].get("uid") != uid:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"StatefulSet {namespace}/{name} is still being deleted after "
+                               f"{ORPHAN_DELETE_TIMEOUT_SECONDS:.0f}s (is the garbage collector running?)")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 1.0)
+
+
+async def roll_groups(ctx: Context, obs: Observation) -> None:
+    """Delete the pods of the groups to replace now; each stage's StatefulSet recreates them at the new revision."""
+    pods = ChildHandler()
+    for index in obs.groups_to_replace():
+        group = obs.groups[index]
+        for pod in group.pods.values():
+            await pods.delete(ctx, POD, pod)
+        log.info("replacing group %d of %s/%s", index, ctx.namespace, ctx.name)
+        await ctx.events.normal(
+            ctx.owner, "RolloutGroupReplaced",
+            f"replacing group {index} (all {obs.pipeline} stages); {obs.updated_replicas} of {obs.desired} groups updated",
+        )

@@ -1,0 +1,95 @@
+"""Where the API server is and how to authenticate: the one place that builds a connection.
+
+Configuration and credentials come from the `kubernetes` package's loaders,
+so every process authenticates the way kubectl does: the in-cluster service
+account (its projected token re-read as it rotates), else the kubeconfig
+(KUBECONFIG or ~/.kube/config) with client certificates, bearer tokens and
+exec credential plugins. The operator hands the same Connection to kopf's
+login handler, so kopf's watches and our requests present the same identity.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def in_cluster_namespace() -> str | None:
+    """The namespace of this pod's service account, or None outside a cluster."""
+    try:
+        return (SERVICE_ACCOUNT_DIR / "namespace").read_text().strip() or None
+    except OSError:
+        return None
+
+
+class NoConfiguration(Exception):
+    """Neither an in-cluster service account nor a kubeconfig was found."""
+
+
+@dataclass
+class Connection:
+    """An API server address and the credentials for it."""
+
+    server: str
+    token: str | None = None
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    insecure: bool = False
+    # Refreshes `token` (exec plugins, rotated in-cluster tokens); from the kubernetes client.
+    refresh: Any = field(default=None, repr=False)
+
+    @classmethod
+    def for_url(cls, url: str) -> Connection:
+        """A plain address with no credentials: `kubectl proxy`, or a test API server."""
+        return cls(server=url.rstrip("/"))
+
+    @classmethod
+    def from_environment(cls, context: str | None = None) -> Connection:
+        """In-cluster service account, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+        from kubernetes import client, config
+
+        cfg = client.Configuration()
+        try:
+            config.load_incluster_config(client_configuration=cfg)
+        except config.ConfigException:
+            try:
+                config.load_kube_config(context=context, client_configuration=cfg)
+            except (config.ConfigException, OSError) as exc:
+                raise NoConfiguration(
+                    f"no Kubernetes configuration: not in a cluster and no usable kubeconfig ({exc})") from exc
+        connection = cls(
+            server=cfg.host.rstrip("/"),
+            ca_file=cfg.ssl_ca_cert,
+            cert_file=cfg.cert_file,
+            key_file=cfg.key_file,
+            insecure=not cfg.verify_ssl,
+        )
+
+        def refresh() -> None:
+            if cfg.refresh_api_key_hook is not None:
+                cfg.refresh_api_key_hook(cfg)
+            # The key's name differs across client versions; its header does not.
+            header = next((auth["value"] for auth in cfg.auth_settings().values()
+                           if isinstance(auth, dict) and auth.get("in") == "header"
+                           and auth.get("key", "").lower() == "authorization"), None)
+            connection.token = header.removeprefix("Bearer ").strip() if header else None
+
+        refresh()
+        connection.refresh = refresh
+        return connection
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """What aiohttp's connector takes: False for plain HTTP or when verification is off."""
+        if not self.server.startswith("https"):
+            return False
+        if self.insecure:
+            return False
+        context = ssl.create_default_context(cafile=self.ca_file)
+        if self.cert_file:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        return context
