@@ -29,7 +29,7 @@ SYSTEM_NAMESPACE = os.environ.get("TF_E2E_SYSTEM_NAMESPACE", "tensorfleet-system
 RELEASE = os.environ.get("TF_E2E_RELEASE", "tensorfleet")
 TIMEOUT = float(os.environ.get("TF_E2E_TIMEOUT", "300"))
 CHILD_KINDS = ("statefulsets,deployments,replicasets,services,endpointslices,horizontalpodautoscalers,"
-               "poddisruptionbudgets,serviceaccounts,roles,rolebindings,pods,controllerrevisions")
+               "poddisruptionbudgets,serviceaccounts,roles,rolebindings,networkpolicies,pods,controllerrevisions")
 
 
 class KubectlError(AssertionError):

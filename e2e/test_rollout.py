@@ -134,6 +134,7 @@ def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphan
         "Deployment": {contract.router_name(name)},
         "Service": {name, contract.engine_service_name(name), contract.workers_service_name(name)},
         "PodDisruptionBudget": {contract.pdb_name(name)},
+        "NetworkPolicy": {contract.engine_service_name(name), contract.router_name(name)},
         "ServiceAccount": {contract.router_name(name)},
         "Role": {contract.router_name(name)},
         "RoleBinding": {contract.router_name(name)},

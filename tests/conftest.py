@@ -61,6 +61,15 @@ def isvc_doc(spec: dict[str, Any] | None = None, name: str = "demo", **metadata:
     }
 
 
+def sim_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
+    """A simulator InferenceService on L4 (2 groups, 1 router) with `spec` merged over it, for operator tests."""
+    base: dict[str, Any] = {"engine": {"kind": "simulator"}, "parallelism": {"tensor": 1},
+                            "accelerator": {"type": "L4"}, "replicas": 2, "router": {"replicas": 1}}
+    for key, value in spec.items():
+        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+    return isvc_doc(base, name=name)
+
+
 @pytest.fixture(params=[name for name, _ in example_documents()] or ["<none>"])
 def example(request: pytest.FixtureRequest) -> dict[str, Any]:
     docs = dict(example_documents())

@@ -15,6 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pod_security import violations
 
 from tensorfleet import contract
 from tensorfleet.cli import build_parser
@@ -47,6 +48,11 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "outside-cluster": {"webhook": {"url": "https://127.0.0.1:9443/spec"}, "operator": {"replicas": 0}},
     "outside-cluster-cert-manager": {"webhook": {"url": "https://host.docker.internal:9443/spec",
                                                  "certManager": {"enabled": True}}},
+    "network-policy-off": {"networkPolicy": {"enabled": False}},
+    "network-policy-tight": {"networkPolicy": {"monitoringNamespaces": [], "webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/28"}}]},
+                             "webhook": {"enabled": False}},
+    "network-policy-loose": {"networkPolicy": {"monitoringNamespaces": ["monitoring", "prometheus"], "extraIngress": [
+        {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 9090}]}]}},
 }
 
 
@@ -222,6 +228,42 @@ def test_restricted_pod_security(chart: Any, name: str) -> None:
         assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert not pod.get("hostNetwork") and not pod.get("hostPID")
     assert all("hostPath" not in v for v in pod.get("volumes", []))
+    annotations = one(render(chart, VALUE_SETS[name]), "Deployment")["spec"]["template"]["metadata"].get("annotations")
+    assert violations(pod, annotations) == []
+
+
+def _namespaces_in(rule: dict[str, Any]) -> set[str]:
+    return {v for peer in rule.get("from", []) for e in peer.get("namespaceSelector", {}).get("matchExpressions", [])
+            if e["key"] == "kubernetes.io/metadata.name" and e["operator"] == "In" for v in e["values"]}
+
+
+def test_operator_network_policy(chart: Any) -> None:
+    objects = render(chart)
+    policy = one(objects, "NetworkPolicy")
+    deployment = one(objects, "Deployment")
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"], "egress stays open: the API server"
+    container = operator_container(objects)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    webhook, metrics = policy["spec"]["ingress"]
+    # The webhook port from anywhere: the API server cannot be selected.
+    assert webhook == {"ports": [{"protocol": "TCP", "port": ports["webhook"]}]}
+    assert metrics["ports"] == [{"protocol": "TCP", "port": ports["metrics"]}]
+    assert _namespaces_in(metrics) == {"monitoring"}
+    # Nothing else: not the health port (kubelet probes come from the node).
+    assert ports["health"] not in {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+
+    assert by_kind(render(chart, VALUE_SETS["network-policy-off"]), "NetworkPolicy") == []
+    tight = one(render(chart, VALUE_SETS["network-policy-tight"]), "NetworkPolicy")
+    assert tight["spec"]["ingress"] == [], "no webhook, no scrapers: nothing comes in"
+    narrowed = one(render(chart, {"networkPolicy": {"webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/28"}}]}}), "NetworkPolicy")
+    assert narrowed["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.0.0.0/28"}}]
+    loose = one(render(chart, VALUE_SETS["network-policy-loose"]), "NetworkPolicy")["spec"]["ingress"]
+    assert _namespaces_in(loose[1]) == {"monitoring", "prometheus"}
+    assert loose[2] == {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": 9090}]}
+    # With the operator outside the cluster the policy selects no pod and stays harmless.
+    assert one(render(chart, VALUE_SETS["outside-cluster"]), "NetworkPolicy")["spec"]["podSelector"] == \
+        one(render(chart, VALUE_SETS["outside-cluster"]), "Deployment")["spec"]["selector"]
 
 
 def test_self_signed_webhook_has_a_matching_ca_bundle(chart: Any, tmp_path: Path) -> None:
@@ -490,6 +532,8 @@ def test_notes_tell_the_next_command(chart: Any) -> None:
     ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
     ({"webhook": {"url": "http://127.0.0.1:9443/spec"}}, "/webhook/url"),
     ({"operator": {"replicas": -1}}, "/operator/replicas"),
+    ({"networkPolicy": {"monitoringNamespaces": ["Monitoring_NS"]}}, "/networkPolicy/monitoringNamespaces/0"),
+    ({"networkPolicy": {"enable": False}}, "enable"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(chart: Any, values: dict[str, Any], expected: str) -> None:
     with pytest.raises(helm.HelmValuesError) as caught:

@@ -16,7 +16,6 @@ from pathlib import Path
 import dockerfile
 
 from tensorfleet import contract
-from tensorfleet.render import router as router_render
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"
@@ -61,7 +60,7 @@ def test_final_stage_runs_as_the_numeric_uid_the_router_deployment_expects() -> 
     assert users, "the final stage must set USER"
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "numeric non-root, so runAsNonRoot can verify it"
-    assert int(uid) == router_render.RUN_AS_USER
+    assert int(uid) == contract.CONTROL_PLANE_UID
 
 
 def test_entrypoint_is_the_tensorfleet_command() -> None:

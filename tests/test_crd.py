@@ -126,6 +126,9 @@ def test_schema_rejects_what_models_reject() -> None:
         isvc_doc({"engine": {"gpuMemoryUtilization": 1.5}}),
         isvc_doc({"router": {"strategy": "random"}}),
         isvc_doc({"cache": {"size": "lots"}}),
+        isvc_doc({"networkPolicy": {"clientNamespaces": ["Ingress_NGINX"]}}),
+        isvc_doc({"networkPolicy": {"enabled": "yes"}}),
+        isvc_doc({"networkPolicy": {"monitoringNamespace": ["monitoring"]}}),
     ]
     for document in bad:
         with pytest.raises(jsonschema.ValidationError):

@@ -1,6 +1,7 @@
 """Every example plans, renders through the CLI, and every object validates
 against the official Kubernetes schemas (strict) of the oldest and newest
-supported versions."""
+supported versions; every pod template meets Pod Security `restricted` and
+NetworkPolicies isolate every example."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from conftest import EXAMPLES
+from pod_security import pod_templates, violations
 
 from tensorfleet import contract
 from tensorfleet.cli import main
@@ -45,6 +47,26 @@ def test_rendered_examples_validate_strictly(path: Path, version: str, capsys: p
     assert objects, "nothing rendered"
     for obj in objects:
         kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=EXAMPLE_IDS)
+def test_rendered_examples_meet_pod_security_restricted(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    templates = pod_templates(_render(path, capsys))
+    assert len(templates) >= 2, "engine StatefulSets and the router Deployment"
+    for name, pod, pod_annotations in templates:
+        assert violations(pod, pod_annotations) == [], f"{path.name}: {name}"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=EXAMPLE_IDS)
+def test_rendered_examples_are_isolated(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    objects = _render(path, capsys)
+    name = yaml.safe_load(path.read_text())["metadata"]["name"]
+    policies = {o["metadata"]["name"]: o for o in objects if o["kind"] == "NetworkPolicy"}
+    assert set(policies) == {f"{name}-engine", f"{name}-router"}
+    selected = [p["spec"]["podSelector"]["matchLabels"] for p in policies.values()]
+    for template in (o["spec"]["template"] for o in objects if o["kind"] in ("StatefulSet", "Deployment")):
+        labels = template["metadata"]["labels"]
+        assert sum(all(labels.get(k) == v for k, v in s.items()) for s in selected) == 1, "each pod under one policy"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=EXAMPLE_IDS)

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from conftest import isvc_doc
+from conftest import isvc_doc, sim_doc
 
 from tensorfleet import contract
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -19,14 +19,6 @@ from tensorfleet.testing.operator_harness import cluster, eventually, running_op
 pytestmark = pytest.mark.asyncio
 
 STS = ("apps/v1", "statefulsets")
-
-
-def sim_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
-    base = {"engine": {"kind": "simulator"}, "parallelism": {"tensor": 1}, "accelerator": {"type": "L4"},
-            "replicas": 2, "router": {"replicas": 1}}
-    for key, value in spec.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) and isinstance(base.get(key), dict) else value
-    return isvc_doc(base, name=name)
 
 
 async def test_create_makes_every_child_owned_and_reports_status() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from pod_security import pod_templates, violations
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
@@ -145,6 +146,8 @@ def test_names_follow_the_contract(doc: dict[str, Any], pipeline: int) -> None:
         ("Service", "llama"),
         ("Deployment", "llama-router"),
         ("PodDisruptionBudget", "llama-engine"),
+        ("NetworkPolicy", "llama-engine"),
+        ("NetworkPolicy", "llama-router"),
         *(("StatefulSet", f"llama-stage-{k}") for k in range(pipeline)),
     }
     if doc["spec"].get("autoscaling"):
@@ -201,7 +204,7 @@ def test_every_object_is_labelled(case: str) -> None:
         assert labels["app.kubernetes.io/version"] == contract.__version__
         is_router = obj["kind"] in {"ServiceAccount", "Role", "RoleBinding", "Deployment"} or (
             obj["kind"] == "Service" and obj["metadata"]["name"] == "llama"
-        )
+        ) or (obj["kind"] == "NetworkPolicy" and obj["metadata"]["name"] == "llama-router")
         expected = "router" if is_router else "engine"
         assert labels["app.kubernetes.io/component"] == expected, obj["kind"]
 
@@ -375,22 +378,27 @@ def test_leader_and_worker_pods() -> None:
         {"name": "ray", "containerPort": 6379, "protocol": "TCP"},
         {"name": "gpu-metrics", "containerPort": 9400, "protocol": "TCP"},
     ]
-    assert leader["spec"]["template"]["spec"]["securityContext"] == {"fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"}
-    http = {"httpGet": {"path": "/health", "port": "http"}}
-    assert container["startupProbe"] == {**http, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
-    assert container["readinessProbe"] == {**http, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
-    assert container["livenessProbe"] == {**http, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4}
+    assert leader["spec"]["template"]["spec"]["securityContext"] == {
+        "runAsNonRoot": True, "runAsUser": contract.WORKER_UID, "fsGroup": contract.WORKER_UID,
+        "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert container["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    vllm = {"httpGet": {"path": "/health", "port": "http"}}
+    # The launcher's /health on the GPU metrics port: GPUs (NVML) and, on stage 0, vLLM's /health.
+    pod = {"httpGet": {"path": "/health", "port": "gpu-metrics"}}
+    assert container["startupProbe"] == {**vllm, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
+    assert container["readinessProbe"] == {**pod, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+    # A restart mends no GPU: liveness stays with vLLM alone.
+    assert container["livenessProbe"] == {**vllm, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4}
     assert env_map(container)["TF_STAGE_INDEX"]["value"] == "0"
 
     for k, sts in enumerate(workers, start=1):
         container = engine(sts)
         assert container["ports"] == [{"name": "ray", "containerPort": 6379, "protocol": "TCP"},
                                       {"name": "gpu-metrics", "containerPort": 9400, "protocol": "TCP"}]
-        probe = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
-        assert container["startupProbe"] == {**probe, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
-        assert container["readinessProbe"]["exec"] == probe["exec"] and container["readinessProbe"]["periodSeconds"] == 5
-        assert container["livenessProbe"]["exec"] == probe["exec"] and container["livenessProbe"]["failureThreshold"] == 4
-        assert not any("httpGet" in container[p] for p in ("startupProbe", "readinessProbe", "livenessProbe"))
+        assert container["startupProbe"] == {**pod, "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": startup_failures}
+        assert container["readinessProbe"] == {**pod, "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3}
+        assert container["livenessProbe"] == {**pod, "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4}
         assert env_map(container)["TF_STAGE_INDEX"]["value"] == str(k)
 
 
@@ -522,7 +530,10 @@ def test_simulator_has_no_gpu() -> None:
         env = env_map(container)
         assert env["TF_ENGINE_KIND"]["value"] == "simulator"
         assert set(env) >= {"TF_LEADER_ADDRESS", "TF_MODEL", "TF_MAX_NUM_SEQS"}
-        assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        # The control-plane image's user; no GPU metrics port, so the simulator's own /health.
+        assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["runAsGroup"] == contract.CONTROL_PLANE_UID
+        assert pod["securityContext"]["runAsNonRoot"] is True
     bare = by_kind(rendered(document(engine={"kind": "simulator"})), "StatefulSet")[0]["spec"]["template"]["spec"]
     assert "tolerations" not in bare and "nodeSelector" not in bare and "affinity" not in bare
     sized = document(engine={"kind": "simulator", "resources": {"requests": {"cpu": "2"}}})
@@ -597,6 +608,163 @@ def test_router_rbac_is_minimal() -> None:
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-router"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama-router", "namespace": "ml"}]
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+
+
+# --- NetworkPolicies ----------------------------------------------------------------
+
+
+def _peers_admit(rule: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    """Whether a rule's `from` admits a pod with these labels in the policy's own namespace."""
+    return any("podSelector" in peer and "namespaceSelector" not in peer
+               and matches(peer["podSelector"].get("matchLabels", {}), pod_labels) for peer in rule["from"])
+
+
+def _namespaces_in(rule: dict[str, Any]) -> set[str]:
+    names: set[str] = set()
+    for peer in rule["from"]:
+        for expression in peer.get("namespaceSelector", {}).get("matchExpressions", []):
+            assert expression["key"] == "kubernetes.io/metadata.name" and expression["operator"] == "In"
+            names |= set(expression["values"])
+    return names
+
+
+def test_network_policies_isolate_engines_and_router() -> None:
+    objects = rendered(PIPELINE_3)
+    engine_policy = one(objects, "NetworkPolicy", "llama-engine")
+    router_policy = one(objects, "NetworkPolicy", "llama-router")
+    stage_pods = [s["spec"]["template"]["metadata"]["labels"] for s in by_kind(objects, "StatefulSet")]
+    router_pods = one(objects, "Deployment", "llama-router")["spec"]["template"]["metadata"]["labels"]
+    other_router = {**router_pods, "app.kubernetes.io/instance": "other", "tensorfleet.dev/inference-service": "other"}
+    other_engine = {**stage_pods[0], "app.kubernetes.io/instance": "other", "tensorfleet.dev/inference-service": "other"}
+
+    for policy in (engine_policy, router_policy):
+        assert policy["apiVersion"] == "networking.k8s.io/v1"
+        assert policy["spec"]["policyTypes"] == ["Ingress"], "egress stays open (model downloads, the API server)"
+        assert "egress" not in policy["spec"]
+    # The engine policy covers every stage's pods and no router pod.
+    selected = engine_policy["spec"]["podSelector"]["matchLabels"]
+    assert all(matches(selected, pods) for pods in stage_pods) and not matches(selected, router_pods)
+    from_router, peers, monitoring = engine_policy["spec"]["ingress"]
+    # The API port, from this InferenceService's router pods only.
+    assert from_router["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT}]
+    assert _peers_admit(from_router, router_pods) and not _peers_admit(from_router, other_router)
+    assert not any(_peers_admit(from_router, pods) for pods in stage_pods)
+    # Every port (Ray, NCCL), between this InferenceService's engine pods only.
+    assert "ports" not in peers
+    assert all(_peers_admit(peers, pods) for pods in stage_pods)
+    assert not _peers_admit(peers, router_pods) and not _peers_admit(peers, other_engine)
+    # Metrics: vLLM's /metrics shares the API port; the GPU gauges have their own.
+    assert monitoring["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT},
+                                   {"protocol": "TCP", "port": contract.WORKER_METRICS_PORT}]
+    assert _namespaces_in(monitoring) == {"monitoring"} and len(monitoring["from"]) == 1
+
+    assert matches(router_policy["spec"]["podSelector"]["matchLabels"], router_pods)
+    assert not any(matches(router_policy["spec"]["podSelector"]["matchLabels"], pods) for pods in stage_pods)
+    (clients,) = router_policy["spec"]["ingress"]
+    assert clients["ports"] == [{"protocol": "TCP", "port": contract.ROUTER_PORT}]
+    # By default: any pod of the InferenceService's own namespace, and the monitoring namespace.
+    assert {"podSelector": {}} in clients["from"]
+    assert _namespaces_in(clients) == {"monitoring"}
+    assert not any("ipBlock" in peer for peer in clients["from"])
+
+
+def test_network_policy_settings() -> None:
+    doc = document(networkPolicy={
+        "clientNamespaces": ["ingress-nginx", "gateway"],
+        "clientCIDRs": ["10.0.0.0/8", "2001:db8::/32"],
+        "monitoringNamespaces": ["prometheus", "gateway"],
+    })
+    objects = rendered(doc)
+    (clients,) = one(objects, "NetworkPolicy", "llama-router")["spec"]["ingress"]
+    assert _namespaces_in(clients) == {"ingress-nginx", "gateway", "prometheus"}
+    assert [p["ipBlock"] for p in clients["from"] if "ipBlock" in p] == [{"cidr": "10.0.0.0/8"}, {"cidr": "2001:db8::/32"}]
+    monitoring = one(objects, "NetworkPolicy", "llama-engine")["spec"]["ingress"][2]
+    assert _namespaces_in(monitoring) == {"prometheus", "gateway"}
+    # Client namespaces reach the router only, never the engines.
+    engine_rules = one(objects, "NetworkPolicy", "llama-engine")["spec"]["ingress"]
+    assert "ingress-nginx" not in set().union(*(_namespaces_in(r) for r in engine_rules))
+
+    quiet = rendered(document(networkPolicy={"monitoringNamespaces": []}))
+    assert len(one(quiet, "NetworkPolicy", "llama-engine")["spec"]["ingress"]) == 2
+    assert one(quiet, "NetworkPolicy", "llama-router")["spec"]["ingress"][0]["from"] == [{"podSelector": {}}]
+
+    assert by_kind(rendered(document(networkPolicy={"enabled": False})), "NetworkPolicy") == []
+
+    # The simulator has no GPU gauges: only the API port is scraped.
+    sim = one(rendered(SIMULATOR), "NetworkPolicy", "llama-engine")["spec"]["ingress"][2]
+    assert sim["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT}]
+
+
+def test_network_policies_come_before_the_pods_they_protect() -> None:
+    kinds = [o["kind"] for o in rendered(PIPELINE_2)]
+    last_policy = max(i for i, k in enumerate(kinds) if k == "NetworkPolicy")
+    assert last_policy < kinds.index("StatefulSet") and last_policy < kinds.index("Deployment")
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("clientCIDRs", ["10.0.0.1/8"], "host bits set"),
+    ("clientCIDRs", ["10.0.0.1"], "needs its prefix length"),
+    ("clientCIDRs", ["anywhere"], "is not a CIDR"),
+    ("clientNamespaces", ["Ingress_NGINX"], "clientNamespaces"),
+    ("monitoringNamespaces", ["monitoring", "monitoring"], "listed more than once"),
+    ("enable", True, "enable"),
+])
+def test_network_policy_mistakes_name_the_field(field: str, value: Any, says: str) -> None:
+    from tensorfleet.api import SpecError
+
+    with pytest.raises(SpecError) as caught:
+        load_inference_service(document(networkPolicy={field: value}))
+    assert "networkPolicy" in str(caught.value) and says in str(caught.value)
+
+
+# --- Pod Security ----------------------------------------------------------------------
+
+SIMULATOR_PIPELINE_2 = document(engine={"kind": "simulator"}, parallelism={"tensor": 1, "pipeline": 2})
+
+
+@pytest.mark.parametrize("doc", [*CASES.values(), SIMULATOR_PIPELINE_2], ids=[*CASES, "simulator-pipeline-2"])
+def test_every_pod_meets_the_restricted_profile(doc: dict[str, Any]) -> None:
+    templates = pod_templates(rendered(doc))
+    assert {name.split("/")[0] for name, _, _ in templates} == {"StatefulSet", "Deployment"}
+    for name, pod, pod_annotations in templates:
+        assert violations(pod, pod_annotations) == [], name
+
+
+def test_the_restricted_check_is_real() -> None:
+    """Each rule of the profile, broken once on a rendered pod, is caught."""
+    base = by_kind(rendered(PIPELINE_2), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert violations(base) == []
+
+    def broken(change: Any) -> list[str]:
+        pod = copy.deepcopy(base)
+        change(pod, pod["containers"][0])
+        return violations(pod)
+
+    cases = {
+        "hostNetwork": lambda p, c: p.update(hostNetwork=True),
+        "privileged": lambda p, c: c["securityContext"].update(privileged=True),
+        "allowPrivilegeEscalation": lambda p, c: c["securityContext"].pop("allowPrivilegeEscalation"),
+        "capabilities.drop": lambda p, c: c["securityContext"].pop("capabilities"),
+        "capabilities.add": lambda p, c: c["securityContext"]["capabilities"].update(add=["IPC_LOCK"]),
+        "runAsNonRoot": lambda p, c: p["securityContext"].pop("runAsNonRoot"),
+        "runAsUser must not be 0": lambda p, c: p["securityContext"].update(runAsUser=0),
+        "seccompProfile": lambda p, c: p["securityContext"].pop("seccompProfile"),
+        "hostPath": lambda p, c: p["volumes"].append({"name": "host", "hostPath": {"path": "/dev/infiniband"}}),
+        "hostPort": lambda p, c: c["ports"][0].update(hostPort=8000),
+        "nfs is not an allowed volume type": lambda p, c: p["volumes"].append({"name": "n", "nfs": {"server": "s", "path": "/"}}),
+        "sysctl": lambda p, c: p["securityContext"].update(sysctls=[{"name": "kernel.msgmax", "value": "1"}]),
+    }
+    for says, change in cases.items():
+        found = broken(change)
+        assert found and any(says.split()[0] in line for line in found), (says, found)
+    # NET_BIND_SERVICE is the one capability restricted allows adding.
+    assert broken(lambda p, c: c["securityContext"]["capabilities"].update(add=["NET_BIND_SERVICE"])) == []
+    # Container-level settings satisfy the pod-level rules too.
+    def per_container(p: dict[str, Any], c: dict[str, Any]) -> None:
+        p["securityContext"].pop("seccompProfile")
+        p["securityContext"].pop("runAsNonRoot")
+        c["securityContext"].update(seccompProfile={"type": "Localhost", "localhostProfile": "x.json"}, runAsNonRoot=True)
+    assert broken(per_container) == []
 
 
 # --- HPA and PDB ---------------------------------------------------------------------

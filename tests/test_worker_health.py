@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,3 +376,143 @@ def test_accelerator_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
     assert gpus.accelerator_mismatch(snapshot, "A100-80GB") is None
     message = gpus.accelerator_mismatch(snapshot, "H100-80GB")
     assert message and "plan was made for H100-80GB" in message and "NVIDIA A100-SXM4-80GB" in message
+
+
+# --- the pod's /health (the GPU pods' readiness probe) -------------------------------
+
+class _FakeEngine:
+    """vLLM's /health on loopback, answering whatever `status` says."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.status = 200
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(engine.status if self.path == contract.HEALTH_PATH else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as answer:
+            return answer.status, answer.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _launcher(tmp_path: Path, **role: Any) -> Any:
+    from tensorfleet.worker.launcher import Launcher, Options
+    from tensorfleet.worker.role import Role
+
+    logs: list[str] = []
+    fields = {"model": "m", "served_model_name": "m", "tensor_parallel_size": 2,
+              "gpu_metrics_port": free_port(), **role}
+    launcher = Launcher(Role.model_validate(fields), {}, Options(state_path=str(tmp_path / "state.json")),
+                        log=logs.append)
+    return launcher, logs
+
+
+def test_the_leaders_health_needs_its_gpus_and_its_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    devices = [FakeGpu(), FakeGpu()]
+    install_fake_nvml(monkeypatch, devices)
+    engine = _FakeEngine()
+    launcher, logs = _launcher(tmp_path, engine_port=engine.port, stage_index=0)
+    port = launcher.role.gpu_metrics_port
+    server = metrics.serve(port, metrics.GpuCollector(gpus.Thresholds(min_gpus=2)), addr="127.0.0.1",
+                           health=launcher.pod_health)
+    url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
+    try:
+        code, body = _get(url)
+        assert code == 503 and body.startswith("launcher: starting")
+        launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
+        code, body = _get(url)
+        assert code == 200, body
+        assert f"engine: http://127.0.0.1:{engine.port}/health answered 200" in body
+        assert body.splitlines()[-1] == "healthy: 2 of 2 GPU(s) ok; tensor parallel needs 2"
+        # vLLM up but a GPU unhealthy: the leader leaves the Service.
+        devices[1].temperature = 95
+        code, body = _get(url)
+        assert code == 503 and body.splitlines()[-1] == "unhealthy: GPU 1 is hot: 95 C >= 87 C"
+        devices[1].temperature = 45
+        # GPUs fine but vLLM not: not ready either.
+        engine.status = 503
+        code, body = _get(url)
+        assert code == 503 and "answered 503" in body.splitlines()[-1]
+        engine.close()
+        code, body = _get(url)
+        assert code == 503 and "did not answer" in body.splitlines()[-1]
+        # A fatal XID the launcher saw.
+        engine = _FakeEngine()
+        launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
+        assert _get(url)[0] == 200
+        launcher.state.add_xid(0, 79)
+        code, body = _get(url)
+        assert code == 503 and "GPU 0 reported XID 79 (fatal" in body
+        # The gauges are still served beside it; other paths are not.
+        code, text = _get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")
+        assert code == 200 and promtext.value(text, contract.GPU_METRIC_VISIBLE) == 2
+        assert _get(f"http://127.0.0.1:{port}/nothing")[0] == 404
+    finally:
+        server.shutdown()
+        engine.close()
+    # Each turn between healthy and unhealthy is logged once, with its reason; not every probe.
+    verdicts = [line.removeprefix("pod health: ") for line in logs if line.startswith("pod health: ")]
+    assert [v.split(":")[0] for v in verdicts] == ["unhealthy", "healthy", "unhealthy", "healthy", "unhealthy"], verdicts
+    assert verdicts[2] == "unhealthy: GPU 1 is hot: 95 C >= 87 C"
+
+
+def test_a_worker_stage_health_needs_its_gpus_and_ray_not_an_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    install_fake_nvml(monkeypatch, [FakeGpu()])
+    launcher, _ = _launcher(tmp_path, tensor_parallel_size=1, stage_index=1, pipeline_parallel_size=2,
+                            engine_port=free_port())
+    launcher.state.phase(statefile.PHASE_WAITING_LEADER, "leader.svc:6379")
+    healthy, lines = launcher.pod_health()
+    assert not healthy and lines[0].startswith("launcher: waiting-for-leader")
+    launcher.state.phase(statefile.PHASE_RUNNING, "Ray worker joined")
+    healthy, lines = launcher.pod_health()
+    assert healthy, lines
+    assert not any(line.startswith("engine:") for line in lines), "stage > 0 serves no HTTP"
+
+
+def test_no_nvml_is_not_ready(tmp_path: Path) -> None:
+    """This machine has no driver: a GPU pod that cannot read its GPUs is not ready."""
+    engine = _FakeEngine()
+    try:
+        launcher, _ = _launcher(tmp_path, engine_port=engine.port)
+        launcher.state.phase(statefile.PHASE_RUNNING)
+        healthy, lines = launcher.pod_health()
+    finally:
+        engine.close()
+    assert not healthy and "cannot check GPU health" in lines[-1]
+
+
+def test_the_launcher_stops_when_it_cannot_serve_its_health(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import socket
+
+    from tensorfleet.worker.errors import EXIT_START_FAILED, WorkerError
+
+    install_fake_nvml(monkeypatch, [FakeGpu(), FakeGpu()])
+    launcher, _ = _launcher(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", launcher.role.gpu_metrics_port))
+        taken.listen()
+        with pytest.raises(WorkerError) as caught:
+            launcher._gpu_side()
+        launcher._stop_background.set()
+    assert caught.value.code == EXIT_START_FAILED
+    assert f":{launcher.role.gpu_metrics_port}" in str(caught.value) and "readiness" in str(caught.value)

@@ -70,6 +70,10 @@ PORT_NAME_GPU_METRICS: Final = "gpu-metrics"
 # The worker image's non-root user (worker-image/Dockerfile ARG TENSORFLEET_UID);
 # engine pods use it as fsGroup so a PVC-backed model cache is writable.
 WORKER_UID: Final = 10001
+# The control-plane image's non-root user (./Dockerfile `USER 65532:65532`,
+# distroless' conventional unprivileged uid): router and simulator pods run as
+# it, numeric so runAsNonRoot can be verified whatever user an image names.
+CONTROL_PLANE_UID: Final = 65532
 
 # --- Paths -----------------------------------------------------------------
 HEALTH_PATH: Final = "/health"
@@ -161,6 +165,7 @@ ROUTER_COMPONENT: Final = "tensorfleet-router"
 ENV_OPERATOR_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_OPERATOR_POD_NAME: Final = "POD_NAME"            # the leader-election identity
 ENV_WATCH_NAMESPACES: Final = "WATCH_NAMESPACES"     # comma-separated, like repeated -n
+ENV_ALLOWED_REGISTRIES: Final = "TENSORFLEET_ALLOWED_REGISTRIES"  # comma-separated, like repeated --allowed-registry
 ENV_DEFAULT_WORKER_IMAGE: Final = "TENSORFLEET_WORKER_IMAGE"
 ENV_DEFAULT_CONTROL_PLANE_IMAGE: Final = "TENSORFLEET_CONTROL_PLANE_IMAGE"
 # Its metrics. Counters are named without `_total`; prometheus-client appends it on the wire.

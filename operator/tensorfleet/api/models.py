@@ -12,6 +12,7 @@ reads the spec.
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
@@ -369,6 +370,69 @@ class CacheSpec(ApiModel):
     )
 
 
+NamespaceName = Annotated[str, Field(min_length=1, max_length=63, pattern=DNS_1123_LABEL_PATTERN)]
+# ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff/128 is the longest CIDR.
+Cidr = Annotated[str, Field(min_length=4, max_length=43)]
+DEFAULT_MONITORING_NAMESPACES = ("monitoring",)
+
+
+class NetworkPolicySpec(ApiModel):
+    """Who may reach this InferenceService's pods: NetworkPolicies the operator renders and owns."""
+
+    enabled: bool = Field(
+        default=True,
+        description=(
+            "Render NetworkPolicies that isolate this InferenceService: engines accept the router, their own peers "
+            "(Ray, NCCL) and metrics scrapers only; the router accepts the namespaces and CIDRs below. "
+            "false renders none (the namespace's own policies, if any, apply). Default: true."
+        ),
+    )
+    client_namespaces: list[NamespaceName] = Field(
+        default_factory=list, max_length=64,
+        description=(
+            "Namespaces, besides the InferenceService's own, whose pods may call the router (the OpenAI endpoint), "
+            "e.g. your Ingress or Gateway controller's (ingress-nginx). Default: none (only its own namespace)."
+        ),
+    )
+    client_cidrs: list[Cidr] = Field(
+        default_factory=list, max_length=64, alias="clientCIDRs",
+        description=(
+            "Addresses outside the pod network that may call the router, as CIDRs: an Ingress controller on the "
+            "host network (its nodes' addresses), a load balancer that keeps client addresses. "
+            "0.0.0.0/0 and ::/0 open it to anyone. Default: none."
+        ),
+    )
+    monitoring_namespaces: list[NamespaceName] = Field(
+        default_factory=lambda: list(DEFAULT_MONITORING_NAMESPACES), max_length=64,
+        description=(
+            "Namespaces whose pods may scrape metrics: the engines' /metrics on their API port 8000 (vLLM serves "
+            "both on one port, and a NetworkPolicy cannot tell paths apart), their GPU gauges (9400), and the "
+            "router's /metrics (8080). Prometheus must reach them for spec.autoscaling. [] for none. "
+            f"Default: [{', '.join(DEFAULT_MONITORING_NAMESPACES)}]."
+        ),
+    )
+
+    @field_validator("client_cidrs")
+    @classmethod
+    def _cidrs(cls, value: list[str]) -> list[str]:
+        for index, text in enumerate(value):
+            try:
+                ipaddress.ip_network(text, strict=True)
+            except ValueError as exc:
+                raise ValueError(f"item {index} {text!r} is not a CIDR such as 10.0.0.0/8 or 2001:db8::/32 ({exc})") from None
+            if "/" not in text:
+                raise ValueError(f"item {index} {text!r} needs its prefix length, e.g. {text}/32")
+        return value
+
+    @field_validator("client_namespaces", "monitoring_namespaces")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        repeated = sorted({name for name in value if value.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once")
+        return value
+
+
 class SecretKeyRef(ApiModel):
     name: str = Field(min_length=1, max_length=253, description="Secret name, in the InferenceService's namespace.")
     key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the Hugging Face token. Default: token.")
@@ -394,6 +458,10 @@ class InferenceServiceSpec(ApiModel):
     cache: CacheSpec = Field(default_factory=CacheSpec, description="Model cache volume of each engine pod.")
     hf_token_secret_ref: SecretKeyRef | None = Field(
         default=None, alias="hfTokenSecretRef", description="Secret key holding a Hugging Face token, for gated models."
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="NetworkPolicies isolating the engines and the router. Default: rendered (see networkPolicy.enabled).",
     )
 
 

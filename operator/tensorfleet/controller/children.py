@@ -1,5 +1,13 @@
 """Applying one child object: the behaviour every kind shares, which a kind may extend.
 
+Nothing is written that is not ours: before a child is applied, the live
+object of that name must be absent or controlled (ownerReferences,
+`controller: true`) by this InferenceService's uid (`controlled_by`).
+Anything else is a conflict the reconciler reports and leaves alone, along
+with whatever would use it (`uses`): a router Deployment never runs under a
+ServiceAccount, and a RoleBinding never grants a Role, that the operator did
+not create.
+
 The reconciler looks each desired object's handler up by kind
 (`reconcile.CHILD_HANDLERS`); kinds not listed there get `ChildHandler`:
 server-side apply, then remember the result in the cache until its watch
@@ -19,6 +27,34 @@ from tensorfleet.kube.events import EventRecorder
 from tensorfleet.kube.resources import Kind
 
 log = logging.getLogger(__name__)
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    """Whether `obj`'s controller (the ownerReference with controller: true) is the object with `uid`."""
+    return any(ref.get("uid") == uid and ref.get("controller")
+               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def whose(obj: dict[str, Any]) -> str:
+    """Who controls `obj`, for a person reading a conflict message."""
+    controller = next((ref for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
+                       if ref.get("controller")), None)
+    if controller is None:
+        return "it was not created by this InferenceService"
+    return f"it is controlled by {controller.get('kind')} {controller.get('name')} (uid {controller.get('uid')})"
+
+
+def uses(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (kind, name) of the identities `obj` would run as or grant: its pods' ServiceAccount, a binding's Role."""
+    found: list[tuple[str, str]] = []
+    pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    if pod.get("serviceAccountName"):
+        found.append(("ServiceAccount", pod["serviceAccountName"]))
+    if obj.get("kind") == "RoleBinding":
+        ref = obj.get("roleRef") or {}
+        found.append((ref.get("kind", "Role"), ref.get("name", "")))
+        found += [("ServiceAccount", s["name"]) for s in obj.get("subjects") or [] if s.get("kind") == "ServiceAccount"]
+    return found
 
 
 @dataclass(frozen=True)

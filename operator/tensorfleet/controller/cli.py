@@ -36,6 +36,13 @@ def register(commands: Any) -> None:
     tuning.add_argument("--control-plane-image", default=os.environ.get(contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE) or None,
                         help=f"default router and simulator image (env {contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE}; "
                              "default: the control-plane image of this release)")
+    policy = run.add_argument_group("policy")
+    policy.add_argument("--allowed-registry", dest="allowed_registries", action="append", default=None,
+                        metavar="PREFIX",
+                        help="InferenceServices may name only images under this registry host or host/path, e.g. "
+                             "registry.example.com or nvcr.io/nvidia (repeatable; env "
+                             f"{contract.ENV_ALLOWED_REGISTRIES}=a,b); default: any registry. Enforced by the webhook "
+                             "and at reconcile; the operator's default images are always allowed")
     election = run.add_argument_group("leader election")
     election.add_argument("--no-leader-election", action="store_true",
                           help="reconcile without holding the Lease (only for a single replica)")
@@ -68,7 +75,7 @@ def register(commands: Any) -> None:
 
 
 def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None) -> list[dict[str, Any]]:
-    """RBAC objects granting exactly controller.resources' verbs; cluster-wide unless namespaces are given."""
+    """RBAC objects granting exactly kube.resources' verbs; cluster-wide unless namespaces are given."""
     from tensorfleet import contract
     from tensorfleet.kube.resources import rbac_rules
 
@@ -126,12 +133,18 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
     from tensorfleet.render import Images
 
     webhook = None
+    if args.webhook_port and not args.webhook_insecure and not (args.webhook_cert and args.webhook_key):
+        raise ValueError("--webhook-port needs --webhook-cert and --webhook-key (or --webhook-insecure for local runs)")
+    registries = tuple(args.allowed_registries or _env_list(contract.ENV_ALLOWED_REGISTRIES))
+    for prefix in registries:
+        if not prefix.strip("/") or "://" in prefix or any(c.isspace() for c in prefix):
+            raise ValueError(f"--allowed-registry {prefix!r}: give a registry host or host/path, "
+                             "such as registry.example.com or nvcr.io/nvidia")
     if args.webhook_port:
-        if not args.webhook_insecure and not (args.webhook_cert and args.webhook_key):
-            raise ValueError("--webhook-port needs --webhook-cert and --webhook-key (or --webhook-insecure for local runs)")
         webhook = WebhookConfig(port=args.webhook_port, certfile=args.webhook_cert, keyfile=args.webhook_key,
-                                insecure=args.webhook_insecure)
+                                insecure=args.webhook_insecure, allowed_registries=registries)
     return OperatorConfig(
+        allowed_registries=registries,
         namespaces=args.namespaces or _env_list(contract.ENV_WATCH_NAMESPACES),
         workers=args.workers,
         resync_seconds=args.resync_seconds,

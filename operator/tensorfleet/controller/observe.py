@@ -110,6 +110,54 @@ class Group:
     def terminating(self) -> bool:
         return any(is_terminating(pod) for pod in self.pods.values())
 
+    def broken(self, pipeline: int) -> str | None:
+        """Why this multi-node group can no longer serve and must restart as a whole, or None.
+
+        vLLM cannot take a lost pipeline stage back: once a member's engine
+        process died (a container restart), or a member left the group after
+        the leader formed it, the survivors hold a broken Ray cluster.
+        LeaderWorkerSet answers this by recreating the group; so does this.
+
+        "After the leader formed it" is read off timestamps, so no timer is
+        needed and a group still starting is never mistaken for a broken one:
+        a member created after the leader turned Ready is a replacement (the
+        one it replaced was deleted or evicted), and a member whose Ready went
+        False after that has failed (its readiness includes GPU health). A
+        member stuck in a crash loop is left alone (restarting its group again
+        cannot help, and Degraded says why), as is a group already going away.
+        """
+        if pipeline < 2 or self.terminating() or any(pod_problem(pod) for pod in self.pods.values()):
+            return None
+        for stage, pod in sorted(self.pods.items()):
+            restarted = max((c.get("restartCount") or 0 for c in pod.get("status", {}).get("containerStatuses") or []),
+                            default=0)
+            if restarted:
+                return f"stage {stage} pod {pod['metadata']['name']} restarted (restartCount {restarted})"
+        leader = self.pods.get(0)
+        formed = _ready_since(leader) if leader is not None and pod_ready(leader) else None
+        if formed is None:
+            return None
+        for stage, member in sorted(self.pods.items()):
+            if stage == 0:
+                continue
+            created = member.get("metadata", {}).get("creationTimestamp") or ""
+            if created > formed:
+                return f"stage {stage} pod {member['metadata']['name']} was replaced after the group formed"
+            ready = _condition(member, "Ready")
+            if ready is not None and ready.get("status") != "True" and (ready.get("lastTransitionTime") or "") > formed:
+                return f"stage {stage} pod {member['metadata']['name']} stopped being Ready"
+        return None
+
+
+def _condition(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in pod.get("status", {}).get("conditions") or [] if c.get("type") == type_), None)
+
+
+def _ready_since(pod: dict[str, Any]) -> str | None:
+    """When the pod turned Ready (RFC 3339, which sorts as text), or None when unknown."""
+    ready = _condition(pod, "Ready")
+    return (ready or {}).get("lastTransitionTime") or None
+
 
 @dataclass
 class Observation:
@@ -146,6 +194,15 @@ class Observation:
     def unschedulable(self) -> list[dict[str, Any]]:
         """Pods of the wanted groups that the scheduler could not place."""
         return [pod for group in self._current() for _, pod in sorted(group.pods.items()) if pod_unschedulable(pod)]
+
+    def groups_to_restart(self) -> dict[int, str]:
+        """Broken multi-node groups (see Group.broken), by index, with the reason."""
+        found = {}
+        for group in self._current():
+            reason = group.broken(self.pipeline)
+            if reason:
+                found[group.index] = reason
+        return found
 
     def groups_to_replace(self) -> list[int]:
         """Groups to delete now to roll a multi-stage rollout, at most one serving group at a time.

@@ -28,7 +28,7 @@ from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Key, Reconciler
 from tensorfleet.controller.webhook import WebhookConfig
 from tensorfleet.kube.cache import Cache
-from tensorfleet.kube.client import Kube
+from tensorfleet.kube.client import ApiError, Kube
 from tensorfleet.kube.connection import Connection
 from tensorfleet.kube.events import EventRecorder
 from tensorfleet.kube.lease import LeaderElector, LostLease
@@ -54,6 +54,8 @@ class OperatorConfig:
     api_timeout_seconds: float = 30.0
     webhook: WebhookConfig | None = None
     images: Images = field(default_factory=Images)
+    # Image prefixes InferenceServices may name (empty: any), enforced by webhook and reconciler alike.
+    allowed_registries: tuple[str, ...] = ()
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -79,6 +81,10 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     return settings
 
 
+# The API server gives a webhook 10 s by default; a lookup must leave room for the answer.
+WEBHOOK_API_TIMEOUT_SECONDS = 5.0
+
+
 def _count_request(method: str, kind: str, error: str | None) -> None:
     metrics.API_REQUESTS.labels(method=method, kind=kind).inc()
     if error is not None:
@@ -94,7 +100,7 @@ class Operator:
         self.kube = Kube(connection, timeout=config.api_timeout_seconds, observe=_count_request)
         self.cache = Cache(INFERENCE_SERVICE, (*CHILD_KINDS, POD))
         self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), self.cache,
-                                     images=config.images)
+                                     images=config.images, allowed_registries=config.allowed_registries)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
@@ -142,9 +148,24 @@ class Operator:
     async def run(self) -> None:
         """Run until stopped, or until the leader lease is lost (then raise LostLease)."""
         health = await self._serve_health()
-        # Every replica validates, standbys included (the webhook is stateless).
-        admission = await webhook.serve(self.config.webhook) if self.config.webhook is not None else None
+        # Every replica validates, standbys included. The webhook has a client of
+        # its own (its own connection pool and a short timeout), so reviews
+        # cannot take the reconciler's connections, nor the reverse.
+        reviews = Kube(self.connection, timeout=WEBHOOK_API_TIMEOUT_SECONDS, observe=_count_request)
+        admission = None
         try:
+            if self.config.webhook is not None:
+                await reviews.__aenter__()
+
+                async def lookup(namespace: str, name: str) -> dict[str, Any] | None:
+                    """Another InferenceService, for the collision check; None when it cannot be read."""
+                    try:
+                        return await reviews.get(INFERENCE_SERVICE, namespace, name)
+                    except ApiError as exc:  # admit: the reconciler still refuses to take over what is not ours
+                        log.warning("admission: could not read InferenceService %s/%s: %s", namespace, name, exc)
+                        return None
+
+                admission = await webhook.serve(self.config.webhook, lookup=lookup)
             async with self.kube:
                 elector = None
                 if self.config.leader_election:
@@ -167,6 +188,7 @@ class Operator:
         finally:
             if admission is not None:
                 await admission.cleanup()
+            await reviews.close()
             if health is not None:
                 await health.cleanup()
 

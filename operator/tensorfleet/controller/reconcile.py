@@ -20,15 +20,16 @@ from __future__ import annotations
 import datetime
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.controller import metrics
-from tensorfleet.controller.children import ChildHandler, Context
+from tensorfleet.controller.children import ChildHandler, Context, controlled_by, uses, whose
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.observe import Observation, is_terminating, observe
+from tensorfleet.controller.policy import check_images
 from tensorfleet.controller.statefulsets import StatefulSetHandler, roll_groups
 from tensorfleet.controller.status import (
     PLAN_VALID,
@@ -77,8 +78,9 @@ class Reconciler:
     """Reconciles one InferenceService per call; children and pods are read from `cache`, never listed."""
 
     def __init__(self, kube: Kube, events: EventRecorder, cache: Cache, *, now: Callable[[], str] = utc_now,
-                 images: Images = DEFAULT_IMAGES) -> None:
+                 images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = ()) -> None:
         self.kube = kube
+        self.allowed_registries = tuple(allowed_registries)
         self.cache = cache
         self.images = images
         self.events = events
@@ -112,6 +114,7 @@ class Reconciler:
         try:
             isvc = load_inference_service({k: v for k, v in body.items() if k != "status"})
             plan = make_plan(isvc.spec)
+            check_images(isvc, self.allowed_registries)
         except SpecError as exc:
             await self._reject(body, status, generation, exc)
             return None
@@ -126,27 +129,58 @@ class Reconciler:
         first_time = status.get("observedGeneration") is None
         spec_unchanged = status.get("observedGeneration") == generation
         live_after: dict[tuple[str, str], dict[str, Any]] = {}
+        conflicts: dict[tuple[str, str], str] = {}
         for obj in desired:
             kind = kind_of(obj)
-            live = children[kind].get(obj["metadata"]["name"])
-            live_after[(kind.kind, obj["metadata"]["name"])] = await self._apply(ctx, kind, obj, live,
-                                                                                  first_time, spec_unchanged)
+            child = obj["metadata"]["name"]
+            live, conflict = await self._claim(kind, obj, children[kind].get(child), meta["uid"], conflicts)
+            if conflict:
+                conflicts[(kind.kind, child)] = conflict
+                continue
+            live_after[(kind.kind, child)] = await self._apply(ctx, kind, obj, live, first_time, spec_unchanged)
         await self._prune(ctx, desired, children)
+        for message in conflicts.values():
+            await self.events.warning(body, "ChildConflict", message)
 
-        sts = {k: live_after[(STATEFUL_SET.kind, contract.stage_name(name, k))] for k in range(plan.pipeline)}
-        router = live_after[(DEPLOYMENT.kind, contract.router_name(name))]
+        sts = {k: live_after[key] for k in range(plan.pipeline)
+               if (key := (STATEFUL_SET.kind, contract.stage_name(name, k))) in live_after}
+        router = live_after.get((DEPLOYMENT.kind, contract.router_name(name)))
         engine = engine_selector(name)
+        ours = {s["metadata"].get("uid") for s in sts.values()}
+        # Only pods our StatefulSets control: a pod that merely carries our labels is never read or deleted.
         pods = [pod for pod in self.cache.owned(POD, namespace, name).values()
-                if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in engine.items())]
+                if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in engine.items())
+                and any(controlled_by(pod, uid) for uid in ours if uid)]
         obs = observe(plan.pipeline, desired_replicas(isvc.spec), pods, sts, router)
         if plan.pipeline > 1:
             await roll_groups(ctx, obs)
-        ready = await self._report(body, status, generation, plan, obs)
+        ready = await self._report(body, status, generation, plan, obs, list(conflicts.values()))
         counts: dict[str, int] = {}
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
         self._record((namespace, name), (counts, ready))
         return None
+
+    async def _claim(self, kind: Kind, obj: dict[str, Any], cached: dict[str, Any] | None, uid: str,
+                     conflicts: dict[tuple[str, str], str]) -> tuple[dict[str, Any] | None, str | None]:
+        """The live object `obj` would be applied over, or why it must not be: (live, conflict message).
+
+        The cache holds only objects carrying this InferenceService's labels, so
+        a name not in it is looked up once (GET) before it is created: it may
+        be taken by an object someone else made.
+        """
+        child = obj["metadata"]["name"]
+        blocked = [f"{k} {n}" for k, n in uses(obj) if (k, n) in conflicts]
+        if blocked:
+            return None, (f"{kind.kind} {child} is not applied: it would use {', '.join(blocked)}, "
+                          "which this InferenceService does not control")
+        live = cached
+        if live is None:
+            live = await self.kube.get(kind, obj["metadata"]["namespace"], child)
+        if live is None or controlled_by(live, uid):
+            return live, None
+        return None, (f"{kind.kind} {child} already exists and {whose(live)}; the operator will not take it over. "
+                      f"Delete or rename that {kind.kind}, or give this InferenceService another name")
 
     async def _apply(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any] | None,
                      first_time: bool, spec_unchanged: bool) -> dict[str, Any]:
@@ -186,11 +220,12 @@ class Reconciler:
                 await self.events.normal(ctx.owner, "Pruned", f"deleted {kind.kind} {name}, no longer part of the spec")
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
-                      obs: Observation) -> str:
+                      obs: Observation, conflicts: list[str]) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
-                             obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now())
+                             obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
+                             conflicts=conflicts)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -9,7 +9,11 @@ A multi-stage engine is one group per ordinal across every stage's
 StatefulSet; the StatefulSet controller rolls each stage on its own, which
 would mix versions inside a group. `roll_groups` replaces whole groups
 instead: every idle outdated group at once, a serving one only when all are
-ready (see `observe.Observation.groups_to_replace`).
+ready (see `observe.Observation.groups_to_replace`). It also restarts a
+group as a whole when one of its members died or left it
+(`observe.Group.broken`): deleting the leader takes the group's endpoint out
+of every router at once (a terminating pod is never a ready endpoint), and
+the StatefulSets bring every stage back together.
 """
 
 from __future__ import annotations
@@ -81,14 +85,30 @@ async def wait_deleted(ctx: Context, namespace: str, name: str, uid: str) -> Non
 
 
 async def roll_groups(ctx: Context, obs: Observation) -> None:
-    """Delete the pods of the groups to replace now; each stage's StatefulSet recreates them at the new revision."""
+    """Restart broken groups, then delete the pods of groups to replace for a rollout.
+
+    Each stage's StatefulSet recreates the deleted pods, at its update revision.
+    """
     pods = ChildHandler()
+    restart = obs.groups_to_restart()
+    for index, reason in sorted(restart.items()):
+        await _delete_group(ctx, pods, obs, index)
+        log.info("restarting group %d of %s/%s: %s", index, ctx.namespace, ctx.name, reason)
+        await ctx.events.warning(ctx.owner, "GroupRestarted",
+                                 f"restarting group {index} (all {obs.pipeline} stages): {reason}; "
+                                 "vLLM cannot take a lost pipeline stage back")
     for index in obs.groups_to_replace():
-        group = obs.groups[index]
-        for pod in group.pods.values():
-            await pods.delete(ctx, POD, pod)
+        if index in restart:
+            continue
+        await _delete_group(ctx, pods, obs, index)
         log.info("replacing group %d of %s/%s", index, ctx.namespace, ctx.name)
         await ctx.events.normal(
             ctx.owner, "RolloutGroupReplaced",
             f"replacing group {index} (all {obs.pipeline} stages); {obs.updated_replicas} of {obs.desired} groups updated",
         )
+
+
+async def _delete_group(ctx: Context, pods: ChildHandler, obs: Observation, index: int) -> None:
+    """Delete every pod of group `index`, the leader first so routers drop its endpoint before anything else."""
+    for _, pod in sorted(obs.groups[index].pods.items()):
+        await pods.delete(ctx, POD, pod)

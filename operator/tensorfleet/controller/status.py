@@ -15,6 +15,7 @@ when the status does, and the generation it was computed for.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.api.models import Condition, ConditionStatus, InferenceServiceStatus
@@ -72,7 +73,11 @@ def _shortfall(obs: Observation, plan: Plan) -> str | None:
             f"add {plan.accelerator} nodes, lower spec.replicas, or choose another spec.accelerator.type")
 
 
-def _degradation(obs: Observation, plan: Plan) -> tuple[ConditionStatus, str, str]:
+def _degradation(obs: Observation, plan: Plan, conflicts: Sequence[str]) -> tuple[ConditionStatus, str, str]:
+    if conflicts:
+        shown = "; ".join(conflicts[:MAX_PROBLEMS_SHOWN])
+        more = f" (and {len(conflicts) - MAX_PROBLEMS_SHOWN} more)" if len(conflicts) > MAX_PROBLEMS_SHOWN else ""
+        return "True", "ChildConflict", shown + more
     problems = obs.problems()
     if not problems:
         return "False", "AsExpected", "no pod needs attention"
@@ -115,11 +120,16 @@ def _wire(status: InferenceServiceStatus) -> dict[str, Any]:
 
 
 def serving_status(previous: dict[str, Any], *, name: str, namespace: str, generation: int | None, plan: Plan,
-                   obs: Observation, selector: str, now: str) -> dict[str, Any]:
+                   obs: Observation, selector: str, now: str, conflicts: Sequence[str] = ()) -> dict[str, Any]:
+    """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
+
+    `conflicts` are children the operator would not write because another
+    owner holds their names; they make Degraded True (reason ChildConflict).
+    """
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", "PlanAccepted", plan_message(plan),
                                generation, now)
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs)), (READY, _readiness(obs)), (DEGRADED, _degradation(obs, plan)),
+        (PROGRESSING, _progress(obs)), (READY, _readiness(obs)), (DEGRADED, _degradation(obs, plan, conflicts)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(

@@ -1,25 +1,45 @@
-"""The validating admission webhook: refuse at `kubectl apply` what the planner refuses.
+"""The validating admission webhook: refuse at `kubectl apply` what the operator would refuse.
 
-It is stateless (parse + plan), so every operator replica serves it, leader
-or standby: the webhook Service can route to any ready pod, and a rollout of
-the operator never leaves the API server without a webhook to call.
+It checks what the reconciler checks (parse, plan, the registry policy) and
+one thing only admission can: that the new InferenceService's children
+would not share a name with another InferenceService's (a Service `foo-engine`
+is both `foo`'s engine Service and `foo-engine`'s router Service). The
+candidates are found by name arithmetic and looked up with a GET each, so
+every operator replica serves it, leader or standby, without a cache: the
+webhook Service can route to any ready pod.
+
+Its port is reachable in the cluster, so it bounds what a caller can push:
+the body size, compressed bodies (refused: the API server never compresses
+AdmissionReviews), JSON nesting, and concurrent reviews (beyond which it
+answers 429 rather than queue), so it cannot starve the reconciler that
+shares its process.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import ssl
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.api import SpecError, load_inference_service
-from tensorfleet.planner import make_plan
+from tensorfleet.api import InferenceService, SpecError, load_inference_service
+from tensorfleet.controller.policy import check_images, colliding_owner_names
+from tensorfleet.planner import Plan, make_plan
+from tensorfleet.render import render
 
 log = logging.getLogger(__name__)
 WEBHOOK_PATH = contract.WEBHOOK_PATH
+# An AdmissionReview carries the object and the old object, each at most etcd's 1.5 MiB.
+MAX_BODY_BYTES = 4 * 1024 * 1024
+MAX_CONCURRENT_REVIEWS = 8
+# (namespace, name) -> that InferenceService's body, or None.
+Lookup = Callable[[str, str], Awaitable[dict[str, Any] | None]]
 
 
 @dataclass
@@ -30,22 +50,53 @@ class WebhookConfig:
     keyfile: str | None = None
     # Plain HTTP: only for tests and local runs; the API server requires TLS.
     insecure: bool = False
+    # Image prefixes InferenceServices may name (empty: any); see policy.image_allowed.
+    allowed_registries: Sequence[str] = field(default_factory=tuple)
 
 
-def validate_document(document: dict[str, Any]) -> None:
-    """What the webhook checks: the same parsing and planning the reconciler does."""
+def validate_document(document: dict[str, Any], *,
+                      allowed_registries: Sequence[str] = ()) -> tuple[InferenceService, Plan]:
+    """What the reconciler checks too: parsing, planning, the registry policy."""
     isvc = load_inference_service(document)
-    make_plan(isvc.spec)
+    plan = make_plan(isvc.spec)
+    check_images(isvc, allowed_registries)
+    return isvc, plan
 
 
-def review(body: dict[str, Any]) -> dict[str, Any]:
+async def check_collisions(isvc: InferenceService, plan: Plan, lookup: Lookup) -> None:
+    """Raise SpecError when an existing InferenceService would own an object of the same kind and name."""
+    namespace, name = isvc.metadata.namespace or "default", isvc.metadata.name
+    ours = {(obj["kind"], obj["metadata"]["name"]) for obj in render(isvc, plan)}
+    for other_name in sorted(colliding_owner_names(name, ours)):
+        other = await lookup(namespace, other_name)
+        if other is None:
+            continue
+        try:
+            other_isvc = load_inference_service({k: v for k, v in other.items() if k != "status"})
+            theirs = {(obj["kind"], obj["metadata"]["name"]) for obj in render(other_isvc, make_plan(other_isvc.spec))}
+        except SpecError:
+            continue  # it serves nothing new; the reconciler reports any object it already holds
+        shared = sorted(ours & theirs)
+        if shared:
+            kind, child = shared[0]
+            raise SpecError("metadata.name", f"{name} would share the {kind} {child} with InferenceService "
+                                             f"{other_name} in {namespace}; choose another name")
+
+
+async def review(body: dict[str, Any], *, lookup: Lookup | None = None,
+                 allowed_registries: Sequence[str] = ()) -> dict[str, Any]:
     """An admission.k8s.io/v1 AdmissionReview response for an AdmissionReview request."""
     request = body.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
     # Deletes and status writes carry no new spec to judge.
     if request.get("operation") in ("CREATE", "UPDATE") and not request.get("subResource"):
+        document = dict(request.get("object") or {})
+        if request.get("namespace") and isinstance(document.get("metadata"), dict):
+            document["metadata"] = {"namespace": request["namespace"], **document["metadata"]}
         try:
-            validate_document(request.get("object") or {})
+            isvc, plan = validate_document(document, allowed_registries=allowed_registries)
+            if lookup is not None:
+                await check_collisions(isvc, plan, lookup)
         except SpecError as exc:
             response = {**response, "allowed": False,
                         "status": {"code": 422, "reason": "Invalid", "message": str(exc)}}
@@ -53,20 +104,45 @@ def review(body: dict[str, Any]) -> dict[str, Any]:
             "response": response}
 
 
-async def _handle(request: web.Request) -> web.Response:
-    try:
-        body = await request.json()
-    except ValueError:
-        return web.json_response({"error": "expected an AdmissionReview JSON body"}, status=400)
-    result = review(body if isinstance(body, dict) else {})
-    if not result["response"]["allowed"]:
-        log.info("admission denied: %s", result["response"]["status"]["message"])
-    return web.json_response(result)
+def _refuse(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
 
 
-async def serve(config: WebhookConfig) -> web.AppRunner:
-    app = web.Application(client_max_size=8 * 1024 * 1024)
-    app.router.add_post(WEBHOOK_PATH, _handle)
+def _handler(config: WebhookConfig, lookup: Lookup | None) -> Callable[[web.Request], Awaitable[web.Response]]:
+    slots = asyncio.Semaphore(MAX_CONCURRENT_REVIEWS)
+
+    async def handle(request: web.Request) -> web.Response:
+        """Answer one AdmissionReview, within the size, encoding, nesting and concurrency bounds."""
+        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            return _refuse(415, "compressed bodies are not accepted")
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            return _refuse(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
+        if slots.locked():
+            return _refuse(429, "too many reviews in flight")
+        async with slots:
+            try:
+                raw = await request.content.read(MAX_BODY_BYTES + 1)
+            except (TimeoutError, ConnectionError):
+                return _refuse(400, "the body could not be read")
+            if len(raw) > MAX_BODY_BYTES:
+                return _refuse(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
+            try:
+                body = json.loads(raw)
+            except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python parses
+                return _refuse(400, "expected an AdmissionReview JSON body")
+            result = await review(body if isinstance(body, dict) else {}, lookup=lookup,
+                                  allowed_registries=config.allowed_registries)
+        if not result["response"]["allowed"]:
+            log.info("admission denied: %s", result["response"]["status"]["message"])
+        return web.json_response(result)
+
+    return handle
+
+
+async def serve(config: WebhookConfig, *, lookup: Lookup | None = None) -> web.AppRunner:
+    """Start serving the webhook; `lookup` reads other InferenceServices for the collision check."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    app.router.add_post(WEBHOOK_PATH, _handler(config, lookup))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     context = None

@@ -39,9 +39,11 @@ class Kind:
         return base
 
 
-# Children are read by LIST (and watched), written by server-side apply
-# (patch, plus create when the object is new) and pruned with delete.
-_CHILD_VERBS = ("list", "watch", "create", "patch", "delete")
+# Children are watched (kopf lists, then watches), read with get before one is
+# created (is the name taken by an object that is not ours?), written by
+# server-side apply (patch, plus create when the object is new) and pruned
+# with delete.
+_CHILD_VERBS = ("get", "list", "watch", "create", "patch", "delete")
 
 INFERENCE_SERVICE = Kind(
     contract.GROUP, contract.VERSION, contract.PLURAL, contract.KIND, ("get", "list", "watch"),
@@ -52,8 +54,9 @@ SERVICE_ACCOUNT = Kind("", "v1", "serviceaccounts", "ServiceAccount", _CHILD_VER
 ROLE = Kind("rbac.authorization.k8s.io", "v1", "roles", "Role", _CHILD_VERBS)
 ROLE_BINDING = Kind("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", _CHILD_VERBS)
 SERVICE = Kind("", "v1", "services", "Service", _CHILD_VERBS)
-# get: recreating one (an immutable field changed) waits for the garbage collector to remove the old one.
-STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", ("get", *_CHILD_VERBS))
+NETWORK_POLICY = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", _CHILD_VERBS)
+# Recreating one (an immutable field changed) also gets it, waiting for the garbage collector.
+STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", _CHILD_VERBS)
 DEPLOYMENT = Kind("apps", "v1", "deployments", "Deployment", _CHILD_VERBS)
 HPA = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", _CHILD_VERBS)
 PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD_VERBS)
@@ -70,7 +73,9 @@ CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomRes
            ("list", "watch"), namespaced=False)
 
 # What render() produces, in apply order; pruned children are found among these.
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, PDB, STATEFUL_SET, DEPLOYMENT, HPA)
+# NetworkPolicies go before the workloads so that no pod starts unisolated.
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, NETWORK_POLICY, PDB, STATEFUL_SET,
+                                 DEPLOYMENT, HPA)
 ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, LEASE, ENDPOINT_SLICE, NAMESPACE, CRD)
 
 _BY_API_KIND = {(k.api_version, k.kind): k for k in ALL_KINDS}

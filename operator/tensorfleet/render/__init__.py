@@ -23,6 +23,7 @@ from tensorfleet.render.meta import (
     selector_string,
     stage_selector,
 )
+from tensorfleet.render.network import network_policies
 from tensorfleet.render.router import deployment, role, role_binding, service_account
 from tensorfleet.render.services import services
 
@@ -62,13 +63,15 @@ def render(
         images=images,
     )
     # Dependencies first: identities and RBAC before the pods using them,
-    # Services before the pods that resolve them, the PDB before the pods
-    # it protects, the HPA last since it scales what already exists.
+    # Services before the pods that resolve them, the NetworkPolicies and the
+    # PDB before the pods they protect (no pod starts unisolated), the HPA
+    # last since it scales what already exists.
     objects: list[dict[str, Any]] = [
         service_account(ctx),
         role(ctx),
         role_binding(ctx),
         *services(ctx),
+        *network_policies(ctx),
         pdb(ctx),
         *statefulsets(ctx),
         deployment(ctx),

@@ -3,6 +3,21 @@
 The engine container's env holds one variable per row of
 `tensorfleet.engine_settings`, in the table's order: `_env` gives each row its
 value from the spec and the plan.
+
+Every engine pod meets Pod Security `restricted` (`_pod_security`,
+`_container_security`): it runs as the image's numeric non-root user
+(contract.WORKER_UID for vLLM, the control-plane image's for the simulator),
+without privilege escalation or capabilities, under the RuntimeDefault
+seccomp profile, with emptyDir and PVC volumes only.
+vLLM, Ray and NCCL over TCP and NVLink need nothing more; the NVIDIA device
+plugin hands the GPUs in without privileges.
+
+Probes (`_probes`): a GPU pod's readiness is the launcher's `/health` on the
+GPU metrics port, which answers 200 only when every GPU passes the NVML checks,
+the launcher runs its engine or Ray worker, and, on stage 0, vLLM's own
+`/health` answers; it runs in the launcher, so a probe costs no process and
+no NVML start-up. Stage 0's startup and liveness probes stay on vLLM's
+`/health`: a restart would not mend a GPU, only reload the model.
 """
 
 from __future__ import annotations
@@ -111,10 +126,7 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         # The engine never talks to the API server.
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
-        # The worker image runs as a non-root user; group ownership makes a
-        # PVC-backed cache writable, and OnRootMismatch avoids re-chowning
-        # hundreds of GB of weights on every start.
-        "securityContext": {"fsGroup": contract.WORKER_UID, "fsGroupChangePolicy": "OnRootMismatch"},
+        "securityContext": _pod_security(ctx),
         "containers": [_container(ctx, stage)],
         "volumes": _volumes(ctx),
     }
@@ -129,6 +141,35 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         "metadata": {"labels": {**pod_labels(ctx.name, contract.COMPONENT_ENGINE), **_stage_labels(stage)}},
         "spec": pod,
     }
+
+
+def run_as_user(ctx: Context) -> int:
+    """The numeric user the engine image is built to run as."""
+    return contract.WORKER_UID if is_gpu(ctx) else contract.CONTROL_PLANE_UID
+
+
+def _pod_security(ctx: Context) -> dict[str, Any]:
+    uid = run_as_user(ctx)
+    security: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": uid}
+    if not is_gpu(ctx):
+        # The control-plane image's user has a group of its own; the worker
+        # image's user is in group 0 (the image made its HOME group-writable),
+        # which the runtime takes from the image when runAsGroup is unset.
+        security["runAsGroup"] = uid
+    # Group ownership makes a PVC-backed cache writable, and OnRootMismatch
+    # avoids re-chowning hundreds of GB of weights on every start.
+    security.update({
+        "fsGroup": uid,
+        "fsGroupChangePolicy": "OnRootMismatch",
+        "seccompProfile": {"type": "RuntimeDefault"},
+    })
+    return security
+
+
+def _container_security() -> dict[str, Any]:
+    # No readOnlyRootFilesystem (not part of `restricted`): vLLM, Triton and
+    # torch.compile write caches under $HOME, and Ray its session under /tmp.
+    return {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
 
 
 def _image(ctx: Context) -> str:
@@ -158,6 +199,7 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         "ports": ports,
         "resources": _resources(ctx),
         **_probes(ctx, stage),
+        "securityContext": _container_security(),
         "volumeMounts": [
             {"name": contract.SHM_VOLUME, "mountPath": contract.SHM_PATH},
             {"name": contract.CACHE_VOLUME, "mountPath": contract.CACHE_PATH},
@@ -320,23 +362,29 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
 
 
 def _probes(ctx: Context, stage: int) -> dict[str, Any]:
-    # Only the leader serves HTTP; workers are Ray processes that the
-    # launcher checks on their behalf.
-    if stage == 0:
-        handler: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
+    engine_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
+    if is_gpu(ctx):
+        # The launcher's verdict on this pod: its GPUs (NVML), its engine or Ray
+        # worker running, and on stage 0 vLLM's /health (see the module docstring).
+        pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_GPU_METRICS}}
+        startup, readiness, liveness = (engine_health, pod_health, engine_health) if stage == 0 else (pod_health,) * 3
+    elif stage == 0:
+        startup = readiness = liveness = engine_health
     else:
-        handler = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
+        # A simulator's stage > 0 is an idle stand-in for a Ray worker, with no
+        # port of its own: `tensorfleet-worker health` checks its launcher.
+        startup = readiness = liveness = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
     # Downloading and loading a large model takes many minutes; the startup
     # probe holds off the others until then, so they can stay quick.
     startup_failures = math.ceil(ctx.spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
     # Each probe gets its own copy: shared dicts would be dumped as YAML anchors.
     return {
         "startupProbe": {
-            **copy.deepcopy(handler),
+            **copy.deepcopy(startup),
             "periodSeconds": STARTUP_PERIOD_SECONDS,
             "timeoutSeconds": 5,
             "failureThreshold": startup_failures,
         },
-        "readinessProbe": {**copy.deepcopy(handler), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**copy.deepcopy(handler), "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
+        "readinessProbe": {**copy.deepcopy(readiness), "periodSeconds": 5, "timeoutSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**copy.deepcopy(liveness), "periodSeconds": 15, "timeoutSeconds": 5, "failureThreshold": 4},
     }

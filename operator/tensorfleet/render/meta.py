@@ -22,6 +22,7 @@ class Images:
 DEFAULT_IMAGES = Images()
 
 
+
 @dataclass(frozen=True)
 class Context:
     """One render's inputs, resolved once so every module agrees on them."""

@@ -1,4 +1,9 @@
-"""The router: its Deployment and the least RBAC it needs to find ready leaders."""
+"""The router: its Deployment and the least RBAC it needs to find ready leaders.
+
+Its pod meets Pod Security `restricted`: a numeric non-root user, no
+privilege escalation, every capability dropped, RuntimeDefault seccomp, a
+read-only root filesystem and no volumes.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +15,6 @@ from tensorfleet.render.meta import Context, metadata, pod_labels, router_select
 CONTAINER_NAME = "router"
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
 DEFAULT_LIMITS = {"memory": "512Mi"}
-# Distroless' conventional unprivileged uid; numeric so runAsNonRoot can be
-# verified whatever user the image names.
-RUN_AS_USER = 65532
 
 
 def _name(ctx: Context) -> str:
@@ -109,8 +111,8 @@ def deployment(ctx: Context) -> dict[str, Any]:
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
+            "runAsUser": contract.CONTROL_PLANE_UID,
+            "runAsGroup": contract.CONTROL_PLANE_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         # Two router pods on one node would fail together.

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Self
 
 from tensorfleet import contract
-from tensorfleet.testing.kube_emulator import ClusterEmulator, revision_of
+from tensorfleet.testing.kube_emulator import ClusterEmulator, revision_of, rfc3339_now
 
 
 class FakeWorkloads:
@@ -82,7 +82,8 @@ class FakeWorkloads:
                        "metadata": {"name": pod_name, "namespace": namespace, "labels": labels,
                                     "ownerReferences": [self._owner(sts)]},
                        "spec": copy.deepcopy(template["spec"]),
-                       "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
+                       "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False",
+                                                                       "lastTransitionTime": rfc3339_now()}]}}
                 live.append(await self.emulator.upsert("v1", "pods", pod))
         ready = sum(1 for p in live if _ready(p))
         updated = sum(1 for p in live if p["metadata"]["labels"].get("controller-revision-hash") == revision)
@@ -102,8 +103,10 @@ class FakeWorkloads:
             changed = True
         want = self.ready(pod)
         if _ready(pod) != want:
-            pod["status"] = {"phase": "Running" if want else "Pending",
-                             "conditions": [{"type": "Ready", "status": "True" if want else "False"}]}
+            # As the kubelet does: lastTransitionTime moves when the status does.
+            pod["status"] = {**pod.get("status", {}), "phase": "Running" if want else "Pending",
+                             "conditions": [{"type": "Ready", "status": "True" if want else "False",
+                                             "lastTransitionTime": rfc3339_now()}]}
             changed = True
         if changed:
             return await self.emulator.upsert("v1", "pods", pod)

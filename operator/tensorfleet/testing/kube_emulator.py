@@ -69,7 +69,7 @@ APPLY = "application/apply-patch+yaml"
 WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 # Resources whose status lives in a subresource (everything but these).
 NO_STATUS_SUBRESOURCE = {"events", "leases", "serviceaccounts", "roles", "rolebindings", "namespaces",
-                         "customresourcedefinitions", "endpointslices"}
+                         "customresourcedefinitions", "endpointslices", "networkpolicies"}
 # scale subresource paths: plural -> (specReplicasPath, statusReplicasPath, labelSelectorPath)
 STATEFULSET_MUTABLE = {"replicas", "template", "updateStrategy", "minReadySeconds", "ordinals", "revisionHistoryLimit",
                        "persistentVolumeClaimRetentionPolicy"}
@@ -117,7 +117,8 @@ class Faults:
         return kind
 
 
-def _now() -> str:
+def rfc3339_now() -> str:
+    """The time now as the API server writes timestamps (RFC 3339, whole seconds)."""
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -263,7 +264,7 @@ class ClusterEmulator(KubernetesEmulator):
         meta["uid"] = str(uuid.uuid4())
         meta["resourceVersion"] = str(next(self._rv))
         meta["generation"] = 1
-        meta["creationTimestamp"] = _now()
+        meta["creationTimestamp"] = rfc3339_now()
 
     def _successor(self, old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         """`new` with the server-owned metadata of `old` and the generation rule applied."""
@@ -459,12 +460,12 @@ class ClusterEmulator(KubernetesEmulator):
             if wanted_uid and wanted_uid != live["metadata"]["uid"]:
                 raise KubernetesError(status=409, reason="Conflict", message="precondition failed: uid differs")
             if live["metadata"].get("finalizers"):
-                live["metadata"]["deletionTimestamp"] = _now()
+                live["metadata"]["deletionTimestamp"] = rfc3339_now()
                 live = self._successor(live, live)
                 await self._store(key, live, created=False)
                 return self._response(live)
             if policy == "Orphan":
-                live["metadata"]["deletionTimestamp"] = _now()
+                live["metadata"]["deletionTimestamp"] = rfc3339_now()
                 live["metadata"]["finalizers"] = ["orphan"]
                 live = self._successor(live, live)
                 await self._store(key, live, created=False)

@@ -11,11 +11,13 @@ then, per role:
 
 It stays PID 1 of the container: it forwards SIGTERM to the engine after the
 in-flight requests drain, reaps orphans, keeps a state file for
-`tensorfleet-worker health` (the exec probe of stages > 0) and serves GPU
-health gauges read with pynvml.
+`tensorfleet-worker health`, and on GPU pods serves, on the GPU metrics port,
+health gauges read with pynvml and the pod's `/health` (GPUs, its own phase,
+and on stage 0 the engine's `/health`), which is their readiness probe.
 
 Modules: `role` (env -> Role), `command` (Role -> argv), `raywait` (cluster
-and leader waits), `supervise` (child process, signals, drain), `gpu`
-(NVML sampling and health rules), `metrics` (Prometheus exporter), `state`
-(the state file), `launcher` (the flows), `cli` (the command line).
+and leader waits), `supervise` (child process, signals, drain), `gpu` (NVML
+sampling and health rules), `health` (the pod's verdict), `metrics`
+(Prometheus exporter and `/health`), `state` (the state file), `launcher`
+(the flows), `cli` (the command line).
 """

@@ -1,12 +1,25 @@
-"""`tensorfleet-worker health`: the exec probe of stages > 0, and a command for people.
+"""The engine pod's health: `tensorfleet-worker health`, and the launcher's `/health`.
 
 Checks, in order: the launcher's state (when it runs in this container: it
-must be running its engine or Ray worker, not still waiting), then every GPU
-through NVML (skipped in simulator mode). Exit codes:
+must be running its engine or Ray worker, not still waiting), then, when
+asked (`engine_port`), that the engine answers its own `/health` on this pod,
+then every GPU through NVML (skipped in simulator mode).
+
+`judge` is the one check. The launcher serves it on the GPU metrics port as
+`/health` (200 healthy, 503 not, the lines below as the body): that is the
+readiness probe of every GPU pod, with the engine's `/health` included on
+stage 0, so the serving leader is ready only while its GPUs are healthy. It
+runs inside the long-lived launcher, which keeps NVML loaded (its XID watcher
+holds it), so a probe costs a few NVML reads and no process start. The command
+`tensorfleet-worker health` runs the same check from the state file, for
+people and for the exec probe of a simulator's stages > 0 (which have no GPU
+and no HTTP port of their own); each run pays Python's start-up and NVML's
+initialisation (about 100 ms on a GPU node), which is why the GPU pods'
+probes do not use it. Exit codes:
 
   0  healthy (warnings may be printed)
   1  unhealthy: a threshold crossed, an XID, fewer GPUs than tensor parallel
-     needs, or the launcher not (yet) running its engine
+     needs, the launcher not (yet) running its engine, or the engine not answering
   2  bad flags
   3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked
 """
@@ -14,7 +27,9 @@ through NVML (skipped in simulator mode). Exit codes:
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +40,8 @@ from tensorfleet.worker.errors import EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
 from tensorfleet.worker.role import health_settings
 
 GiB = 1024**3
+# Within the probes' 5 s timeout, with room for the NVML reads.
+ENGINE_TIMEOUT_SECONDS = 2.0
 
 
 @dataclass
@@ -47,6 +64,20 @@ def _launcher_check(state: dict[str, Any] | None, path: str | None) -> tuple[boo
     if phase == statefile.PHASE_RUNNING:
         return True, f"launcher: {phase}{age}{detail}"
     return False, f"launcher: {phase}{age}{detail}"
+
+
+def engine_check(port: int, timeout: float = ENGINE_TIMEOUT_SECONDS) -> tuple[bool, str]:
+    """(ok, line): does the engine on this pod answer its /health with 200?"""
+    url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as answer:
+            status = int(answer.status)
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return False, f"engine: {url} did not answer ({reason})"
+    return status == 200, f"engine: {url} answered {status}"
 
 
 def _gib(value: int | None) -> str:
@@ -79,17 +110,39 @@ def check(
     state_path: str | None,
     min_gpus: int | None = None,
 ) -> HealthResult:
+    """`tensorfleet-worker health`: the pod's settings from `environ`, the launcher's state from its file."""
     kind, tensor = health_settings(environ)
-    state = statefile.read_state(state_path)
+    return judge(kind, tensor, statefile.read_state(state_path), state_path=state_path,
+                 thresholds=thresholds, min_gpus=min_gpus)
+
+
+def judge(
+    kind: str,
+    tensor: int | None,
+    state: dict[str, Any] | None,
+    *,
+    state_path: str | None,
+    thresholds: gpus.Thresholds,
+    min_gpus: int | None = None,
+    engine_port: int | None = None,
+    sampler: Callable[[], gpus.Snapshot] = gpus.sample,
+) -> HealthResult:
+    """The verdict on one engine pod (see the module docstring); engine_port: also ask the engine."""
     launcher_ok, launcher_line = _launcher_check(state, state_path)
     lines = [launcher_line]
     doc: dict[str, Any] = {"engine": kind, "launcher": {"ok": launcher_ok, "state": state}}
-    launcher_bad = launcher_ok is False
+    reasons = [launcher_line] if launcher_ok is False else []
+    if engine_port is not None:
+        engine_ok, engine_line = engine_check(engine_port)
+        lines.append(engine_line)
+        doc["engineHealth"] = {"ok": engine_ok, "port": engine_port}
+        if not engine_ok:
+            reasons.append(engine_line)
 
     if kind == "simulator":
         lines.append(f"simulator mode ({contract.ENV_ENGINE_KIND}=simulator): no GPUs to check")
-        healthy = not launcher_bad
-        lines.append("healthy" if healthy else "unhealthy: the launcher is not running its engine")
+        healthy = not reasons
+        lines.append("healthy" if healthy else "unhealthy: " + "; ".join(reasons))
         doc["healthy"] = healthy
         return HealthResult(EXIT_OK if healthy else EXIT_UNHEALTHY, lines, doc)
 
@@ -102,7 +155,7 @@ def check(
         fatal_xids=thresholds.fatal_xids,
     )
     try:
-        snapshot = gpus.sample()
+        snapshot = sampler()
     except gpus.NvmlUnavailable as exc:
         lines.append(f"cannot check GPU health: {exc}. This container has no NVIDIA driver or no GPU assigned "
                      f"(engine pods request nvidia.com/gpu; run this where GPUs are visible)")
@@ -116,15 +169,13 @@ def check(
     problems = [f for f in report.findings if f.level != gpus.OK]
     # Warnings get their own lines; what makes the pod unhealthy is the last line.
     lines += [f"{f.level}: {f.message}" for f in problems if f.level == gpus.WARNING]
-    healthy = report.healthy and not launcher_bad
+    healthy = report.healthy and not reasons
     need = f"; tensor parallel needs {wanted}" if wanted is not None else ""
     ok_count = sum(1 for g in snapshot.gpus if report.gpu_healthy(g.index))
     if healthy:
         lines.append(f"healthy: {ok_count} of {len(snapshot.gpus)} GPU(s) ok{need}")
     else:
-        reasons = [f.message for f in problems if f.level == gpus.UNHEALTHY]
-        if launcher_bad:
-            reasons.insert(0, launcher_line)
+        reasons += [f.message for f in problems if f.level == gpus.UNHEALTHY]
         lines.append("unhealthy: " + "; ".join(reasons))
     doc.update(report.to_json())
     doc["healthy"] = healthy

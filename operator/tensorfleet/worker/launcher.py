@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.worker import command, raywait
+from tensorfleet.worker import command, health, raywait
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
-from tensorfleet.worker.errors import EXIT_LEADER_LOST, EXIT_NOT_FOUND, EXIT_START_FAILED, WorkerError
+from tensorfleet.worker.errors import EXIT_LEADER_LOST, EXIT_NOT_FOUND, EXIT_OK, EXIT_START_FAILED, WorkerError
 from tensorfleet.worker.role import Role
 from tensorfleet.worker.supervise import EngineDrain, Signals, run_child
 
@@ -45,6 +45,8 @@ class Launcher:
         self.state = statefile.StateFile(options.state_path)
         self._stop_background = threading.Event()
         self._metrics_server: Any = None
+        self._health_lock = threading.Lock()
+        self._last_health: bool | None = None
 
     def _stderr(self, message: str) -> None:
         role = self.role
@@ -179,15 +181,35 @@ class Launcher:
         if self.role.gpu_metrics_port:
             from tensorfleet.worker import metrics
 
+            port = self.role.gpu_metrics_port
             collector = metrics.GpuCollector(
                 gpus.Thresholds(min_gpus=self.role.tensor_parallel_size),
                 xids=lambda: self.state.snapshot().get("xids", []),
             )
             try:
-                self._metrics_server = metrics.serve(self.role.gpu_metrics_port, collector)
-                self.log(f"GPU metrics on :{self.role.gpu_metrics_port}{contract.METRICS_PATH}")
+                self._metrics_server = metrics.serve(port, collector, health=self.pod_health)
             except OSError as exc:
-                self.log(f"warning: GPU metrics not served on :{self.role.gpu_metrics_port}: {exc}")
+                # The pod's readiness probe asks this port: without it the pod would never be Ready.
+                raise WorkerError(f"cannot serve GPU metrics and the readiness check on :{port} ({exc.strerror or exc}); "
+                                  f"is another process in the pod using port {port}?", EXIT_START_FAILED) from None
+            self.log(f"GPU metrics on :{port}{contract.METRICS_PATH}, this pod's health on :{port}{contract.HEALTH_PATH}")
+
+    def pod_health(self) -> tuple[bool, list[str]]:
+        """The verdict `/health` serves: GPUs, the launcher's phase, and on stage 0 the engine's /health.
+
+        Logs each change of verdict, so `kubectl logs` says why a pod left (or joined) the Service.
+        """
+        role = self.role
+        result = health.judge(
+            role.engine_kind, role.tensor_parallel_size, self.state.snapshot(), state_path=None,
+            thresholds=gpus.Thresholds(), engine_port=role.engine_port if role.leader else None,
+        )
+        healthy = result.code == EXIT_OK
+        with self._health_lock:
+            changed, self._last_health = healthy != self._last_health, healthy
+        if changed:
+            self.log(f"pod health: {result.lines[-1]}")
+        return healthy, result.lines
 
     def _run_checked(self, argv: list[str]) -> None:
         self.log(f"running `{' '.join(argv)}`")

@@ -1,16 +1,24 @@
-"""GPU health gauges in Prometheus format, next to vLLM's own /metrics.
+"""GPU health gauges in Prometheus format, next to vLLM's own /metrics, and the pod's /health.
 
 The collector reads NVML at scrape time (no background polling), so the
 values are as fresh as the scrape. When NVML is unavailable only
 `tensorfleet_gpu_nvml_up 0` and the expected count are exported.
+
+`serve` answers `/metrics` (and `/`) with the gauges and, when the launcher
+hands it a check, `/health` with that check's verdict: 200 or 503, the
+check's lines as a plain-text body (the readiness probe of GPU engine pods;
+see `health.py`).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import urlsplit
 
-from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -103,8 +111,51 @@ def exposition(collector: GpuCollector) -> str:
     return generate_latest(registry_for(collector)).decode("utf-8")
 
 
-def serve(port: int, collector: GpuCollector, addr: str = "0.0.0.0") -> Any:
-    """Serve /metrics on port in a daemon thread; returns the server (call .shutdown() to stop)."""
-    server, _thread = start_http_server(port, addr=addr, registry=registry_for(collector))
-    return server
+# The check behind /health: (healthy, lines for a person).
+HealthCheck = Callable[[], tuple[bool, list[str]]]
 
+
+class MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry, health: HealthCheck | None) -> None:
+        super().__init__(addr, _Handler)
+        self.registry, self.health = registry, health
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.server_close()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: MetricsServer
+
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path
+        if path == contract.HEALTH_PATH and self.server.health is not None:
+            try:
+                healthy, lines = self.server.health()
+            except Exception as exc:  # noqa: BLE001 - a probe must get an answer, not a reset connection
+                healthy, lines = False, [f"unhealthy: the check failed: {exc!r}"]
+            self._send(200 if healthy else 503, ("\n".join(lines) + "\n").encode(), "text/plain; charset=utf-8")
+        elif path in (contract.METRICS_PATH, "/"):
+            self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
+        else:
+            self._send(404, b"not found\n", "text/plain; charset=utf-8")
+
+    def _send(self, code: int, body: bytes, content_type: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: a probe every few seconds would flood the pod's log."""
+
+
+def serve(port: int, collector: GpuCollector, addr: str = "0.0.0.0", health: HealthCheck | None = None) -> MetricsServer:
+    """Serve /metrics (and /health when given) on port in a daemon thread; .shutdown() stops it."""
+    server = MetricsServer((addr, port), registry_for(collector), health)
+    threading.Thread(target=server.serve_forever, name="gpu-metrics", daemon=True).start()
+    return server

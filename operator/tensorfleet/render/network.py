@@ -1,0 +1,107 @@
+"""NetworkPolicies: who may reach the engines and the router (spec.networkPolicy).
+
+Two policies per InferenceService, both for ingress only:
+
+`NAME-engine`, over every engine pod of every stage, admits
+  - this InferenceService's router pods, to the engine port (the OpenAI API;
+    the router also reads `/health` and `/metrics` there);
+  - this InferenceService's engine pods, on every port: Ray's GCS listens on
+    RAY_PORT, but its raylets, object managers and workers pick their ports at
+    start, and NCCL bootstraps and (without InfiniBand) moves tensors over
+    ephemeral TCP ports, so no port list can name them;
+  - pods of `monitoringNamespaces`, to the engine port (vLLM serves `/metrics`
+    beside the API; a NetworkPolicy cannot tell paths apart) and, on GPU
+    engines, the GPU gauges' port.
+
+`NAME-router`, over the router pods, admits on the router port pods of the
+InferenceService's own namespace, of `clientNamespaces` and of
+`monitoringNamespaces`, and the addresses in `clientCIDRs`.
+
+Peers are the whole InferenceService, not one group: a policy per group (its
+pods share `apps.kubernetes.io/pod-index`) would be one object per replica,
+created and pruned as the HPA moves spec.replicas, and pruning a group's policy
+on scale-down would cut its Ray and NCCL traffic while its leader is still
+draining in-flight requests. The engine pods of one InferenceService run one
+image and one spec, so the InferenceService is the trust boundary.
+
+Egress stays open: engines download weights from the Hugging Face Hub (or a
+mirror) and the router watches the API server, and neither can be selected by
+labels. Kubelet probes come from the node, which NetworkPolicy always admits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tensorfleet import contract
+from tensorfleet.render.engine import is_gpu
+from tensorfleet.render.meta import Context, engine_selector, metadata, router_selector
+
+# Set by the API server on every namespace (Kubernetes >= 1.22), immutable: selects namespaces by name.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def engine_policy_name(name: str) -> str:
+    """`NAME-engine`, like the engine Service and PodDisruptionBudget over the same pods."""
+    return contract.engine_service_name(name)
+
+
+def router_policy_name(name: str) -> str:
+    """`NAME-router`, like the router's Deployment."""
+    return contract.router_name(name)
+
+
+def _namespaces(names: list[str]) -> dict[str, Any]:
+    return {"namespaceSelector": {"matchExpressions": [
+        {"key": NAMESPACE_NAME_LABEL, "operator": "In", "values": sorted(set(names))},
+    ]}}
+
+
+def _ports(*numbers: int) -> list[dict[str, Any]]:
+    # protocol spelled out, as in every port the renderer writes (server-side apply list keys).
+    return [{"protocol": "TCP", "port": number} for number in numbers]
+
+
+def _policy(ctx: Context, name: str, component: str, pods: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": metadata(ctx, name, component),
+        "spec": {
+            "podSelector": {"matchLabels": pods},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def engine_policy(ctx: Context) -> dict[str, Any]:
+    monitoring = ctx.spec.network_policy.monitoring_namespaces
+    rules: list[dict[str, Any]] = [
+        {"from": [{"podSelector": {"matchLabels": router_selector(ctx.name)}}], "ports": _ports(contract.ENGINE_PORT)},
+        # No ports: every port and protocol, between this InferenceService's engine pods only.
+        {"from": [{"podSelector": {"matchLabels": engine_selector(ctx.name)}}]},
+    ]
+    if monitoring:
+        scraped = (contract.ENGINE_PORT, contract.WORKER_METRICS_PORT) if is_gpu(ctx) else (contract.ENGINE_PORT,)
+        rules.append({"from": [_namespaces(monitoring)], "ports": _ports(*scraped)})
+    return _policy(ctx, engine_policy_name(ctx.name), contract.COMPONENT_ENGINE,
+                   engine_selector(ctx.name), rules)
+
+
+def router_policy(ctx: Context) -> dict[str, Any]:
+    spec = ctx.spec.network_policy
+    # A bare podSelector selects pods of the policy's own namespace.
+    peers: list[dict[str, Any]] = [{"podSelector": {}}]
+    others = [*spec.client_namespaces, *spec.monitoring_namespaces]
+    if others:
+        peers.append(_namespaces(others))
+    peers += [{"ipBlock": {"cidr": cidr}} for cidr in spec.client_cidrs]
+    return _policy(ctx, router_policy_name(ctx.name), contract.COMPONENT_ROUTER, router_selector(ctx.name),
+                   [{"from": peers, "ports": _ports(contract.ROUTER_PORT)}])
+
+
+def network_policies(ctx: Context) -> list[dict[str, Any]]:
+    if not ctx.spec.network_policy.enabled:
+        return []
+    return [engine_policy(ctx), router_policy(ctx)]
