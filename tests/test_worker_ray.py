@@ -267,12 +267,17 @@ def test_worker_deadline_when_the_leader_never_appears(fakes: Fakes) -> None:
 
 # --- signals: the serving stage drains before the engine gets SIGTERM -----------
 
-def test_sigterm_waits_for_in_flight_requests(fakes: Fakes) -> None:
+def _serving_launcher(fakes: Fakes) -> subprocess.Popen[str]:
+    """A single-stage launcher whose fake vLLM serves (with 2 requests in flight) on a free port."""
     port = free_port()
-    env = fakes.env(SINGLE, 0, FAKE_VLLM_SERVE="1", **{contract.ENV_ENGINE_PORT: str(port)})
-    proc = fakes.start(env)
+    proc = fakes.start(fakes.env(SINGLE, 0, FAKE_VLLM_SERVE="1", **{contract.ENV_ENGINE_PORT: str(port)}))
+    assert wait_until(lambda: bool(fakes.events("vllm", "started")) and raywait.tcp_open("127.0.0.1", port))
+    return proc
+
+
+def test_sigterm_waits_for_in_flight_requests(fakes: Fakes) -> None:
+    proc = _serving_launcher(fakes)
     try:
-        assert wait_until(lambda: bool(fakes.events("vllm", "started")) and raywait.tcp_open("127.0.0.1", port))
         proc.send_signal(signal.SIGTERM)
         # The launcher keeps polling the engine's queue and holds SIGTERM while requests run.
         assert wait_until(lambda: len(fakes.events("vllm", "metrics")) >= 3)
@@ -290,11 +295,8 @@ def test_sigterm_waits_for_in_flight_requests(fakes: Fakes) -> None:
 
 
 def test_second_sigterm_stops_at_once(fakes: Fakes) -> None:
-    port = free_port()
-    env = fakes.env(SINGLE, 0, FAKE_VLLM_SERVE="1", **{contract.ENV_ENGINE_PORT: str(port)})
-    proc = fakes.start(env)
+    proc = _serving_launcher(fakes)
     try:
-        assert wait_until(lambda: bool(fakes.events("vllm", "started")) and raywait.tcp_open("127.0.0.1", port))
         proc.send_signal(signal.SIGTERM)
         assert wait_until(lambda: bool(fakes.events("vllm", "metrics")))
         proc.send_signal(signal.SIGTERM)

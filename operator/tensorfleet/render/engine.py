@@ -32,7 +32,7 @@ from tensorfleet import contract
 from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
 from tensorfleet.catalog import find_gpu
 from tensorfleet.engine_settings import SETTINGS
-from tensorfleet.render.meta import Context, metadata, pod_labels, stage_selector
+from tensorfleet.render.meta import Context, metadata, pod_labels, resources_block, stage_selector
 
 CONTAINER_NAME = "engine"
 REVISION_HISTORY_LIMIT = 3
@@ -312,12 +312,7 @@ def _resources(ctx: Context) -> dict[str, Any]:
         limits[contract.GPU_RESOURCE] = gpus
     elif ctx.spec.engine.resources is None:
         requests = dict(SIMULATOR_REQUESTS)
-    out: dict[str, Any] = {}
-    if limits:
-        out["limits"] = dict(sorted(limits.items()))
-    if requests:
-        out["requests"] = dict(sorted(requests.items()))
-    return out
+    return resources_block(requests, limits)
 
 
 def _gpu_affinity(ctx: Context) -> dict[str, Any]:

@@ -117,3 +117,13 @@ def metadata(ctx: Context, name: str, component: str, extra_labels: dict[str, st
     if owners:
         meta["ownerReferences"] = owners
     return meta
+
+
+def resources_block(requests: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    """A container's `resources`, keys sorted and empty halves left out, so renders compare stably."""
+    out: dict[str, Any] = {}
+    if limits:
+        out["limits"] = dict(sorted(limits.items()))
+    if requests:
+        out["requests"] = dict(sorted(requests.items()))
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.render.meta import Context, metadata, pod_labels, router_selector
+from tensorfleet.render.meta import Context, metadata, pod_labels, resources_block, router_selector
 
 CONTAINER_NAME = "router"
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
@@ -57,12 +57,7 @@ def role_binding(ctx: Context) -> dict[str, Any]:
 def _resources(ctx: Context) -> dict[str, Any]:
     user = ctx.spec.router.resources
     requests, limits = (dict(user.requests), dict(user.limits)) if user else (DEFAULT_REQUESTS, DEFAULT_LIMITS)
-    out: dict[str, Any] = {}
-    if limits:
-        out["limits"] = dict(sorted(limits.items()))
-    if requests:
-        out["requests"] = dict(sorted(requests.items()))
-    return out
+    return resources_block(requests, limits)
 
 
 def _health() -> dict[str, Any]:
