@@ -3,11 +3,16 @@
 # The control-plane image: one image for the operator (`tensorfleet run`), the
 # router the operator deploys per InferenceService (`tensorfleet router`) and
 # the CPU-only engine simulator (`tensorfleet sim`), so it installs the
-# `control-plane` extra: operator + router + sim + fast (uvloop).
+# `control-plane` extra: operator + router + sim + fast (uvloop). It also
+# carries the engine launcher as a zipapp (contract.LAUNCHER_BUNDLE_PATH) that
+# GPU engine pods' init container copies into any vLLM image; the `worker`
+# extra (nvidia-ml-py) is installed so the image can bundle it.
 #
 # Build from the repository root:
 #   docker build -t ghcr.io/tensorfleet/tensorfleet:0.1.0 .
 # (the tag is contract.CONTROL_PLANE_IMAGE; the chart's image.tag defaults to it)
+# Without Docker, images/build-control-plane builds the same image from Debian
+# packages (mmdebstrap + umoci); images/README.md.
 
 # Pinned Python 3.11 slim base (Debian bookworm), never `latest`.
 ARG PYTHON_IMAGE=python:3.11.10-slim-bookworm
@@ -23,15 +28,17 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY operator/ ./operator/
-RUN python -m pip wheel --wheel-dir /wheels ".[control-plane]"
+RUN python -m pip wheel --wheel-dir /wheels ".[control-plane,worker]"
 
 # ---- final: runtime only, no compilers, no pip cache ----------------------
 FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    python -m pip install --no-index --find-links /wheels "tensorfleet[control-plane]" \
+    python -m pip install --no-index --find-links /wheels "tensorfleet[control-plane,worker]" \
+    && python -m tensorfleet.worker.bundle /opt/tensorfleet/launcher.pyz \
     && python -m pip uninstall -y pip \
-    && tensorfleet --help >/dev/null
+    && tensorfleet --help >/dev/null \
+    && python /opt/tensorfleet/launcher.pyz --help >/dev/null
 
 # Numeric non-root user: runAsNonRoot can verify it, and the router Deployment
 # the operator renders runs as this uid with a read-only root filesystem.

@@ -97,9 +97,10 @@ class Cluster:
                                   "--time-scale", str(time_scale), "--log-level", "warning", *extra], port)
 
     def router(self, backends: Sequence[Proc | str], *extra: str, strategy: str = "least-pending") -> Proc:
+        # --backend-header: results record which engine answered; --drain-delay 0: nothing to drain at the end.
         port = free_port()
         args = ["router", "--host", HOST, "--port", str(port), "--model", MODEL, "--strategy", strategy,
-                "--log-level", "warning", *extra]
+                "--log-level", "warning", "--backend-header", "--drain-delay", "0", *extra]
         for backend in backends:
             args += ["--backend", backend if isinstance(backend, str) else backend.url]
         return self._spawn(f"router-{strategy}", args, port)

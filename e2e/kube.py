@@ -214,21 +214,21 @@ def start_operator() -> None:
 
 
 class PodWatch:
-    """`kubectl get pods --watch` in a thread: every state the pods went through, in order.
+    """`kubectl get pods --watch` (or another `resource`) in a thread: every state they went through, in order.
 
     `check` runs on every event once `arm()` was called (after the initial
     listing, which arrives one pod at a time, has been seen whole).
     """
 
     def __init__(self, namespace: str, selector: str,
-                 check: Callable[[dict[str, dict[str, Any]]], None]) -> None:
+                 check: Callable[[dict[str, dict[str, Any]]], None], resource: str = "pods") -> None:
         self.pods: dict[str, dict[str, Any]] = {}
         self.failures: list[str] = []
         self.events = 0
         self.armed = False
         self._check = check
         self._proc = subprocess.Popen(
-            ["kubectl", "get", "pods", "-n", namespace, "-l", selector, "--watch", "--output-watch-events",
+            ["kubectl", "get", resource, "-n", namespace, "-l", selector, "--watch", "--output-watch-events",
              "-o", "json"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -276,8 +276,8 @@ class PodWatch:
 
 @contextmanager
 def watching_pods(namespace: str, selector: str,
-                  check: Callable[[dict[str, dict[str, Any]]], None]) -> Iterator[PodWatch]:
-    watch = PodWatch(namespace, selector, check)
+                  check: Callable[[dict[str, dict[str, Any]]], None], resource: str = "pods") -> Iterator[PodWatch]:
+    watch = PodWatch(namespace, selector, check, resource)
     try:
         yield watch
     finally:

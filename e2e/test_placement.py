@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
+import pytest
 from kube import apply, condition, engine_pods, eventually, example, isvc, kubectl, nodes, wait_ready
 
 from tensorfleet import contract
@@ -118,3 +120,28 @@ def test_a_gpu_type_no_node_has_stays_pending_and_says_so(namespace: str) -> Non
     assert degraded["reason"] == "Unschedulable"
     assert "node affinity" in degraded["message"], "the scheduler's own reason follows"
     assert all(p["status"].get("phase") == "Pending" for p in engine_pods(name, namespace))
+    # Why not Ready, in one look: the Ready reason (kubectl get's REASON column), and a Warning event.
+    ready = condition(isvc(name, namespace), "Ready")
+    assert ready is not None and (ready["status"], ready["reason"]) == ("False", "Unschedulable")
+    assert "L40S GPUs short" in ready["message"]
+    assert (_columns(name, namespace)["READY"], _columns(name, namespace)["REASON"]) == ("False", "Unschedulable")
+    selector = f"involvedObject.name={name},reason=Unschedulable,type=Warning"
+    eventually("a Warning event Unschedulable", lambda: json.loads(kubectl(
+        "get", "events", "-n", namespace, "--field-selector", selector, "-o", "json"))["items"])
+
+
+@pytest.mark.parametrize(("accelerator", "node"), [
+    ("L4", "gke-l4-0"),                # GKE: cloud.google.com/gke-accelerator
+    ("A100-40GB", "eks-a100-40gb-0"),  # EKS/Karpenter: instance-gpu-name + instance-gpu-memory
+    ("H200-141GB", "aks-h200-0"),      # AKS: the GPU VM size
+])
+def test_engine_pods_land_on_managed_gpu_nodes_without_gfd_labels(namespace: str, accelerator: str,
+                                                                  node: str) -> None:
+    doc = example("llama-3.1-8b-l4.yaml", namespace, replicas=1, autoscaling=None,
+                  accelerator={"type": accelerator}, parallelism={"tensor": 1})
+    name = doc["metadata"]["name"]
+    assert _product(nodes()[node]) is None, f"{node} must carry no GFD label for this test to mean anything"
+    apply(doc)
+    (pod,) = _placed(name, namespace, 1)
+    assert pod["spec"]["nodeName"] == node, f"{accelerator} landed on {pod['spec']['nodeName']}"
+    wait_ready(name, namespace)

@@ -1,8 +1,11 @@
-"""A pipeline-parallel rollout, as the real StatefulSet controller and scheduler carry it out.
+"""Rollouts as the real StatefulSet controller and scheduler carry them out.
 
-With pipeline > 1 a group (ordinal i of every stage) is the unit: the operator
-replaces whole groups, one serving group at a time, so a group never mixes
-versions and at most one group is down. A pod watch checks both on every event.
+A group (ordinal i of every stage) is the unit: the operator surges a
+replacement group first and retires an old one only while `replicas` other
+groups serve, so a group never mixes versions and serving capacity never
+drops. A pod watch checks both on every event; for a one-replica service an
+EndpointSlice watch checks what the router sees: at least one ready engine at
+every moment.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ def group_invariants(replicas: int, pipeline: int) -> Callable[[dict[str, dict[s
         for index, members in groups.items():
             images = {p["spec"]["containers"][0]["image"] for p in members.values()}
             assert len(images) == 1, f"group {index} serves mixed versions: {sorted(images)}"
-        whole = [i for i in range(replicas) if len(groups.get(i, {})) == pipeline]
-        assert len(whole) >= replicas - 1, f"only groups {whole} of {replicas} serving"
+        whole = [i for i, members in groups.items() if len(members) == pipeline]
+        assert len(whole) >= replicas, f"only groups {sorted(whole)} serving, {replicas} wanted"
     return check
 
 
@@ -83,7 +86,7 @@ def _set_image(name: str, namespace: str, image: str) -> None:
             json.dumps({"spec": {"engine": {"image": image}}}))
 
 
-def test_an_image_change_rolls_one_group_at_a_time(namespace: str) -> None:
+def test_an_image_change_surges_and_never_drops_a_serving_group(namespace: str) -> None:
     replicas = 3
     name, pipeline = _deploy(namespace, replicas)
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
@@ -155,3 +158,29 @@ def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphan
     eventually("Progressing=False", lambda: any(c["type"] == "Progressing" and c["status"] == "False"
                                                  for c in (isvc(name, namespace) or {}).get("status", {})
                                                  .get("conditions", [])))
+
+
+def test_a_one_replica_service_keeps_a_ready_engine_behind_the_router_throughout(namespace: str) -> None:
+    doc = example("simulator-cpu.yaml", namespace, replicas=1, autoscaling=None,
+                  parallelism={"tensor": 1, "pipeline": 1})
+    name = doc["metadata"]["name"]
+    apply(doc)
+    wait_ready(name, namespace)
+    seen: list[int] = []
+
+    def ready_endpoints(slices: dict[str, dict[str, Any]]) -> None:
+        ready = sum(1 for s in slices.values() for e in s.get("endpoints") or []
+                    if (e.get("conditions") or {}).get("ready") is not False)
+        seen.append(ready)
+        assert ready >= 1, "no ready engine behind the router"
+
+    selector = f"{contract.ENDPOINTSLICE_SERVICE_LABEL}={contract.engine_service_name(name)}"
+    with watching_pods(namespace, selector, ready_endpoints, resource="endpointslices") as watch:
+        eventually("the EndpointSlice watch to list the slices", lambda: bool(watch.pods))
+        watch.arm()
+        _set_image(name, namespace, NEXT_IMAGE)
+        eventually(f"the engine on {NEXT_IMAGE}", lambda: _rolled(name, namespace, NEXT_IMAGE, 1))
+        eventually("the surge retired", lambda: len(engine_pods(name, namespace)) == 1)
+    assert not watch.failures, watch.failures[:5]
+    assert max(seen) >= 2, f"no surge seen behind the router: {seen}"
+    assert watch.events >= 3, f"the watch saw only {watch.events} events"

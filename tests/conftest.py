@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +16,13 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+
+# `tensorfleet plan` reads a model's config.json from the Hugging Face Hub, else the local cache
+# (tensorfleet.modelinfo). The suite reaches neither the real Hub nor a developer's cache, in this
+# process and the ones it starts; the tests of that path serve their own Hub (tests/hub_server.py).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="tensorfleet-test-hf-cache-")
+atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
 
 
 def schema_nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -75,3 +86,16 @@ def example(request: pytest.FixtureRequest) -> dict[str, Any]:
     docs = dict(example_documents())
     assert docs, "examples/ holds no manifests"
     return copy.deepcopy(docs[request.param])
+
+
+class ReadyGate:
+    """Pods become Ready only once the test opens them (a model load that takes a while)."""
+
+    def __init__(self) -> None:
+        self.opened: set[str] = set()
+        self.auto = True
+
+    def __call__(self, pod: dict[str, Any]) -> bool:
+        if self.auto:
+            self.opened.add(pod["metadata"]["uid"])
+        return pod["metadata"]["uid"] in self.opened

@@ -170,7 +170,7 @@ def test_operator_args_are_what_tensorfleet_run_accepts(chart: Any, name: str) -
     assert config.health_port == 8080 and args.metrics_port == 9090 and args.log_format == "json"
     # Routers, simulator engines and vLLM engines default to the images this release ships.
     assert config.images.control_plane == container["image"]
-    assert config.images.worker == f"ghcr.io/tensorfleet/tensorfleet-worker:{contract.__version__}"
+    assert config.images.worker == contract.DEFAULT_ENGINE_IMAGE
     webhook_on = values.get("webhook", {}).get("enabled", True)
     assert (config.webhook is not None) == webhook_on
     if webhook_on:

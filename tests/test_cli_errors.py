@@ -66,8 +66,9 @@ CASES: list[tuple[str, Callable[[Doc], None], str, str]] = [
     ("architecture-missing-layers", _set("spec.model.architecture", {k: v for k, v in UNKNOWN_ARCH.items() if k != "layers"}),
      "spec.model.architecture.layers", "required"),
     ("shell-string-args", _set("spec.engine.args", "--enable-prefix-caching --max-num-seqs 64"), "spec.engine.args", "shell string"),
-    ("flag-and-value-in-one-arg", _set("spec.engine.args", ["--max-num-batched-tokens 4096"]), "spec.engine.args", "separate items"),
-    ("managed-flag-in-args", _set("spec.engine.args", ["--tensor-parallel-size", "4"]), "spec.engine.args", "spec.parallelism.tensor"),
+    # Errors about one item of engine.args name the item.
+    ("flag-and-value-in-one-arg", _set("spec.engine.args", ["--max-num-batched-tokens 4096"]), "spec.engine.args[0]", "separate items"),
+    ("managed-flag-in-args", _set("spec.engine.args", ["--tensor-parallel-size", "4"]), "spec.engine.args[0]", "spec.parallelism.tensor"),
     ("unknown-spec-field", _set("spec.gpus", 8), "spec.gpus", "unknown field"),
     ("unknown-model-field", _set("spec.model.nmae", "x"), "spec.model.nmae", "unknown field"),
     ("autoscaling-min-over-max", _set("spec.autoscaling", {"minReplicas": 5, "maxReplicas": 2}), "spec.autoscaling", "minReplicas 5"),

@@ -12,8 +12,10 @@ import pytest
 import yaml
 from conftest import ROOT, example_documents, isvc_doc, schema_nodes, strict_schema
 
+from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.api.crd import crd
 from tensorfleet.cli import main
+from tensorfleet.engine_settings import WORKER_ENV_VARS
 
 CRD_FILE = ROOT / "crds" / "tensorfleet.dev_inferenceservices.yaml"
 K8S_VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]
@@ -77,9 +79,14 @@ def test_crd_names_subresources_and_columns() -> None:
         "labelSelectorPath": ".status.selector",
     }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
-    for name in ("Ready", "Replicas", "GPU", "TP", "PP", "Endpoint", "Age"):
+    for name in ("Ready", "Reason", "Replicas", "GPU", "TP", "PP", "Endpoint", "Age"):
         assert name in columns
     assert columns["TP"] == ".status.plan.tensor" and columns["PP"] == ".status.plan.pipeline"
+    # Why not Ready, in one look: the Ready condition's reason, next to its status (a default column).
+    assert columns["Reason"] == '.status.conditions[?(@.type=="Ready")].reason'
+    names = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert names.index("Reason") == names.index("Ready") + 1
+    assert "priority" not in version["additionalPrinterColumns"][names.index("Reason")]
 
 
 def test_crd_sets_only_the_replicas_default() -> None:
@@ -142,3 +149,45 @@ def test_cel_rules_reject_cross_field_mistakes() -> None:
     assert _cel_ok(isvc_doc({"engine": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}}))
     assert not _cel_ok(isvc_doc(name="n" * 44))
     assert _cel_ok(isvc_doc(name="n" * 43))
+
+
+# Every CEL rule of the CRD, by the schema node that carries it, with documents on both sides
+# of it. `tensorfleet plan`, the webhook and the operator evaluate no CEL: the models carry a
+# twin of each rule, and must refuse exactly the documents the rule refuses. A rule added to the
+# CRD without cases here fails test_every_cel_rule_has_a_model_twin.
+CEL_TWINS: dict[str, list[dict[str, Any]]] = {
+    "": [isvc_doc(name="n" * 43), isvc_doc(name="n" * 44), isvc_doc(name="n")],
+    ".spec.autoscaling": [
+        isvc_doc({"autoscaling": {"minReplicas": 2, "maxReplicas": 4}}),
+        isvc_doc({"autoscaling": {"minReplicas": 4, "maxReplicas": 4}}),
+        isvc_doc({"autoscaling": {"minReplicas": 5, "maxReplicas": 4}}),
+        isvc_doc({"autoscaling": {"maxReplicas": 1}}),
+    ],
+    ".spec.engine.env": [
+        *(isvc_doc({"engine": {"env": [{"name": "NCCL_DEBUG", "value": "INFO"}, {"name": name, "value": "x"}]}})
+          for name in WORKER_ENV_VARS),
+        isvc_doc({"engine": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}}),
+        isvc_doc({"engine": {"env": [{"name": "TF_OTHER", "value": "1"}]}}),
+    ],
+}
+
+
+def _models_accept(document: dict[str, Any]) -> bool:
+    try:
+        load_inference_service(document, strict=True)
+    except SpecError:
+        return False
+    return True
+
+
+def test_every_cel_rule_has_a_model_twin() -> None:
+    with_rules = {path for path, node in schema_nodes(_schema()) if node.get("x-kubernetes-validations")}
+    assert with_rules == set(CEL_TWINS), "a CEL rule without a twin in the models (or cases here)"
+    for path, documents in CEL_TWINS.items():
+        verdicts = []
+        for document in documents:
+            cel = _cel_ok(document)
+            assert _models_accept(document) == cel, (path, document["metadata"], document["spec"])
+            verdicts.append(cel)
+        assert set(verdicts) == {True, False}, f"{path}: cases on both sides of the rule"
+

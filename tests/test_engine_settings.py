@@ -28,15 +28,18 @@ from tensorfleet.api import load_inference_service
 from tensorfleet.api.models import EngineSpec, InferenceServiceSpec
 from tensorfleet.cli import build_parser
 from tensorfleet.engine_settings import (
+    CONFIG_FLAG,
     EXECUTOR_FLAG,
     HOST_FLAG,
     REFUSED_ENGINE_FLAGS,
     SETTINGS,
     WORKER_ENV_VARS,
     Setting,
+    refused_engine_arg,
 )
 from tensorfleet.planner import make_plan
 from tensorfleet.worker import command
+from tensorfleet.worker.errors import WorkerError
 from tensorfleet.worker.role import ENV_FIELDS, Role, role_from_env
 
 
@@ -180,7 +183,7 @@ def test_the_simulator_understands_every_flag_it_is_given() -> None:
 
 def test_refused_flags_are_every_vllm_flag_the_operator_sets() -> None:
     from_rows = {flag for s in SETTINGS if s.vllm_flag for flag in (s.vllm_flag, *s.vllm_aliases)}
-    assert set(REFUSED_ENGINE_FLAGS) == from_rows | {EXECUTOR_FLAG, HOST_FLAG}
+    assert set(REFUSED_ENGINE_FLAGS) == from_rows | {EXECUTOR_FLAG, HOST_FLAG, CONFIG_FLAG}
     assert all(s.refused == (s.vllm_flag is not None) for s in SETTINGS)
     for _, _, argv in _engine_pods("vllm"):
         assert {item for item in argv if item.startswith("-")} <= set(REFUSED_ENGINE_FLAGS)
@@ -188,7 +191,99 @@ def test_refused_flags_are_every_vllm_flag_the_operator_sets() -> None:
 
 @pytest.mark.parametrize("flag", sorted(REFUSED_ENGINE_FLAGS))
 def test_a_refused_flag_names_what_to_set_instead(flag: str) -> None:
+    setting = next((s for s in SETTINGS if flag in (s.vllm_flag, *s.vllm_aliases)), None)
     for args in ([flag, "1"], [f"{flag}=1"]):
         with pytest.raises(ValidationError) as caught:
             EngineSpec.model_validate({"args": ["--enable-prefix-caching", *args]})
-        assert f"use {REFUSED_ENGINE_FLAGS[flag]} instead" in str(caught.value)
+        (error,) = caught.value.errors()
+        assert error["loc"] == ("args", 1)   # the item: spec.engine.args[1]
+        assert REFUSED_ENGINE_FLAGS[flag] in error["msg"]
+        if setting is not None and setting.instead is None:
+            assert f"set {setting.source} instead" in error["msg"]
+
+
+def _long(flag: str) -> str:
+    return next((s.vllm_flag for s in SETTINGS if flag in s.vllm_aliases), flag) or flag
+
+
+def _spellings(flag: str) -> list[list[str]]:
+    """Ways vLLM's parser (FlexibleArgumentParser over argparse) reads `flag` with a value."""
+    if not flag.startswith("--"):   # a short alias: -tp 4, -tp=4
+        return [[flag, "4"], [f"{flag}=4"]]
+    name = flag[2:]
+    under = "--" + name.replace("-", "_")
+    out = [[flag, "4"], [f"{flag}=4"], [under, "4"], [f"{under}=4"], [f"{flag}.key", "4"], [f"{under}.key=4"]]
+    if len(name) > 4:
+        out.append([flag[:-1], "4"])   # argparse takes an unambiguous prefix (allow_abbrev)
+    return out
+
+
+@pytest.mark.parametrize("flag", sorted(REFUSED_ENGINE_FLAGS))
+def test_every_spelling_of_a_refused_flag_is_refused(flag: str) -> None:
+    for args in _spellings(flag):
+        refused = refused_engine_arg(args[0])
+        assert refused is not None, args
+        assert _long(flag) in refused.flags, args
+        with pytest.raises(ValidationError) as caught:
+            EngineSpec.model_validate({"args": args})
+        assert caught.value.errors()[0]["loc"] == ("args", 0)
+
+
+@pytest.mark.parametrize(("item", "flag"), [
+    ("--max_model_len=100000", "--max-model-len"),
+    ("--tensor_parallel_size=4", "--tensor-parallel-size"),
+    ("-tp", "--tensor-parallel-size"),
+    ("-tp=4", "--tensor-parallel-size"),
+    ("-t", "--tensor-parallel-size"),          # a prefix of -tp
+    ("-pp", "--pipeline-parallel-size"),
+    ("-qawq", "--quantization"),              # argparse glues a one-letter flag to its value
+    ("-q=fp8", "--quantization"),
+    ("--max-model-len=1", "--max-model-len"),
+    ("--max-model", "--max-model-len"),
+    ("--gpu_memory_util=0.95", "--gpu-memory-utilization"),
+    ("--served_model_name", "--served-model-name"),
+    ("--max_model_len.value=1", "--max-model-len"),
+    ("--port=9000", "--port"),
+    ("--host=127.0.0.1", "--host"),
+    ("--distributed_executor_backend=mp", "--distributed-executor-backend"),
+    ("--config", "--config"),
+    ("--model=other/model", "--model"),
+])
+def test_refused_spellings(item: str, flag: str) -> None:
+    refused = refused_engine_arg(item)
+    assert refused is not None and refused.flags == (flag,)
+    assert repr(item) in refused.message()
+
+
+@pytest.mark.parametrize("item", [
+    "--enable-prefix-caching", "--max-num-batched-tokens=4096", "--max_num_batched_tokens", "--swap-space",
+    '--kv-transfer-config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}',
+    '--kv_transfer_config={"kv_connector":"LMCacheConnectorV1","kv_role":"kv_both"}',
+    "--kv-transfer-config.kv_connector", "--compilation-config.level=3", '--compilation_config={"level": 3}',
+    "-O3", "-O.level=3", "--config-format", "--model-impl", "--tokenizer", "--seed", "-1", "-0.5", "8192",
+    "{{ messages }}", "--chat-template", "--",
+])
+def test_other_flags_and_values_pass(item: str) -> None:
+    assert refused_engine_arg(item) is None
+    assert EngineSpec.model_validate({"args": [item]}).args == [item]
+
+
+def test_an_ambiguous_prefix_names_every_flag_it_could_be() -> None:
+    refused = refused_engine_arg("--max")
+    assert refused is not None and set(refused.flags) == {"--max-model-len", "--max-num-seqs"}
+
+
+def test_a_flag_and_value_in_one_item_is_checked_by_its_flag() -> None:
+    with pytest.raises(ValidationError, match="spec.engine.maxNumSeqs"):
+        EngineSpec.model_validate({"args": ["--max-num-seqs 64"]})
+    with pytest.raises(ValidationError, match="separate items"):
+        EngineSpec.model_validate({"args": ["--max-num-batched-tokens 4096"]})
+
+
+@pytest.mark.parametrize(("extra", "index"), [(["--max_model_len=100000"], 0), (["--enable-prefix-caching", "-tp", "4"], 1)])
+def test_the_launcher_refuses_an_operator_flag_in_its_env_too(extra: list[str], index: int) -> None:
+    """A hand-edited TF_EXTRA_ARGS cannot override the plan: the launcher stops, naming the item."""
+    _, env, _ = next(p for p in _pods() if p[2].leader and p[2].engine_kind == "vllm")
+    role = role_from_env({**env, contract.ENV_EXTRA_ARGS: json.dumps(extra)})
+    with pytest.raises(WorkerError, match=rf"^{contract.ENV_EXTRA_ARGS}\[{index}\]: "):
+        command.engine_argv(role)

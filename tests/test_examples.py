@@ -91,9 +91,17 @@ def test_render_namespace_and_standalone(capsys: pytest.CaptureFixture[str], tmp
         assert ref == {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": source["metadata"]["name"],
                        "uid": source["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
 
-    standalone = _render(path, capsys, "--standalone")
-    assert all("ownerReferences" not in o["metadata"] for o in standalone)
-    assert {o["metadata"]["namespace"] for o in standalone} == {source["metadata"]["namespace"]}
+    # --standalone is gone: it only ever mattered for input carrying a uid, and the objects need the
+    # operator whatever their ownerReferences. Without the uid, render writes none.
+    assert main(["render", "-f", str(path), "--standalone"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith("error: --standalone was removed: ") and "metadata.uid" in captured.err
+    del source["metadata"]["uid"]
+    path.write_text(yaml.safe_dump(source))
+    unowned = _render(path, capsys)
+    assert all("ownerReferences" not in o["metadata"] for o in unowned)
+    assert {o["metadata"]["namespace"] for o in unowned} == {source["metadata"]["namespace"]}
 
 
 def test_render_reads_stdin_and_multiple_documents(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -105,3 +113,19 @@ def test_render_reads_stdin_and_multiple_documents(capsys: pytest.CaptureFixture
     objects = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
     instances = {o["metadata"]["labels"][contract.LABEL_INSTANCE] for o in objects}
     assert len(instances) == 2
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=EXAMPLE_IDS)
+def test_example_header_says_how_to_create_what_it_needs(path: Path) -> None:
+    """The header comment gives the commands for the namespace and the Secret the spec names, then applies it."""
+    text = path.read_text()
+    header = text[: text.index("apiVersion:")]
+    doc = yaml.safe_load(text)
+    namespace = doc["metadata"]["namespace"]
+    if namespace != "default":
+        assert f"kubectl create namespace {namespace}\n" in header
+    ref = doc["spec"].get("hfTokenSecretRef")
+    if ref:
+        key = ref.get("key", "token")
+        assert f"kubectl create secret generic {ref['name']} -n {namespace} --from-literal={key}=" in header
+    assert f"kubectl apply -f examples/{path.name}\n" in header

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from conftest import isvc_doc, sim_doc
+from conftest import ReadyGate, isvc_doc, sim_doc
 
 from tensorfleet import contract
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -113,19 +113,6 @@ def _revision(pod: dict[str, Any]) -> str:
     return pod["metadata"]["labels"]["controller-revision-hash"]
 
 
-class ReadyGate:
-    """Pods become Ready only once the test opens them (a model load that takes a while)."""
-
-    def __init__(self) -> None:
-        self.opened: set[str] = set()
-        self.auto = True
-
-    def __call__(self, pod: dict[str, Any]) -> bool:
-        if self.auto:
-            self.opened.add(pod["metadata"]["uid"])
-        return pod["metadata"]["uid"] in self.opened
-
-
 async def _converged(c: Any, name: str = "demo") -> None:
     def done() -> bool:
         status = (c.isvc(name) or {}).get("status") or {}
@@ -174,7 +161,9 @@ async def _roll_one_group_at_a_time(c: Any, gate: ReadyGate, groups: int, stop_a
 async def test_pipeline_groups_roll_one_at_a_time() -> None:
     gate = ReadyGate()
     async with cluster() as c, c.workloads(gate), running_operator(c):
-        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3))
+        # In place (the Replace strategy): at most one group down at any moment.
+        # The default surges instead; see test_operator_rollout.py.
+        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3, rollout={"strategy": "Replace"}))
         await _converged(c)
         assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         gate.auto = False
@@ -190,7 +179,7 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
 async def test_scaling_during_a_rollout() -> None:
     gate = ReadyGate()
     async with cluster() as c, c.workloads(gate), running_operator(c):
-        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=2))
+        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=2, rollout={"strategy": "Replace"}))
         await _converged(c)
         gate.auto = False
         await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
@@ -206,7 +195,8 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
     gate = ReadyGate()
     async with cluster() as c, c.workloads(gate):
         async with running_operator(c):
-            await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3))
+            await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3,
+                                   rollout={"strategy": "Replace"}))
             await _converged(c)
             before = set(c.children("demo"))
             gate.auto = False
@@ -272,7 +262,11 @@ async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> No
         await eventually(lambda: c.get(*STS, "demo-stage-2"))
         await c.patch("demo", {"spec": {"parallelism": {"pipeline": 1}}})
         await eventually(lambda: c.get(*STS, "demo-stage-1") is None and c.get(*STS, "demo-stage-2") is None)
-        assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+        # Every StatefulSet is OnDelete: the operator rolls stage 0 to its single-stage template itself.
+        assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "OnDelete"
+        await _converged(c)
+        revision = c.get(*STS, "demo-stage-0")["status"]["updateRevision"]
+        assert all(_revision(p) == revision for p in _pods(c).values()), "stage 0 still runs the 3-stage template"
         await c.delete("demo")
         await eventually(lambda: not c.children("demo") and not _pods(c), message="children collected")
 

@@ -214,3 +214,17 @@ async def test_groups_that_start_normally_are_never_restarted() -> None:
         await _two_ready_groups(c)
         await op.queue.wait_idle()
         assert not [e for e in c.events("demo") if e["reason"] == "GroupRestarted"]
+
+
+async def test_node_affinity_none_is_accepted_with_a_warning_in_status() -> None:
+    from conftest import isvc_doc
+
+    async with cluster() as c, running_operator(c):
+        await c.create(isvc_doc({"accelerator": {"type": "H100-80GB", "nodeAffinity": "none",
+                                                 "nodeSelector": {"pool": "h100"}}}))
+        condition = await eventually(lambda: c.condition("demo", "PlanValid"), message="PlanValid")
+        assert condition["status"] == "True" and condition["reason"] == "PlanAcceptedWithWarnings"
+        assert "warning: spec.accelerator.nodeAffinity is none" in condition["message"]
+        assert "pins pool=h100" in condition["message"]
+        pod = c.get("apps/v1", "statefulsets", "demo-stage-0")["spec"]["template"]["spec"]
+        assert "affinity" not in pod

@@ -25,6 +25,7 @@ import pytest
 from conftest import isvc_doc
 
 from tensorfleet.api import load_inference_service
+from tensorfleet.catalog import ModelFacts
 from tensorfleet.planner import make_plan
 
 TOLERANCE = 0.15
@@ -46,26 +47,56 @@ PUBLISHED: list[tuple[str, dict[str, Any], str, int, float, int, int]] = [
 ]
 
 
-@pytest.mark.parametrize("case,model,gpu,tensor,utilization,max_model_len,logged", PUBLISHED, ids=[p[0] for p in PUBLISHED])
-def test_kv_cache_tokens_match_published_vllm_logs(
-    case: str, model: dict[str, Any], gpu: str, tensor: int, utilization: float, max_model_len: int, logged: int
-) -> None:
+# The same logs with the model's facts read from its config.json (tests/data/models) instead of the
+# catalog: the repository each log's model was served from.
+CONFIGS = {
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B-Instruct",
+    "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic": "RedHatAI/Llama-3.3-70B-Instruct-FP8-dynamic",
+}
+
+
+def _config_facts(name: str) -> ModelFacts | None:
+    from test_modelconfig import facts  # tests/data/models, read by the planner's config.json reader
+
+    return facts(CONFIGS[name]) if name in CONFIGS else None
+
+
+def _planned(model: dict[str, Any], gpu: str, tensor: int, utilization: float, max_model_len: int,
+             facts: ModelFacts | None) -> int:
     document = isvc_doc({
         "model": {**model, "maxModelLen": max_model_len},
         "accelerator": {"type": gpu},
         "parallelism": {"tensor": tensor, "pipeline": 1},
         "engine": {"gpuMemoryUtilization": utilization},
     })
-    plan = make_plan(load_inference_service(document).spec)
-    error = plan.kv_cache_tokens / logged - 1
-    assert abs(error) <= TOLERANCE, f"{case}: planned {plan.kv_cache_tokens}, vLLM logged {logged} ({error:+.1%})"
+    return make_plan(load_inference_service(document).spec, facts).kv_cache_tokens
 
 
-def test_fp8_checkpoint_weights_match_published_log() -> None:
+@pytest.mark.parametrize("case,model,gpu,tensor,utilization,max_model_len,logged", PUBLISHED, ids=[p[0] for p in PUBLISHED])
+def test_kv_cache_tokens_match_published_vllm_logs(
+    case: str, model: dict[str, Any], gpu: str, tensor: int, utilization: float, max_model_len: int, logged: int
+) -> None:
+    planned = _planned(model, gpu, tensor, utilization, max_model_len, None)
+    error = planned / logged - 1
+    assert abs(error) <= TOLERANCE, f"{case}: planned {planned}, vLLM logged {logged} ({error:+.1%})"
+
+
+FROM_CONFIG = [p for p in PUBLISHED if p[1]["name"] in CONFIGS]
+
+
+@pytest.mark.parametrize("case,model,gpu,tensor,utilization,max_model_len,logged", FROM_CONFIG, ids=[p[0] for p in FROM_CONFIG])
+def test_kv_cache_tokens_from_config_json_match_published_vllm_logs(
+    case: str, model: dict[str, Any], gpu: str, tensor: int, utilization: float, max_model_len: int, logged: int
+) -> None:
+    planned = _planned(model, gpu, tensor, utilization, max_model_len, _config_facts(model["name"]))
+    error = planned / logged - 1
+    assert abs(error) <= TOLERANCE, f"{case} (config.json): planned {planned}, vLLM logged {logged} ({error:+.1%})"
+
+
+@pytest.mark.parametrize("from_config", [False, True], ids=["catalog", "config.json"])
+def test_fp8_checkpoint_weights_match_published_log(from_config: bool) -> None:
     # Same TP 2 log: "weights memory: 33.88GiB" per GPU.
-    document = isvc_doc({
-        "model": {"name": "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic", "maxModelLen": 8192},
-        "parallelism": {"tensor": 2},
-    })
-    plan = make_plan(load_inference_service(document).spec)
+    name = "RedHatAI/Llama-3.3-70B-Instruct-fp8-dynamic"
+    document = isvc_doc({"model": {"name": name, "maxModelLen": 8192}, "parallelism": {"tensor": 2}})
+    plan = make_plan(load_inference_service(document).spec, _config_facts(name) if from_config else None)
     assert abs(plan.weight_bytes_per_gpu / 1024**3 - 33.88) / 33.88 < 0.02

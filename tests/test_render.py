@@ -286,7 +286,7 @@ def test_gpu_affinity_and_toleration(gpu: str) -> None:
     for sts in by_kind(rendered(doc), "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert len(terms) == 1 and len(terms[0]["matchExpressions"]) == 1
+        assert terms == find_gpu(gpu).node_selector_terms() and len(terms[0]["matchExpressions"]) == 1
         expression = terms[0]["matchExpressions"][0]
         assert expression["key"] == "nvidia.com/gpu.product" and expression["operator"] == "In"
         assert expression["values"] == list(find_gpu(gpu).product_labels)
@@ -313,9 +313,14 @@ def test_shm_and_cache_volumes(case: str) -> None:
         volumes = {v["name"]: v for v in pod["volumes"]}
         shm_size = doc["spec"].get("engine", {}).get("shmSize", "16Gi")
         assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}}
+        launcher = [
+            {"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR, "readOnly": True},
+            {"name": contract.ENGINE_HOME_VOLUME, "mountPath": contract.ENGINE_HOME_PATH},
+        ] if case != "simulator" else []
         assert engine(sts)["volumeMounts"] == [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": contract.CACHE_PATH},
+            *launcher,
         ]
         if doc["spec"].get("cache", {}).get("size"):
             assert "model-cache" not in volumes
@@ -342,10 +347,12 @@ def test_cache_claim_template_and_retention() -> None:
     assert "storageClassName" not in default["spec"]["volumeClaimTemplates"][0]["spec"]
 
 
-@pytest.mark.parametrize(("doc", "strategy"), [(PIPELINE_1, "RollingUpdate"), (PIPELINE_2, "OnDelete"), (PIPELINE_3, "OnDelete")])
-def test_update_strategy(doc: dict[str, Any], strategy: str) -> None:
+@pytest.mark.parametrize("doc", [PIPELINE_1, PIPELINE_2, PIPELINE_3])
+def test_update_strategy(doc: dict[str, Any]) -> None:
+    # OnDelete for every pipeline size: the operator replaces whole groups, surging first
+    # (controller/rollout.py); RollingUpdate would take a one-replica service's only pod down.
     for sts in by_kind(rendered(doc), "StatefulSet"):
-        assert sts["spec"]["updateStrategy"] == {"type": strategy}
+        assert sts["spec"]["updateStrategy"] == {"type": "OnDelete"}
         assert sts["spec"]["podManagementPolicy"] == "Parallel"
         assert sts["spec"]["serviceName"] == "llama-workers"
         assert 0 < sts["spec"]["revisionHistoryLimit"] <= 5
@@ -414,8 +421,8 @@ def test_engine_pod_basics() -> None:
         assert pod["enableServiceLinks"] is False
         assert pod["terminationGracePeriodSeconds"] == 120
         container = pod["containers"][0]
-        assert container["image"] == contract.WORKER_IMAGE
-        assert container["command"] == list(contract.WORKER_COMMAND)
+        assert container["image"] == contract.DEFAULT_ENGINE_IMAGE == contract.VLLM_IMAGE
+        assert container["command"] == list(contract.LAUNCHER_COMMAND)
         assert "args" not in container
         assert "imagePullPolicy" not in container
     custom = document(engine={"image": "registry.example/vllm:1", "imagePullPolicy": "Always", "terminationGracePeriodSeconds": 30})
@@ -460,7 +467,10 @@ def test_engine_env() -> None:
         assert values["TF_MODEL"] == LLAMA_70B
         assert values["TF_SERVED_MODEL_NAME"] == "llama-70b"
         assert values["TF_MODEL_REVISION"] == "main"
-        assert values["TF_DTYPE"] == plan.dtype == "bfloat16"
+        # dtype auto reaches vLLM as auto (it used to be the planner's resolved "bfloat16", which
+        # overrode fp16 and AWQ checkpoints); the planner still sizes and reports with bfloat16.
+        assert values["TF_DTYPE"] == plan.engine_dtype == "auto"
+        assert plan.dtype == "bfloat16"
         assert "TF_QUANTIZATION" not in values
         assert values["TF_KV_CACHE_DTYPE"] == "auto"
         assert values["TF_MAX_MODEL_LEN"] == "8192"
@@ -573,7 +583,13 @@ def test_router() -> None:
         "--port", "8080",
         "--max-concurrency-per-backend", "1024",
         "--model", "llama-70b",
+        "--drain-delay", "5",
+        "--shutdown-grace", "60",
     ]
+    # SIGTERM drains: 5 s still serving while the endpoints update, 60 s for in-flight requests, 10 s margin.
+    assert pod["terminationGracePeriodSeconds"] == 75
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
@@ -763,7 +779,8 @@ def test_the_restricted_check_is_real() -> None:
     def per_container(p: dict[str, Any], c: dict[str, Any]) -> None:
         p["securityContext"].pop("seccompProfile")
         p["securityContext"].pop("runAsNonRoot")
-        c["securityContext"].update(seccompProfile={"type": "Localhost", "localhostProfile": "x.json"}, runAsNonRoot=True)
+        for each in [*p.get("initContainers", []), *p["containers"]]:
+            each["securityContext"].update(seccompProfile={"type": "Localhost", "localhostProfile": "x.json"}, runAsNonRoot=True)
     assert broken(per_container) == []
 
 
@@ -885,3 +902,63 @@ def test_default_images_can_point_at_a_mirror() -> None:
     doc["spec"]["engine"] = {"image": "own/vllm:2"}
     isvc = load_inference_service(doc)
     assert {engine(s)["image"] for s in by_kind(render(isvc, make_plan(isvc.spec), images=mirror), "StatefulSet")} == {"own/vllm:2"}
+
+
+def test_a_surge_adds_groups_to_every_stage() -> None:
+    isvc = load_inference_service(PIPELINE_2)
+    plan = make_plan(isvc.spec)
+    wanted = {sts["metadata"]["name"]: sts["spec"]["replicas"] for sts in by_kind(render(isvc, plan), "StatefulSet")}
+    surged = {sts["metadata"]["name"]: sts["spec"]["replicas"]
+              for sts in by_kind(render(isvc, plan, surge=2), "StatefulSet")}
+    assert len(wanted) == 2 and surged == {name: replicas + 2 for name, replicas in wanted.items()}
+
+
+def _schedulable(terms: list[dict[str, Any]], labels: dict[str, str]) -> bool:
+    """The scheduler's rule for required node affinity: any term, all of its (In) expressions."""
+    return any(all(labels.get(e["key"]) in e["values"] for e in term["matchExpressions"]) for term in terms)
+
+
+# Node labels as each provider sets them, without GFD (sources cited in catalog/gpus.py).
+NODES = {
+    "gfd-h100": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "gfd-legacy-a100": {"nvidia.com/gpu.product": "A100-SXM4-80GB"},
+    "gke-l4": {"cloud.google.com/gke-accelerator": "nvidia-l4", "node.kubernetes.io/instance-type": "g2-standard-8"},
+    "gke-a100-40": {"cloud.google.com/gke-accelerator": "nvidia-tesla-a100"},
+    "gke-h100-mega": {"cloud.google.com/gke-accelerator": "nvidia-h100-mega-80gb"},
+    "eks-p4d": {"karpenter.k8s.aws/instance-gpu-name": "a100", "karpenter.k8s.aws/instance-gpu-memory": "40960",
+                "node.kubernetes.io/instance-type": "p4d.24xlarge"},
+    "eks-p4de": {"karpenter.k8s.aws/instance-gpu-name": "a100", "karpenter.k8s.aws/instance-gpu-memory": "81920",
+                 "node.kubernetes.io/instance-type": "p4de.24xlarge"},
+    "eks-p5": {"karpenter.k8s.aws/instance-gpu-name": "h100", "karpenter.k8s.aws/instance-gpu-memory": "81920"},
+    "eks-g6e": {"karpenter.k8s.aws/instance-gpu-name": "l40s", "karpenter.k8s.aws/instance-gpu-memory": "45776"},
+    "aks-nd-h100": {"kubernetes.azure.com/accelerator": "nvidia", "node.kubernetes.io/instance-type": "Standard_ND96isr_H100_v5"},
+    "aks-nc-h100-nvl": {"kubernetes.azure.com/accelerator": "nvidia",
+                        "node.kubernetes.io/instance-type": "Standard_NC40ads_H100_v5"},
+    "aks-nc-a100": {"kubernetes.azure.com/accelerator": "nvidia",
+                    "node.kubernetes.io/instance-type": "Standard_NC24ads_A100_v4"},
+    "aks-t4": {"kubernetes.azure.com/accelerator": "nvidia", "node.kubernetes.io/instance-type": "Standard_NC4as_T4_v3"},
+    "cpu": {"node.kubernetes.io/instance-type": "m5.xlarge"},
+}
+LANDS_ON = {
+    "H100-80GB": {"gfd-h100", "gke-h100-mega", "eks-p5", "aks-nd-h100"},
+    "H100-NVL-94GB": {"aks-nc-h100-nvl"},
+    "A100-80GB": {"gfd-legacy-a100", "eks-p4de", "aks-nc-a100"},
+    "A100-40GB": {"gke-a100-40", "eks-p4d"},
+    "L4": {"gke-l4"},
+    "L40S": {"eks-g6e"},
+    "T4": {"aks-t4"},
+}
+
+
+@pytest.mark.parametrize("gpu", sorted(LANDS_ON))
+def test_engine_pods_find_their_gpu_under_every_providers_labels(gpu: str) -> None:
+    sts = by_kind(rendered(document(accelerator={"type": gpu})), "StatefulSet")[0]
+    terms = sts["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert {node for node, labels in NODES.items() if _schedulable(terms, labels)} == LANDS_ON[gpu]
+
+
+def test_node_affinity_none_leaves_placement_to_the_node_selector() -> None:
+    doc = document(accelerator={"type": "H100-80GB", "nodeAffinity": "none", "nodeSelector": {"pool": "h100"}})
+    pod = by_kind(rendered(doc), "StatefulSet")[0]["spec"]["template"]["spec"]
+    assert "affinity" not in pod and pod["nodeSelector"] == {"pool": "h100"}

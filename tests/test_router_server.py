@@ -137,7 +137,8 @@ async def test_bad_requests_get_openai_errors_from_the_router() -> None:
             ("POST", "/v1/chat/completions", json.dumps({"model": "gpt-4", "messages": []}).encode(), 404),
             ("POST", "/v1/chat/completions", json.dumps(chat("x" * 4000)).encode(), 413),
             ("GET", "/v2/anything", b"", 404),
-            ("DELETE", "/v1/models", b"", 404),
+            ("DELETE", "/v1/models", b"", 405),
+            ("POST", "/v1/load_lora_adapter", b"{}", 404),
         ]
         for method, path, data, status in cases:
             async with client.request(method, r.url + path, data=data,

@@ -14,7 +14,7 @@ from tensorfleet import contract
 from tensorfleet.api import load_inference_service
 from tensorfleet.api.crd import crd
 from tensorfleet.controller.observe import observe
-from tensorfleet.controller.status import condition_status, rejected_status, serving_status
+from tensorfleet.controller.status import condition_status, pod_causes, rejected_status, serving_status
 from tensorfleet.planner import make_plan
 
 # What kube-scheduler 1.36 wrote on a TP8 H100 pod when every H100 node's GPUs were taken.
@@ -45,6 +45,21 @@ def _pod(stage: int, index: int, gpus: int, *, scheduled: bool, ready: bool = Fa
         "spec": {"containers": [{"name": "engine", "resources": {"limits": {contract.GPU_RESOURCE: str(gpus)}}}]},
         "status": {"phase": "Pending" if not ready else "Running", "conditions": conditions},
     }
+
+
+PULL = ('Back-off pulling image "registry.example.com/vllm:typo": ErrImagePull: rpc error: code = NotFound desc = '
+        'failed to pull and unpack image "registry.example.com/vllm:typo": failed to resolve reference '
+        '"registry.example.com/vllm:typo": registry.example.com/vllm:typo: not found')
+
+
+def _failing(pod: dict[str, Any], reason: str, message: str, *, restarts: int = 0,
+             last: dict[str, Any] | None = None) -> dict[str, Any]:
+    pod["status"]["containerStatuses"] = [{
+        "name": "engine", "ready": False, "restartCount": restarts,
+        "state": {"waiting": {"reason": reason, "message": message}},
+        "lastState": {"terminated": last} if last else {},
+    }]
+    return pod
 
 
 def _degraded(plan: Any, pods: list[dict[str, Any]], desired: int) -> dict[str, Any]:
@@ -102,9 +117,11 @@ def _status_schema() -> dict[str, Any]:
 def _written() -> dict[str, dict[str, Any]]:
     serving = _serving(_ready_pods())
     degraded = _serving([*_ready_pods(1), _pod(0, 1, 8, scheduled=False), _pod(1, 1, 8, scheduled=False)])
+    failing = _serving([_failing(_pod(0, 0, 8, scheduled=True), "ImagePullBackOff", PULL)], desired=1)
     return {
         "serving": serving,
         "degraded": degraded,
+        "failing": failing,
         "rejected-at-creation": _rejected({}),
         "rejected-while-serving": _rejected(serving),
     }
@@ -177,3 +194,80 @@ def test_rejected_spec_keeps_what_runs_and_says_why() -> None:
 def test_unknown_generation_is_left_out_of_the_conditions() -> None:
     status = _serving(_ready_pods(), generation=None)
     assert all("observedGeneration" not in c for c in status["conditions"])
+
+
+# --- why not Ready: the worst pod's cause in Ready and Degraded (diagnose.py) -----------------------------
+
+def _conditions(status: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in status["conditions"]}
+
+
+def test_no_ready_group_makes_the_worst_pods_cause_the_ready_reason() -> None:
+    pods = [_failing(_pod(stage, 0, 8, scheduled=True), "ImagePullBackOff", PULL) for stage in range(2)]
+    conditions = _conditions(_serving(pods, desired=1))
+    ready, degraded = conditions["Ready"], conditions["Degraded"]
+    assert (ready["status"], ready["reason"]) == ("False", "ImagePullBackOff")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ImagePullBackOff")
+    assert degraded["message"].startswith('pod m-stage-0-0: ImagePullBackOff: Back-off pulling image '
+                                          '"registry.example.com/vllm:typo"')
+    assert degraded["message"].endswith("; 1 more pod need attention (1 ImagePullBackOff)")
+    assert "rpc error" not in degraded["message"] and "\n" not in degraded["message"]
+    assert ready["message"] == f"0 of 1 groups ready: {degraded['message']}"
+
+
+def test_a_missing_secret_and_an_oom_name_their_cause() -> None:
+    secret = [_failing(_pod(0, 0, 8, scheduled=True), "CreateContainerConfigError", 'secret "hf-token" not found'),
+              _failing(_pod(1, 0, 8, scheduled=True), "CreateContainerConfigError", 'secret "hf-token" not found')]
+    conditions = _conditions(_serving(secret, desired=1))
+    assert conditions["Ready"]["reason"] == conditions["Degraded"]["reason"] == "CreateContainerConfigError"
+    assert 'secret "hf-token" not found' in conditions["Degraded"]["message"]
+    oom = [*_ready_pods(1), _failing(_pod(0, 1, 8, scheduled=True), "CrashLoopBackOff", "back-off 40s restarting",
+                                     restarts=3, last={"exitCode": 137, "reason": "OOMKilled"}),
+           _pod(1, 1, 8, scheduled=True, ready=True)]
+    conditions = _conditions(_serving(oom, desired=2))
+    ready, degraded = conditions["Ready"], conditions["Degraded"]
+    assert (ready["status"], ready["reason"]) == ("True", "Serving"), "one group serves"
+    assert (degraded["status"], degraded["reason"]) == ("True", "OOMKilled")
+    assert degraded["message"] == "pod m-stage-0-1: OOMKilled: container engine ran out of memory (exit code 137, " \
+                                  "no memory limit: the node ran out) (restarted 3 times)"
+    assert ready["message"] == f"1 of 2 groups ready; {degraded['message']}"
+
+
+def test_unschedulable_is_worse_than_a_crash_and_keeps_the_shortfall() -> None:
+    crash = _failing(_pod(0, 0, 8, scheduled=True), "CrashLoopBackOff", "back-off 10s restarting", restarts=1,
+                     last={"exitCode": 1, "reason": "Error", "message": "Traceback ...\nRuntimeError: NCCL error"})
+    pods = [crash, _pod(1, 0, 8, scheduled=False)]
+    conditions = _conditions(_serving(pods, desired=1))
+    degraded = conditions["Degraded"]
+    assert conditions["Ready"]["reason"] == degraded["reason"] == "Unschedulable"
+    assert degraded["message"].startswith("1 engine pod cannot be scheduled: 8 H100-80GB GPUs short")
+    assert "pod m-stage-1-0: Unschedulable: 0/5 nodes are available: 2 Insufficient nvidia.com/gpu" in degraded["message"]
+    assert "preemption" not in degraded["message"]
+    assert degraded["message"].endswith("; 1 more pod need attention (1 CrashLoopBackOff)")
+    events = pod_causes(observe(2, 1, pods, {}, None))
+    assert [reason for reason, _ in events] == ["Unschedulable", "CrashLoopBackOff"]
+    assert events[1] == ("CrashLoopBackOff",
+                         "container engine exited with code 1: RuntimeError: NCCL error (pod m-stage-0-0)")
+
+
+def test_a_starting_fleet_is_not_degraded_and_says_no_ready_replicas() -> None:
+    conditions = _conditions(_serving([_pod(0, 0, 8, scheduled=True), _pod(1, 0, 8, scheduled=True)], desired=1))
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("False", "NoReadyReplicas")
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("False", "AsExpected")
+    assert pod_causes(observe(2, 1, [_pod(0, 0, 8, scheduled=True)], {}, None)) == []
+
+
+def test_a_surge_group_that_cannot_pull_its_new_image_degrades_a_serving_fleet() -> None:
+    """A rollout to a bad image: the old group serves, the surge group (ordinal 1) says why it never will."""
+    plan = _plan(8, 2, "H100-80GB")
+    surge = [_failing(_pod(stage, 1, 8, scheduled=True), "ImagePullBackOff", PULL) for stage in range(2)]
+    obs = observe(plan.pipeline, 1, [*_ready_pods(1), *surge], {}, {"status": {"availableReplicas": 1}}, surge=1)
+    status = serving_status({}, name="m", namespace="ns", generation=1, plan=plan, obs=obs, selector="s", now="t")
+    conditions = _conditions(status)
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("True", "Serving")
+    assert (conditions["Degraded"]["status"], conditions["Degraded"]["reason"]) == ("True", "ImagePullBackOff")
+    # A surge group merely waiting for GPUs is the Progressing condition's news, not Degraded's.
+    waiting = [_pod(stage, 1, 8, scheduled=False) for stage in range(2)]
+    obs = observe(plan.pipeline, 1, [*_ready_pods(1), *waiting], {}, {"status": {"availableReplicas": 1}}, surge=1)
+    status = serving_status({}, name="m", namespace="ns", generation=1, plan=plan, obs=obs, selector="s", now="t")
+    assert _conditions(status)["Degraded"]["status"] == "False"

@@ -75,3 +75,22 @@ async def test_deep_json_is_a_400_without_a_traceback(caplog: pytest.LogCaptureF
         status, body = await _post(url, b"[" * 100_000 + b"]" * 100_000)
         assert status == 400 and "AdmissionReview" in body
         assert "Traceback" not in caplog.text and "RecursionError" not in caplog.text
+
+
+async def test_a_body_arriving_in_many_chunks_is_read_whole() -> None:
+    """A real AdmissionReview of a large object reaches the server in several TCP segments."""
+    import json
+
+    review = json.loads(_review_bytes())
+    review["request"]["object"]["metadata"]["annotations"] = {"note": "x" * 300_000}
+    data = json.dumps(review).encode()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(data), 16_384):
+            yield data[start:start + 16_384]
+            await asyncio.sleep(0)
+
+    async with serving() as url, aiohttp.ClientSession() as session, session.post(
+            url, data=chunks(), headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200, await response.text()
+        assert (await response.json())["response"]["allowed"] is True

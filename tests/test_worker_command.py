@@ -111,7 +111,9 @@ def _check_engine_argv(argv: list[str], doc: dict[str, Any], pipeline: int) -> N
         assert _flag(argv, "--tensor-parallel-size") == str(plan.tensor)
         assert _flag(argv, "--max-model-len") == str(plan.max_model_len)
         assert _flag(argv, "--gpu-memory-utilization") == str(spec.engine.gpu_memory_utilization)
-        assert _flag(argv, "--dtype") == plan.dtype
+        # The spec's dtype, `auto` included: vLLM then follows the checkpoint (an fp16 or AWQ one stays
+        # float16). This used to be the planner's resolved dtype, so `auto` always ran as bfloat16.
+        assert _flag(argv, "--dtype") == plan.engine_dtype == spec.model.dtype
         assert _flag(argv, "--kv-cache-dtype") == spec.engine.kv_cache_dtype
         assert _flag(argv, "--max-num-seqs") == str(plan.max_num_seqs)
         assert _flag(argv, "--revision") == spec.model.revision
@@ -293,8 +295,9 @@ def test_launcher_reads_exactly_the_contract() -> None:
 
 
 def test_every_var_the_renderer_sets_is_read_by_the_launcher() -> None:
-    # Set by the renderer for vLLM and huggingface_hub themselves; the launcher passes them through.
-    passed_through = {contract.ENV_HF_HOME, contract.ENV_HF_TOKEN}
+    # Set by the renderer for vLLM and huggingface_hub themselves (HOME and USER: GPU engines
+    # run as a uid stock vLLM images have no passwd entry for); the launcher passes them through.
+    passed_through = {contract.ENV_HF_HOME, contract.ENV_HF_TOKEN, contract.ENV_HOME, contract.ENV_USER}
     for case, env, user in _all_rendered_envs():
         recording = RecordingEnv(env)
         role_from_env(recording)

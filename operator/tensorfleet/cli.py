@@ -10,7 +10,8 @@ import argparse
 import importlib
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -19,7 +20,9 @@ import yaml
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.api.crd import crd
-from tensorfleet.catalog import GPUS, MODELS
+from tensorfleet.api.errors import one_line
+from tensorfleet.api.manifest import MAX_INPUT_BYTES, ManifestError, parse_manifests
+from tensorfleet.catalog import GPUS, MODELS, ModelFacts
 from tensorfleet.extras import MissingExtra
 from tensorfleet.planner import Plan, make_plan
 from tensorfleet.planner.memory import GiB, MiB, cuda_total_bytes
@@ -40,36 +43,50 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _read_documents(path: str) -> Iterator[tuple[str, Any]]:
-    """(label, document) for each non-empty YAML document of FILE or stdin ('-')."""
+def _read_input(path: str) -> tuple[str, bytes]:
+    """(label, bytes) of FILE or stdin ('-'), reading at most one byte past the input limit."""
+    limit = MAX_INPUT_BYTES + 1
     if path == "-":
-        label, text = "<stdin>", sys.stdin.read()
-    else:
-        file = Path(path)
-        if not file.is_file():
-            raise UsageError(f"{path}: no such file")
-        label, text = path, file.read_text(encoding="utf-8")
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read(limit) if stream is not None else sys.stdin.read(limit).encode("utf-8", "surrogateescape")
+        return "<stdin>", data
+    file = Path(path)
     try:
-        documents = [d for d in yaml.safe_load_all(text) if d is not None]
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UsageError(f"{label}: not valid YAML{where}: {problem}") from None
-    if not documents:
-        raise UsageError(f"{label}: no InferenceService in the file")
-    for index, document in enumerate(documents):
-        yield (label if len(documents) == 1 else f"{label}[{index}]"), document
+        with file.open("rb") as handle:   # a pipe such as -f <(...) too
+            return path, handle.read(limit)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory; name one YAML file (or - for stdin)") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
-def _load(path: str) -> list[tuple[str, InferenceService, Plan]]:
+def _read_documents(path: str) -> list[tuple[str, Any]]:
+    """(label, document) for each non-empty YAML document of FILE or stdin ('-'), within api/manifest.py's bounds."""
+    label, data = _read_input(path)
+    try:
+        return parse_manifests(data, label)
+    except ManifestError as exc:
+        raise UsageError(str(exc)) from None
+
+
+# The model facts for an InferenceService, and a note saying why there are none (see _model_facts).
+FactsFor = Callable[[InferenceService], tuple[ModelFacts | None, str | None]]
+
+
+def _load(path: str, facts_for: FactsFor | None = None) -> list[tuple[str, InferenceService, Plan]]:
     out = []
     for label, document in _read_documents(path):
+        note: str | None = None
         try:
-            isvc = load_inference_service(document)
-            out.append((label, isvc, make_plan(isvc.spec)))
+            # Checked as the API server will check it (strict field validation), then planned.
+            isvc = load_inference_service(document, strict=True)
+            facts, note = facts_for(isvc) if facts_for else (None, None)
+            plan = make_plan(isvc.spec, facts)
+            out.append((label, isvc, replace(plan, notes=(*plan.notes, note)) if note else plan))
         except SpecError as exc:
-            raise UsageError(f"{label}: {exc}") from None
+            raise UsageError(f"{label}: {exc}" + (f" ({note})" if note else "")) from None
     return out
 
 
@@ -90,6 +107,7 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         **plan.to_status().model_dump(by_alias=True),
         "autoLayout": plan.auto_layout,
         "dtype": plan.dtype,
+        "engineDtype": plan.engine_dtype,
         "weightFormat": plan.weight_format,
         "kvCacheDtype": plan.kv_cache_dtype,
         "gpuMemoryBytes": plan.gpu_memory_bytes,
@@ -103,6 +121,8 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         "maxNumSeqs": plan.max_num_seqs,
         "replicas": replicas,
         "totalGPUs": replicas * plan.gpus_per_replica,
+        "modelRevision": plan.model_revision,
+        "weightDetail": plan.weight_detail,
         "notes": list(plan.notes),
     }
 
@@ -119,7 +139,10 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
         ("accelerator", f"{plan.accelerator} ({plan.gpu_memory_bytes // MiB} MiB, {_gib(cuda_total_bytes(plan.gpu_memory_bytes))} usable by CUDA)"),
         ("layout", f"tensor {plan.tensor} x pipeline {plan.pipeline} = {plan.gpus_per_replica} GPU(s) per replica"
                    + (" (chosen by the planner)" if plan.auto_layout else "")),
-        ("precision", f"weights {plan.weight_format}, activations {plan.dtype}, KV cache {plan.kv_cache_dtype}"),
+        ("precision", (f"weights {plan.weight_format}, activations {plan.dtype} (--dtype {plan.engine_dtype}), "
+                       f"KV cache {plan.kv_cache_dtype}")),
+        ("model facts", plan.model_source + (f" (config.json at {plan.model_revision[:12]})" if plan.model_revision else "")),
+        ("weight format", plan.weight_detail or plan.weight_format),
         ("max model len", f"{plan.max_model_len:,} tokens"),
         ("memory budget", f"{_gib(plan.budget_bytes_per_gpu)} per GPU"),
         ("  weights", f"{_gib(plan.weight_bytes_per_gpu)} per GPU ({_gib(plan.weight_bytes_total)} in all)"),
@@ -142,8 +165,34 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _model_facts(args: argparse.Namespace) -> FactsFor:
+    """`plan`'s model facts: --model-config FILE, else the model's config.json through tensorfleet.modelinfo
+    (the Hub unless --offline or HF_HUB_OFFLINE, then the local Hugging Face cache), else none: the catalog."""
+    from tensorfleet import modelinfo
+
+    given: ModelFacts | None = None
+    if args.model_config:
+        try:
+            given = modelinfo.read_model_config(args.model_config)
+        except modelinfo.ModelInfoError as exc:
+            raise UsageError(f"--model-config: {exc}") from None
+
+    def facts_for(isvc: InferenceService) -> tuple[ModelFacts | None, str | None]:
+        model = isvc.spec.model
+        if model.architecture is not None:
+            return None, None
+        if given is not None:
+            return replace(given, name=model.name), None
+        try:
+            return modelinfo.resolve_model(model.name, model.revision, offline=True if args.offline else None), None
+        except modelinfo.ModelInfoError as exc:
+            return None, f"model facts from the catalog: {exc}"
+
+    return facts_for
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    loaded = _load(args.file)
+    loaded = _load(args.file, _model_facts(args))
     if args.output == "json":
         for _, isvc, plan in loaded:
             print(json.dumps(plan_summary(isvc, plan), indent=2))
@@ -152,12 +201,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+STANDALONE_REMOVED = (
+    "--standalone was removed: render writes ownerReferences only for input that has metadata.uid (a copy taken "
+    "from the cluster), so a file you wrote renders without them already; delete the uid for the same with such a "
+    "copy. The objects still need the operator: it rolls the engine StatefulSets out (OnDelete), scales them for "
+    "the HPA and restarts broken groups"
+)
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     from tensorfleet.render import render
 
+    if args.standalone:
+        raise UsageError(STANDALONE_REMOVED)
     objects: list[dict[str, Any]] = []
     for _, isvc, plan in _load(args.file):
-        objects += render(isvc, plan, namespace=args.namespace, standalone=args.standalone)
+        objects += render(isvc, plan, namespace=args.namespace)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
     return 0
 
@@ -212,13 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     plan = commands.add_parser("plan", help="check that an InferenceService fits and show its capacity")
     plan.add_argument("-f", "--file", required=True, help="InferenceService YAML file, or - for stdin")
     plan.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    plan.add_argument("--model-config", metavar="FILE",
+                      help="the model's config.json (or a directory holding it) to size it from, instead of "
+                           "reading it from the Hugging Face Hub")
+    plan.add_argument("--offline", action="store_true",
+                      help="do not ask the Hugging Face Hub for config.json (like HF_HUB_OFFLINE=1): use the local "
+                           "Hugging Face cache, else the built-in catalog")
     plan.set_defaults(func=_cmd_plan)
 
     render = commands.add_parser("render", help="print the Kubernetes objects an InferenceService becomes")
     render.add_argument("-f", "--file", required=True, help="InferenceService YAML file, or - for stdin")
     render.add_argument("-n", "--namespace", help="namespace of the objects (default: metadata.namespace, else default)")
-    render.add_argument("--standalone", action="store_true",
-                        help="omit ownerReferences, so the output can be applied without the operator")
+    # Removed; kept so that a script passing it gets the reason, not argparse's "unrecognized arguments".
+    render.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
     render.set_defaults(func=_cmd_render)
 
     crd_cmd = commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
@@ -241,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except UsageError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.write(f"error: {one_line(str(exc))}\n")
         return EXIT_INVALID
     except MissingExtra as exc:
         sys.stderr.write(f"error: {exc}\n")

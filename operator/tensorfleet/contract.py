@@ -27,11 +27,19 @@ CRD_NAME: Final = f"{PLURAL}.{GROUP}"
 FIELD_MANAGER: Final = "tensorfleet"
 
 # --- Images ----------------------------------------------------------------
-# The worker image is vLLM plus our launcher; the control-plane image runs the
-# operator, the router and the simulator. Both are versioned with this package.
+# The control-plane image runs the operator, the router and the simulator, and
+# carries the engine launcher (LAUNCHER_BUNDLE_PATH) that an init container
+# copies into every GPU engine pod; it is versioned with this package. GPU
+# engines run any vLLM image, by default the upstream release the planner's
+# figures were checked against (vllm_defaults.py); fully qualified, since CRI-O
+# may refuse short names. The worker image (vLLM with the launcher installed,
+# worker-image/) is optional.
 IMAGE_REGISTRY: Final = "ghcr.io/tensorfleet"
-WORKER_IMAGE: Final = f"{IMAGE_REGISTRY}/tensorfleet-worker:{__version__}"
 CONTROL_PLANE_IMAGE: Final = f"{IMAGE_REGISTRY}/tensorfleet:{__version__}"
+VLLM_VERSION: Final = "v0.19.1"
+VLLM_IMAGE: Final = f"docker.io/vllm/vllm-openai:{VLLM_VERSION}"
+DEFAULT_ENGINE_IMAGE: Final = VLLM_IMAGE
+WORKER_IMAGE: Final = f"{IMAGE_REGISTRY}/tensorfleet-worker:{__version__}"
 
 # --- Labels ----------------------------------------------------------------
 LABEL_NAME: Final = "app.kubernetes.io/name"
@@ -54,6 +62,12 @@ ROLE_WORKER: Final = "worker"
 # GPU feature discovery and the NVIDIA device plugin.
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
+# The node labels managed Kubernetes puts on GPU nodes without GPU feature
+# discovery; catalog/gpus.py has each GPU type's values and their sources.
+GKE_ACCELERATOR_LABEL: Final = "cloud.google.com/gke-accelerator"
+KARPENTER_GPU_NAME_LABEL: Final = "karpenter.k8s.aws/instance-gpu-name"
+KARPENTER_GPU_MEMORY_LABEL: Final = "karpenter.k8s.aws/instance-gpu-memory"  # MiB per GPU
+INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"
 GPU_TAINT_KEY: Final = "nvidia.com/gpu"
 # Well-known node label the kubelet sets; spreads router pods over nodes.
 LABEL_HOSTNAME: Final = "kubernetes.io/hostname"
@@ -67,8 +81,10 @@ WORKER_METRICS_PORT: Final = 9400  # GPU health exporter beside the engine
 PORT_NAME_HTTP: Final = "http"
 PORT_NAME_RAY: Final = "ray"
 PORT_NAME_GPU_METRICS: Final = "gpu-metrics"
-# The worker image's non-root user (worker-image/Dockerfile ARG TENSORFLEET_UID);
-# engine pods use it as fsGroup so a PVC-backed model cache is writable.
+# The uid GPU engine containers run as, whatever the image (the worker image
+# creates it: worker-image/Dockerfile ARG TENSORFLEET_UID; stock vLLM images
+# run it without a passwd entry, see ENGINE_HOME_PATH); engine pods use it as
+# fsGroup so a PVC-backed model cache is writable.
 WORKER_UID: Final = 10001
 # The control-plane image's non-root user (./Dockerfile `USER 65532:65532`,
 # distroless' conventional unprivileged uid): router and simulator pods run as
@@ -84,6 +100,21 @@ HF_HOME_PATH: Final = f"{CACHE_PATH}/huggingface"
 # Written by the worker launcher, read by `tensorfleet-worker health` (the
 # exec probe of stages > 0): the launcher's phase and the GPU XID errors it saw.
 WORKER_STATE_PATH: Final = "/tmp/tensorfleet-worker/state.json"
+# The launcher reaches a GPU engine pod without being in its image: the
+# control-plane image carries it as a self-contained zipapp (stdlib, plus the
+# pure-Python prometheus-client and nvidia-ml-py inside; pydantic from the
+# engine image, which vLLM's has), an init container of that image copies it
+# into an emptyDir, and the engine container runs it with the image's Python.
+LAUNCHER_BUNDLE_PATH: Final = "/opt/tensorfleet/launcher.pyz"
+LAUNCHER_DIR: Final = "/tensorfleet"
+LAUNCHER_PATH: Final = f"{LAUNCHER_DIR}/launcher.pyz"
+LAUNCHER_VOLUME: Final = "tensorfleet-launcher"
+LAUNCHER_INIT_CONTAINER: Final = "install-launcher"
+# HOME of GPU engine containers (an emptyDir): stock vLLM images have no user
+# WORKER_UID, so without it vLLM, Triton and torch.compile would cache under /.
+ENGINE_HOME_PATH: Final = "/home/tensorfleet"
+ENGINE_HOME_VOLUME: Final = "home"
+ENGINE_USER: Final = "tensorfleet"
 
 # --- Engine ----------------------------------------------------------------
 # spec.engine.kind, passed to the launcher as ENV_ENGINE_KIND.
@@ -125,6 +156,9 @@ ENV_GPU_METRICS_PORT: Final = "TF_GPU_METRICS_PORT"
 # Standard names read by huggingface_hub / vLLM themselves.
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 ENV_HF_HOME: Final = "HF_HOME"
+# GPU engines only, unless spec.engine.env sets them (see ENGINE_HOME_PATH).
+ENV_HOME: Final = "HOME"
+ENV_USER: Final = "USER"
 
 # --- GPU health exporter (the launcher, on WORKER_METRICS_PORT) --------------
 # Gauges read with pynvml, labelled `gpu` (index), `uuid` and `device` (NVML
@@ -181,6 +215,10 @@ OPERATOR_METRIC_LEADER: Final = "tensorfleet_leader"                            
 # --- Commands --------------------------------------------------------------
 WORKER_COMMAND: Final = ("tensorfleet-worker",)
 WORKER_HEALTH_COMMAND: Final = ("tensorfleet-worker", "health")
+# GPU engine pods: the init container (control-plane image) installs the
+# launcher, the engine container runs it with the engine image's Python.
+LAUNCHER_INSTALL_COMMAND: Final = ("tensorfleet-worker", "install-launcher", LAUNCHER_DIR)
+LAUNCHER_COMMAND: Final = ("python3", LAUNCHER_PATH)
 ROUTER_COMMAND: Final = ("tensorfleet", "router")
 # The CPU-only engine the launcher runs for engine.kind: simulator.
 SIMULATOR_COMMAND: Final = ("tensorfleet", "sim")
@@ -231,6 +269,12 @@ ROUTER_LABEL_CODE: Final = "code"
 RouterStrategy: TypeAlias = Literal["least-pending", "round-robin", "session", "prefix-aware"]
 ROUTER_STRATEGIES: Final[tuple[RouterStrategy, ...]] = get_args(RouterStrategy)
 DEFAULT_ROUTER_STRATEGY: Final[RouterStrategy] = "least-pending"
+# The router's shutdown: it keeps serving this long after SIGTERM while its pod
+# leaves the Service's endpoints, then gives in-flight requests the grace; the
+# Deployment's terminationGracePeriodSeconds covers both plus a margin.
+ROUTER_DRAIN_SECONDS: Final = 5
+ROUTER_SHUTDOWN_GRACE_SECONDS: Final = 60
+ROUTER_TERMINATION_MARGIN_SECONDS: Final = 10
 # Header a client sets to keep a conversation on one engine (`session`).
 SESSION_HEADER: Final = "x-session-id"
 # Response header naming the engine that served a request, for debugging.

@@ -15,7 +15,9 @@ engine does not take it). Everything else is derived from this table:
                       open each line in a fixed order, the rest follow the table's)
   api/models.py       REFUSED_ENGINE_FLAGS, the flags `spec.engine.args` may
                       not pass: every vLLM flag a row carries (a second copy
-                      would silently fight the plan) and its short aliases
+                      would silently fight the plan) and its short aliases,
+                      in every spelling vLLM's parser reads as one of them
+                      (`refused_engine_arg`)
   api/models.py, crd  WORKER_ENV_VARS, the variables `spec.engine.env` may not
                       override
 
@@ -26,6 +28,7 @@ has pydantic and pyyaml but no kopf or Kubernetes client) both import it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Final
 
@@ -40,7 +43,7 @@ class Setting:
     vllm_flag: str | None = None        # the `vllm serve` flag that carries it
     sim_flag: str | None = None         # the `tensorfleet sim` flag that carries it
     vllm_aliases: tuple[str, ...] = ()  # vLLM's other spellings of vllm_flag
-    # What a refused vllm_flag tells the user to set instead, when not `source`.
+    # What a refused vllm_flag tells the user to do, when not "set `source` instead".
     instead: str | None = None
 
     @property
@@ -59,7 +62,7 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(contract.ENV_LEADER_ADDRESS, "leader_address"),
     Setting(contract.ENV_RAY_PORT, "ray_port"),
     Setting(contract.ENV_ENGINE_PORT, "engine_port", vllm_flag="--port", sim_flag="--port",
-            instead="nothing: the engine port is fixed by the operator"),
+            instead="leave it out: the operator fixes the engine port"),
     Setting(contract.ENV_TENSOR_PARALLEL, "tensor_parallel_size", "spec.parallelism.tensor",
             vllm_flag="--tensor-parallel-size", sim_flag="--tensor-parallel-size", vllm_aliases=("-tp",)),
     # The simulator stands for the whole group, whatever its stages.
@@ -96,9 +99,13 @@ WORKER_ENV_VARS: Final = tuple(setting.env for setting in SETTINGS)
 # Engine flags the operator sets that carry no setting of their own; refused too.
 EXECUTOR_FLAG: Final = "--distributed-executor-backend"   # vLLM: Ray, with pipeline > 1
 HOST_FLAG: Final = "--host"                                # all addresses: vLLM's default, the simulator is told
+# `vllm serve --config FILE` reads flags from a YAML file, any of the above
+# among them, where no check of spec.engine.args can see them.
+CONFIG_FLAG: Final = "--config"
 _OPERATOR_FLAGS: Final = {
-    EXECUTOR_FLAG: "spec.parallelism.pipeline (the operator picks Ray for pipeline > 1)",
-    HOST_FLAG: "nothing: the engine listens on all addresses",
+    EXECUTOR_FLAG: "set spec.parallelism.pipeline instead (the operator picks Ray for pipeline > 1)",
+    HOST_FLAG: "leave it out: the engine listens on all addresses",
+    CONFIG_FLAG: "put the flags themselves in spec.engine.args, one per item, where they are checked",
 }
 
 
@@ -107,13 +114,142 @@ def _refused() -> dict[str, str]:
     for setting in SETTINGS:
         if setting.vllm_flag is None:
             continue
-        use = setting.instead or setting.source
-        if use is None:
+        if setting.instead is None and setting.source is None:
             raise ValueError(f"{setting.env}: its vLLM flag is refused in spec.engine.args, so it needs `source` or `instead`")
+        advice = setting.instead or f"set {setting.source} instead"
         for flag in (setting.vllm_flag, *setting.vllm_aliases):
-            refused[flag] = use
+            refused[flag] = advice
     return {**refused, **_OPERATOR_FLAGS}
 
 
-# Flag -> what to set instead. `spec.engine.args` may not pass any of them.
+# Flag (as the table spells it) -> what to do instead. `spec.engine.args` may
+# not pass any of them, in any spelling (see refused_engine_arg).
 REFUSED_ENGINE_FLAGS: Final = _refused()
+
+# --- reading an argv item as vLLM's parser does -------------------------------------
+#
+# `vllm serve` parses with vllm.utils.argparse_utils.FlexibleArgumentParser,
+# an argparse.ArgumentParser that first rewrites each item:
+#   --max_model_len        underscores become dashes in the name, which runs
+#                          from `--` to the first `.` or `=`
+#   --name=value           the value is split off at the first `=`
+#   --json-arg.key value   a dotted key sets one key of a JSON (dict) argument;
+#                          `--json-arg '{...}'` sets the whole of it
+#   -O3, -O.level=3        the optimization level / compilation config
+# then argparse itself takes any unambiguous prefix of a long flag
+# (`--max-model` is --max-model-len: allow_abbrev is on), `-tp=4` for
+# `-tp 4`, a one-letter flag glued to its value (`-qawq` is `-q awq`), and
+# treats every item that starts with `-` and is not a negative number as a
+# flag, wherever it stands. The last of repeated flags wins, so a second
+# copy of a flag the operator sets would replace the plan's value.
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")   # argparse's own test
+
+
+def vllm_flag_name(item: str) -> str | None:
+    """The flag an argv item names, spelt as the table spells flags; None for a value.
+
+    `--max_model_len=100000` -> `--max-model-len`, `--kv_transfer_config.kv_role`
+    -> `--kv-transfer-config`, `-tp=4` -> `-tp`, `8192` -> None.
+    """
+    if not item.startswith("-") or item in ("-", "--") or _NEGATIVE_NUMBER.match(item):
+        return None
+    key = item.split("=", 1)[0].split(".", 1)[0]
+    if key.startswith("--"):
+        return "--" + key[2:].replace("_", "-")
+    return key
+
+
+def _shown(item: str) -> str:
+    """An item quoted in a one-line message, cut short when long."""
+    return repr(item) if len(item) <= 60 else f"{item[:50]!r}... ({len(item)} characters)"
+
+
+@dataclass(frozen=True)
+class RefusedArg:
+    """An item of `spec.engine.args` that vLLM would read as a flag the operator sets."""
+
+    item: str
+    flags: tuple[str, ...]   # the operator's flags vLLM may read it as (several: an ambiguous prefix)
+    abbreviation: bool       # a prefix of the flag, not the flag itself
+    advice: str              # what to do instead
+
+    def message(self) -> str:
+        shown = _shown(self.item)
+        if len(self.flags) > 1:
+            return (f"{shown} abbreviates {' or '.join(self.flags)}, flags the operator sets (vLLM reads any "
+                    "unambiguous prefix of a flag as the flag); spell out the flag you mean")
+        flag = self.flags[0]
+        if flag == CONFIG_FLAG:
+            return f"{shown} makes vLLM read flags from a file, where flags the operator sets would escape this check; {self.advice}"
+        if self.abbreviation:
+            how = f"abbreviates {flag} (vLLM reads any unambiguous prefix of a flag as the flag)"
+        elif self.item.split("=", 1)[0] != flag:
+            how = f"is {flag} as vLLM reads it"
+        else:
+            how = f"sets {flag}"
+        return f"{shown} {how}, which the operator sets; {self.advice}"
+
+
+_LONG_FLAGS: Final = tuple(flag for flag in REFUSED_ENGINE_FLAGS if flag.startswith("--"))
+_SHORT_FLAGS: Final = tuple(flag for flag in REFUSED_ENGINE_FLAGS if not flag.startswith("--"))
+# Short aliases -> the long flag of their row, to say which flag an alias is.
+_LONG_OF: Final = {
+    alias: setting.vllm_flag for setting in SETTINGS if setting.vllm_flag for alias in setting.vllm_aliases
+}
+
+
+def refused_engine_arg(item: str) -> RefusedArg | None:
+    """Whether vLLM would read this argv item as a flag the operator sets, in any spelling."""
+    name = vllm_flag_name(item)
+    if name is None:
+        return None
+    abbreviation = False
+    if name in REFUSED_ENGINE_FLAGS:
+        matches: tuple[str, ...] = (_LONG_OF.get(name, name),)
+    elif name.startswith("--"):
+        # argparse's abbreviations; a prefix that also matches other vLLM flags fails there anyway.
+        matches = tuple(flag for flag in _LONG_FLAGS if len(name) > 2 and flag.startswith(name))
+        abbreviation = True
+    else:
+        # -t (a prefix of -tp), or a one-letter flag glued to its value (-qawq).
+        aliases = [alias for alias in _SHORT_FLAGS
+                   if alias.startswith(name) or (len(alias) == 2 and name.startswith(alias))]
+        matches = tuple(dict.fromkeys(_LONG_OF.get(alias, alias) for alias in aliases))
+        abbreviation = not any(len(alias) == 2 for alias in aliases)
+    if not matches:
+        return None
+    return RefusedArg(item, matches, abbreviation, REFUSED_ENGINE_FLAGS[matches[0]])
+
+
+_QUOTES = ("'", '"')
+
+
+def _shell_quoted(value: str) -> bool:
+    return len(value) >= 2 and value[0] in _QUOTES and value[-1] == value[0]
+
+
+def engine_arg_problem(item: str) -> str | None:
+    """What is wrong with one item of `spec.engine.args`, or None.
+
+    The items reach vLLM as argv, never through a shell, so besides the flags
+    the operator sets (refused_engine_arg) two shell habits are refused: a
+    flag and its value in one item (argparse reads it as an unknown flag), and
+    shell quotes around a value, as in `--kv-transfer-config='{...}'` copied
+    from a command line: the quotes would reach vLLM as part of the JSON.
+    """
+    together = item.startswith("-") and "=" not in item and re.search(r"\s", item) is not None
+    refused = refused_engine_arg(item.split()[0] if together else item)
+    if refused is not None:
+        return refused.message()
+    if together:
+        return f"{_shown(item)} holds a flag and its value in one string; split it into separate items"
+    name = vllm_flag_name(item)
+    value = item.split("=", 1)[1] if name is not None and "=" in item else (None if name is not None else item)
+    json_like = value is not None and value[1:2] in ("{", "[") and value[-2:-1] in ("}", "]")
+    if value is not None and _shell_quoted(value) and (name is not None or json_like):
+        unquoted = f"{item.split('=', 1)[0]}={value[1:-1]}" if name is not None else value[1:-1]
+        return (f"{_shown(item)} wraps its value in shell quotes, which would reach vLLM as part of it "
+                f"(the args are not run through a shell); write {_shown(unquoted)}")
+    return None
+

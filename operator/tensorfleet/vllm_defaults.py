@@ -2,9 +2,10 @@
 
 The planner sizes memory with them, the API documents and applies them as
 InferenceService defaults, and the simulator falls back to them when it is run
-without the operator's figures. Figures are those of the vLLM release the worker
-image pins (worker-image/Dockerfile, VLLM_VERSION v0.19.1), for the OpenAI
-server (`UsageContext.OPENAI_API_SERVER`) on CUDA:
+without the operator's figures. Figures are those of the vLLM release the default
+engine image pins (`contract.VLLM_IMAGE`, vllm/vllm-openai v0.19.1; also
+worker-image/Dockerfile's VLLM_VERSION), for the OpenAI server
+(`UsageContext.OPENAI_API_SERVER`) on CUDA:
 
   GPU_MEMORY_UTILIZATION   `--gpu-memory-utilization`, CacheConfig's default
   BLOCK_SIZE               `--block-size`: tokens per KV-cache block; the CUDA

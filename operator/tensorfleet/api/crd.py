@@ -123,6 +123,8 @@ def status_schema() -> dict[str, Any]:
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason',
+     "description": "Why Ready is what it is: Serving, or the worst pod's cause (ImagePullBackOff, Unschedulable, ...)"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".status.replicas", "description": "Model replicas (groups)"},
     {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas", "description": "Groups whose every pod is ready"},
     {"name": "GPU", "type": "string", "jsonPath": ".spec.accelerator.type"},

@@ -7,12 +7,19 @@ from typing import Any
 from pydantic import ValidationError
 
 from tensorfleet import contract
-from tensorfleet.api.errors import SpecError, from_validation_error
+from tensorfleet.api.errors import SpecError, from_validation_error, one_line, quote
 from tensorfleet.api.models import MAX_NAME_LENGTH, InferenceService
+from tensorfleet.api.strict import check_document
 
 
-def load_inference_service(document: Any) -> InferenceService:
-    """Validate one document; raise SpecError naming the first bad field."""
+def load_inference_service(document: Any, *, strict: bool = False) -> InferenceService:
+    """Validate one document; raise SpecError naming the first bad field.
+
+    strict: check it first as the API server would (`api/strict.py`: unknown
+    fields, types, schema bounds), for input that has not been through one:
+    `tensorfleet plan` and `render` read files with it. Documents the
+    operator gets from the API server have been.
+    """
     if not isinstance(document, dict):
         raise SpecError("(document)", f"expected a mapping (an InferenceService object), got {type(document).__name__}")
     api_version = document.get("apiVersion")
@@ -20,8 +27,10 @@ def load_inference_service(document: Any) -> InferenceService:
     if kind != contract.KIND or api_version != contract.API_VERSION:
         raise SpecError(
             "apiVersion/kind",
-            f"got {api_version}/{kind}; expected apiVersion: {contract.API_VERSION}, kind: {contract.KIND}",
+            f"got {one_line(str(api_version), 80)}/{one_line(str(kind), 80)}; expected apiVersion: {contract.API_VERSION}, kind: {contract.KIND}",
         )
+    if strict:
+        document = check_document(document)
     metadata = document.get("metadata")
     if not isinstance(metadata, dict) or not metadata.get("name"):
         raise SpecError("metadata.name", "required: the InferenceService needs a name")
@@ -29,7 +38,7 @@ def load_inference_service(document: Any) -> InferenceService:
     if isinstance(name, str) and len(name) > MAX_NAME_LENGTH:
         raise SpecError(
             "metadata.name",
-            f"{name!r} is {len(name)} characters; at most {MAX_NAME_LENGTH} so that generated pod and revision names stay valid",
+            f"{quote(name)} is {len(name)} characters; at most {MAX_NAME_LENGTH} so that generated pod and revision names stay valid",
         )
     try:
         return InferenceService.model_validate(document)

@@ -13,14 +13,13 @@ reads the spec.
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from tensorfleet import contract, vllm_defaults
-from tensorfleet.engine_settings import REFUSED_ENGINE_FLAGS, WORKER_ENV_VARS
+from tensorfleet.engine_settings import WORKER_ENV_VARS, engine_arg_problem
 
 # Kubernetes resource.Quantity in the forms people write (e.g. 500Gi, 16G, 1.5Ti).
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
@@ -92,8 +91,14 @@ class ArchitectureSpec(ApiModel):
         default=None, ge=0, le=1024,
         description="How many layers use the sliding window (gpt-oss: every other one). Default: all layers, when slidingWindow is set.",
     )
-    weight_format: Literal["bf16", "fp16", "fp8", "awq", "gptq", "mxfp4"] = Field(
-        default="bf16", description="Precision the checkpoint's weights ship in. Default: bf16."
+    weight_format: Literal[
+        "bf16", "fp16", "fp8", "int8", "int4", "awq", "gptq", "gptq-int8", "mxfp4", "nvfp4", "bnb-4bit", "bnb-8bit"
+    ] = Field(
+        default="bf16",
+        description=(
+            "Precision the checkpoint's weights ship in: int8 = W8A8/W8A16, int4 = W4A16 (group 128), awq/gptq = "
+            "4-bit group 128, gptq-int8, mxfp4 (gpt-oss), nvfp4, bnb-4bit/bnb-8bit (bitsandbytes). Default: bf16."
+        ),
     )
     moe: MoEArchitecture | None = Field(default=None, description="Mixture-of-experts facts, for MoE models.")
     mla: MLAArchitecture | None = Field(default=None, description="Multi-head latent attention facts (DeepSeek-V2/V3): KV cache stores a latent, not per-head keys and values.")
@@ -125,7 +130,11 @@ class ModelSpec(ApiModel):
         description="Model revision (branch, tag or commit) to download. Default: the repository's default branch.",
     )
     dtype: Literal["auto", "bfloat16", "float16"] = Field(
-        default="auto", description="Activation and weight dtype. `auto` follows the checkpoint. Default: auto."
+        default="auto",
+        description=(
+            "Activation and weight dtype, passed to vLLM as --dtype. `auto` follows the checkpoint (an fp16 or AWQ "
+            "one runs in float16); on a GPU without bfloat16 (T4) it is passed as float16. Default: auto."
+        ),
     )
     quantization: Literal["none", "fp8", "awq", "gptq"] | None = Field(
         default=None,
@@ -170,6 +179,18 @@ class ResourceRequirements(ApiModel):
     limits: dict[str, Quantity] = Field(default_factory=dict, description="e.g. {memory: 400Gi}.")
 
 
+def _engine_arg(arg: str) -> str:
+    """One item of spec.engine.args: no flag the operator sets, in any spelling vLLM reads (engine_settings)."""
+    problem = engine_arg_problem(arg)
+    if problem is not None:
+        raise ValueError(problem)
+    return arg
+
+
+# Errors name the item: spec.engine.args[3].
+EngineArg = Annotated[str, AfterValidator(_engine_arg)]
+
+
 class EngineSpec(ApiModel):
     kind: contract.EngineKind = Field(
         default=contract.DEFAULT_ENGINE_KIND,
@@ -177,7 +198,11 @@ class EngineSpec(ApiModel):
     )
     image: str | None = Field(
         default=None, min_length=1, max_length=512,
-        description=f"Engine image; must contain `tensorfleet-worker`. Default: {contract.WORKER_IMAGE} (vllm), {contract.CONTROL_PLANE_IMAGE} (simulator).",
+        description=(
+            "Engine image. vllm: any vLLM image (Python >= 3.10 with vLLM's pydantic 2); the launcher is copied in "
+            "by an init container from the control-plane image. simulator: an image with `tensorfleet-worker`. "
+            f"Default: {contract.DEFAULT_ENGINE_IMAGE} (vllm), {contract.CONTROL_PLANE_IMAGE} (simulator)."
+        ),
     )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         default=None, description="Kubernetes imagePullPolicy of the engine container. Default: Kubernetes' own."
@@ -200,9 +225,13 @@ class EngineSpec(ApiModel):
             f"other than A100, else {vllm_defaults.MAX_NUM_SEQS}."
         ),
     )
-    args: list[str] = Field(
+    args: list[EngineArg] = Field(
         default_factory=list, max_length=256,
-        description="Extra engine flags, one flag or value per item (never one shell string), appended after the operator's own.",
+        description=(
+            "Extra engine flags, one flag or value per item (never one shell string), appended after the operator's own. "
+            "Flags the operator sets from this spec (--max-model-len, --tensor-parallel-size, --port, ...) are refused "
+            "in every spelling vLLM reads: --max_model_len, --max-model-len=N, -tp, abbreviations."
+        ),
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Extra environment variables for the engine container.")
     resources: ResourceRequirements | None = Field(
@@ -227,19 +256,6 @@ class EngineSpec(ApiModel):
             raise ValueError(  # noqa: TRY004 - pydantic reports only ValueError as a ValidationError; TypeError escapes
                 "must be a list with one flag or value per item (e.g. [\"--enable-prefix-caching\"]), not one shell string"
             )
-        return value
-
-    @field_validator("args")
-    @classmethod
-    def _args_are_argv(cls, value: list[str]) -> list[str]:
-        for index, arg in enumerate(value):
-            flag = arg.split("=", 1)[0]
-            if flag in REFUSED_ENGINE_FLAGS:
-                raise ValueError(f"item {index} {arg!r} is set by the operator; use {REFUSED_ENGINE_FLAGS[flag]} instead")
-            if arg.startswith("-") and "=" not in arg and re.search(r"\s", arg):
-                raise ValueError(
-                    f"item {index} {arg!r} holds a flag and its value in one string; split it into separate items"
-                )
         return value
 
     @field_validator("env")
@@ -284,6 +300,16 @@ class AcceleratorSpec(ApiModel):
     )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Extra node labels engine pods require, merged with the GPU product affinity."
+    )
+    node_affinity: Literal["auto", "none"] = Field(
+        default="auto",
+        description=(
+            "`auto`: engine pods require a node labelled with this GPU type by GPU feature discovery "
+            "(nvidia.com/gpu.product), GKE (cloud.google.com/gke-accelerator), Karpenter "
+            "(karpenter.k8s.aws/instance-gpu-name) or an AKS GPU VM size (node.kubernetes.io/instance-type). "
+            "`none`: no GPU-type affinity, for nodes labelled otherwise; pin them with nodeSelector (status "
+            "warns, since a pod on another GPU type gets a plan made for this one). Default: auto."
+        ),
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=64, description="Extra tolerations; the nvidia.com/gpu taint is always tolerated."
@@ -438,6 +464,29 @@ class SecretKeyRef(ApiModel):
     key: str = Field(default="token", min_length=1, max_length=253, description="Key holding the Hugging Face token. Default: token.")
 
 
+class LocalObjectReference(ApiModel):
+    name: str = Field(min_length=1, max_length=253, description="Secret name, in the InferenceService's namespace.")
+
+
+class RolloutSpec(ApiModel):
+    """How a spec change reaches running groups (LeaderWorkerSet's maxSurge, for whole groups)."""
+
+    strategy: Literal["Surge", "SurgeOrReplace", "Replace"] = Field(
+        default="Surge",
+        description=(
+            "`Surge`: start up to maxSurge replacement groups first, and take an old group down only while as many "
+            "groups as spec.replicas stay Ready; when the cluster lacks the GPUs to surge, wait (Progressing says so). "
+            "`SurgeOrReplace`: the same, but when the surge cannot be scheduled, replace groups in place, one at a "
+            "time (capacity drops by one group meanwhile). `Replace`: in place only, never more GPUs than the "
+            "replicas need (a one-replica service stops serving while its replacement loads). Default: Surge."
+        ),
+    )
+    max_surge: int = Field(
+        default=1, ge=1, le=100,
+        description="Replacement groups started ahead of the old ones during a rollout (each needs a replica's GPUs). Default: 1.",
+    )
+
+
 # --- spec -----------------------------------------------------------------------
 
 
@@ -459,9 +508,30 @@ class InferenceServiceSpec(ApiModel):
     hf_token_secret_ref: SecretKeyRef | None = Field(
         default=None, alias="hfTokenSecretRef", description="Secret key holding a Hugging Face token, for gated models."
     )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16,
+        description=(
+            "Secrets (type kubernetes.io/dockerconfigjson, in this namespace) for pulling the engine and router "
+            "images from private registries; set on the engine and router pods. Default: none."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+    @field_validator("image_pull_secrets")
+    @classmethod
+    def _pull_secrets_unique(cls, value: list[LocalObjectReference]) -> list[LocalObjectReference]:
+        names = [ref.name for ref in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"{', '.join(repeated)} listed more than once")
+        return value
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec,
         description="NetworkPolicies isolating the engines and the router. Default: rendered (see networkPolicy.enabled).",
+    )
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How a spec change rolls out. Default: surge one replacement group, so serving never drops.",
     )
 
 
@@ -490,6 +560,14 @@ class PlanStatus(ApiModel):
     kv_cache_bytes_per_token: int = Field(description="KV-cache bytes per token on one GPU of the largest stage.")
     kv_cache_tokens: int = Field(description="Tokens of KV cache per replica (what vLLM logs as `GPU KV cache size`).")
     max_concurrent_sequences: int = Field(description="Sequences of maxModelLen tokens that fit in the KV cache at once.")
+    model_source: Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"] | None = Field(
+        default=None,
+        description=(
+            "Where the model's facts came from: its config.json on the Hugging Face Hub (hub), in a local cache "
+            "(cache), or given as a file (file); spec.model.architecture (spec); the built-in catalog (catalog), "
+            "with the weight format read from quantization markers in the model id (catalog+id-markers)."
+        ),
+    )
 
 
 class InferenceServiceStatus(ApiModel):

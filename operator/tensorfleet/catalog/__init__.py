@@ -1,7 +1,18 @@
-"""Facts about GPUs and models, and the bytes a model's weights and KV cache take (`sizes`)."""
+"""Facts about GPUs and models, and the bytes a model's weights and KV cache take (`sizes`).
+
+`facts.ModelFacts` is what the planner sizes a model with; `modelconfig` reads
+it from a config.json (pure: the files are fetched by `tensorfleet.modelinfo`),
+`models` holds the built-in catalog, the offline fallback.
+"""
 
 from tensorfleet.catalog import sizes
+from tensorfleet.catalog.facts import ModelFacts, ModelSource
+from tensorfleet.catalog.formats import WeightFormat
 from tensorfleet.catalog.gpus import GPUS, GPUType, find_gpu, gpu_names
-from tensorfleet.catalog.models import MODELS, ModelEntry, find_model, normalise
+from tensorfleet.catalog.modelconfig import ModelConfigError, parse_model_config
+from tensorfleet.catalog.models import MODELS, ModelEntry, catalog_facts, find_model, normalise
 
-__all__ = ["GPUS", "MODELS", "GPUType", "ModelEntry", "find_gpu", "find_model", "gpu_names", "normalise", "sizes"]
+__all__ = [
+    "GPUS", "MODELS", "GPUType", "ModelConfigError", "ModelEntry", "ModelFacts", "ModelSource", "WeightFormat",
+    "catalog_facts", "find_gpu", "find_model", "gpu_names", "normalise", "parse_model_config", "sizes",
+]

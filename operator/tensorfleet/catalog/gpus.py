@@ -10,11 +10,32 @@ the NVML name change dropped the `NVIDIA-` prefix (`A100-SXM4-80GB`), and cluste
 built then still carry those labels, so both forms are matched. Time-sliced
 GPUs (`...-SHARED`) are deliberately not matched: tensor parallelism over a
 shared GPU is not a serving layout.
+
+Managed clusters label GPU nodes their own way, and their default node pools
+run no GFD, so each labelling is matched on its own (`node_selector_terms`,
+one nodeSelectorTerm each, any of which may hold):
+
+- GKE: `cloud.google.com/gke-accelerator`, the accelerator type of the node
+  pool (https://cloud.google.com/kubernetes-engine/docs/how-to/gpus, the
+  `--accelerator type=` values; https://cloud.google.com/compute/docs/gpus).
+- EKS with Karpenter: `karpenter.k8s.aws/instance-gpu-name`, the EC2 GPU name
+  in lower case, and `karpenter.k8s.aws/instance-gpu-memory`, MiB per GPU,
+  where one name covers two memory sizes (A100 40 GB on p4d, 80 GB on p4de)
+  (https://karpenter.sh/docs/reference/instance-types/).
+- AKS: `kubernetes.azure.com/accelerator` is `nvidia` on every NVIDIA node, so
+  it cannot tell GPUs apart; the VM size in `node.kubernetes.io/instance-type`
+  can (https://learn.microsoft.com/azure/virtual-machines/sizes/overview, the
+  GPU-accelerated families: NCasT4_v3, NVadsA10_v5, NC_A100_v4, NDasrA100_v4,
+  NDm_A100_v4, NCads_H100_v5, ND_H100_v5, ND_H200_v5). Only sizes with whole
+  GPUs are listed (NVadsA10_v5 below NV36ads shares a GPU).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from tensorfleet import contract
 
 
 @dataclass(frozen=True)
@@ -27,6 +48,9 @@ class GPUType:
     bf16: bool = True              # native bfloat16 (compute capability >= 8.0)
     fp8: bool = False              # native fp8 tensor cores (compute capability >= 8.9)
     aliases: tuple[str, ...] = field(default=())
+    gke_accelerators: tuple[str, ...] = field(default=())      # cloud.google.com/gke-accelerator values
+    karpenter_gpu: tuple[str, int | None] | None = None         # (instance-gpu-name, instance-gpu-memory or None)
+    azure_vm_sizes: tuple[str, ...] = field(default=())         # node.kubernetes.io/instance-type values on AKS
 
     @property
     def memory_bytes(self) -> int:
@@ -44,20 +68,54 @@ class GPUType:
                 labels.append(legacy)
         return tuple(dict.fromkeys(labels))
 
+    def node_selector_terms(self) -> list[dict[str, Any]]:
+        """One nodeSelectorTerm per labelling that identifies this GPU: GFD's, GKE's, Karpenter's, AKS's VM size."""
+        terms = [_term((contract.GPU_PRODUCT_LABEL, self.product_labels))]
+        if self.gke_accelerators:
+            terms.append(_term((contract.GKE_ACCELERATOR_LABEL, self.gke_accelerators)))
+        if self.karpenter_gpu is not None:
+            name, memory = self.karpenter_gpu
+            expressions: list[tuple[str, tuple[str, ...]]] = [(contract.KARPENTER_GPU_NAME_LABEL, (name,))]
+            if memory is not None:
+                expressions.append((contract.KARPENTER_GPU_MEMORY_LABEL, (str(memory),)))
+            terms.append(_term(*expressions))
+        if self.azure_vm_sizes:
+            terms.append(_term((contract.INSTANCE_TYPE_LABEL, self.azure_vm_sizes)))
+        return terms
+
+
+def _term(*expressions: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
+    return {"matchExpressions": [{"key": key, "operator": "In", "values": list(values)} for key, values in expressions]}
+
 
 GPUS: tuple[GPUType, ...] = (
-    GPUType("A100-40GB", 40960, 1555, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), aliases=("A100",)),
-    GPUType("A100-80GB", 81920, 2039, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe")),
-    GPUType("H100-80GB", 81559, 3350, ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"), fp8=True, aliases=("H100",)),
-    GPUType("H100-NVL-94GB", 95830, 3900, ("NVIDIA H100 NVL",), fp8=True, aliases=("H100-NVL",)),
-    GPUType("H200-141GB", 143771, 4800, ("NVIDIA H200", "NVIDIA H200 NVL"), fp8=True, aliases=("H200",)),
-    GPUType("B200-180GB", 183359, 8000, ("NVIDIA B200",), fp8=True, aliases=("B200",)),
-    GPUType("L40S", 46068, 864, ("NVIDIA L40S",), fp8=True),
+    GPUType("A100-40GB", 40960, 1555, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), aliases=("A100",),
+            gke_accelerators=("nvidia-tesla-a100",), karpenter_gpu=("a100", 40960),
+            azure_vm_sizes=("Standard_ND96asr_v4",)),
+    GPUType("A100-80GB", 81920, 2039, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
+            gke_accelerators=("nvidia-a100-80gb",), karpenter_gpu=("a100", 81920),
+            azure_vm_sizes=("Standard_NC24ads_A100_v4", "Standard_NC48ads_A100_v4", "Standard_NC96ads_A100_v4",
+                            "Standard_ND96amsr_A100_v4")),
+    GPUType("H100-80GB", 81559, 3350, ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"), fp8=True, aliases=("H100",),
+            gke_accelerators=("nvidia-h100-80gb", "nvidia-h100-mega-80gb"), karpenter_gpu=("h100", None),
+            azure_vm_sizes=("Standard_ND96isr_H100_v5",)),
+    GPUType("H100-NVL-94GB", 95830, 3900, ("NVIDIA H100 NVL",), fp8=True, aliases=("H100-NVL",),
+            azure_vm_sizes=("Standard_NC40ads_H100_v5", "Standard_NC80adis_H100_v5")),
+    GPUType("H200-141GB", 143771, 4800, ("NVIDIA H200", "NVIDIA H200 NVL"), fp8=True, aliases=("H200",),
+            gke_accelerators=("nvidia-h200-141gb",), karpenter_gpu=("h200", None),
+            azure_vm_sizes=("Standard_ND96isr_H200_v5",)),
+    GPUType("B200-180GB", 183359, 8000, ("NVIDIA B200",), fp8=True, aliases=("B200",),
+            gke_accelerators=("nvidia-b200",), karpenter_gpu=("b200", None)),
+    GPUType("L40S", 46068, 864, ("NVIDIA L40S",), fp8=True, karpenter_gpu=("l40s", None)),
     GPUType("L40", 46068, 864, ("NVIDIA L40",), fp8=True),
-    GPUType("L4", 23034, 300, ("NVIDIA L4",), fp8=True),
-    GPUType("A10G", 23028, 600, ("NVIDIA A10G",)),
-    GPUType("A10", 23028, 600, ("NVIDIA A10",), gpus_per_node=4),
-    GPUType("T4", 15360, 320, ("Tesla T4",), bf16=False, gpus_per_node=4),
+    GPUType("L4", 23034, 300, ("NVIDIA L4",), fp8=True, gke_accelerators=("nvidia-l4",), karpenter_gpu=("l4", None)),
+    GPUType("A10G", 23028, 600, ("NVIDIA A10G",), karpenter_gpu=("a10g", None)),
+    GPUType("A10", 23028, 600, ("NVIDIA A10",), gpus_per_node=4,
+            azure_vm_sizes=("Standard_NV36ads_A10_v5", "Standard_NV72ads_A10_v5")),
+    GPUType("T4", 15360, 320, ("Tesla T4",), bf16=False, gpus_per_node=4,
+            gke_accelerators=("nvidia-tesla-t4",), karpenter_gpu=("t4", None),
+            azure_vm_sizes=("Standard_NC4as_T4_v3", "Standard_NC8as_T4_v3", "Standard_NC16as_T4_v3",
+                            "Standard_NC64as_T4_v3")),
 )
 
 

@@ -1,12 +1,19 @@
 """Architecture facts of popular open models, from each model's config.json.
 
+The catalog is the offline fallback: the planner reads a model's own
+config.json when it can (`tensorfleet.modelinfo`, `catalog/modelconfig.py`),
+and these facts when it cannot.
+
 An entry is found by the last path component of `spec.model.name`,
 case-insensitively, after dropping an organisation prefix and the suffixes
 that name a variant of the same architecture (`-Instruct`, `-AWQ-INT4`,
-`-FP8-Dynamic`, `-v0.3`, ...). So `meta-llama/Llama-3.1-70B-Instruct`,
-`hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4` and
-`/models/llama-3.1-70b` all find the Llama 3.1 70B facts. A suffix that names a
-quantization also tells the planner how the checkpoint's weights ship.
+`-FP8-Dynamic`, `quantized.w4a16`, `-v0.3`, `-2507`, ...). So
+`meta-llama/Llama-3.1-70B-Instruct`,
+`hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4`,
+`RedHatAI/Meta-Llama-3.1-70B-Instruct-quantized.w4a16` and
+`/models/llama-3.1-70b` all find the Llama 3.1 70B facts. Suffixes that name a
+quantization (`catalog/formats.py`, `id_format`) also tell the planner how the
+checkpoint's weights ship: the W4A16 checkpoint above is planned at 4 bits.
 
 Parameter counts are the exact totals of the published checkpoints (all
 experts included for MoE; DeepSeek-V3 without its optional multi-token
@@ -19,6 +26,8 @@ import re
 from dataclasses import dataclass
 
 from tensorfleet.api.models import ArchitectureSpec, MLAArchitecture, MoEArchitecture
+from tensorfleet.catalog.facts import ModelFacts, from_architecture
+from tensorfleet.catalog.formats import VARIANT_TOKENS, id_format
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,8 @@ _DEEPSEEK_V3 = _arch(parameters=671_026_419_200, layers=61, hiddenSize=7168, att
 
 MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("llama-3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", _LLAMA_31_8B, aliases=("llama-3-8b",)),
-    ModelEntry("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _LLAMA_31_70B, aliases=("llama-3.3-70b", "llama-3-70b")),
+    ModelEntry("llama-3.1-70b", "meta-llama/Llama-3.1-70B-Instruct", _LLAMA_31_70B,
+               aliases=("llama-3.3-70b", "llama-3-70b", "deepseek-r1-distill-llama-70b")),
     ModelEntry("llama-3.1-405b", "meta-llama/Llama-3.1-405B-Instruct", _arch(
         parameters=405_853_388_800, layers=126, hiddenSize=16384, attentionHeads=128, kvHeads=8, headDim=128,
         intermediateSize=53248, vocabSize=128256, maxContextLength=131072)),
@@ -81,6 +91,11 @@ MODELS: tuple[ModelEntry, ...] = (
         parameters=235_093_634_560, layers=94, hiddenSize=4096, attentionHeads=64, kvHeads=4, headDim=128,
         intermediateSize=1536, vocabSize=151936, maxContextLength=40960,
         moe=MoEArchitecture(experts=128, experts_per_token=8, active_parameters=22_000_000_000))),
+    ModelEntry("qwen3-235b-a22b-2507", "Qwen/Qwen3-235B-A22B-Instruct-2507", _arch(
+        parameters=235_093_634_560, layers=94, hiddenSize=4096, attentionHeads=64, kvHeads=4, headDim=128,
+        intermediateSize=1536, vocabSize=151936, maxContextLength=262144,
+        moe=MoEArchitecture(experts=128, experts_per_token=8, active_parameters=22_000_000_000)),
+        aliases=("qwen3-235b-a22b-instruct-2507", "qwen3-235b-a22b-thinking-2507")),
     ModelEntry("mistral-7b", "mistralai/Mistral-7B-Instruct-v0.3", _arch(
         parameters=7_248_023_552, layers=32, hiddenSize=4096, attentionHeads=32, kvHeads=8, headDim=128,
         intermediateSize=14336, vocabSize=32768, maxContextLength=32768)),
@@ -104,6 +119,18 @@ MODELS: tuple[ModelEntry, ...] = (
         intermediateSize=2880, vocabSize=201088, maxContextLength=131072, weightFormat="mxfp4",
         slidingWindow=128, slidingWindowLayers=18,
         moe=MoEArchitecture(experts=128, experts_per_token=4, active_parameters=5_130_000_000))),
+    ModelEntry("llama-4-scout-17b-16e", "meta-llama/Llama-4-Scout-17B-16E-Instruct", _arch(
+        # Vision encoder included; chunked attention is sized as full, as vLLM does by default.
+        parameters=108_641_793_536, layers=48, hiddenSize=5120, attentionHeads=40, kvHeads=8, headDim=128,
+        intermediateSize=8192, vocabSize=202048, maxContextLength=10485760,
+        moe=MoEArchitecture(experts=16, experts_per_token=1, shared_experts=1, active_parameters=17_172_889_600))),
+    ModelEntry("gemma-3-27b", "google/gemma-3-27b-it", _arch(
+        parameters=27_432_406_640, layers=62, hiddenSize=5376, attentionHeads=32, kvHeads=16, headDim=128,
+        intermediateSize=21504, vocabSize=262208, tiedEmbeddings=True, maxContextLength=131072,
+        slidingWindow=1024, slidingWindowLayers=52)),
+    ModelEntry("phi-4", "microsoft/phi-4", _arch(
+        parameters=14_659_507_200, layers=40, hiddenSize=5120, attentionHeads=40, kvHeads=10, headDim=128,
+        intermediateSize=17920, vocabSize=100352, maxContextLength=16384)),
     ModelEntry("gpt-oss-20b", "openai/gpt-oss-20b", _arch(
         parameters=20_914_757_184, layers=24, hiddenSize=2880, attentionHeads=64, kvHeads=8, headDim=64,
         intermediateSize=2880, vocabSize=201088, maxContextLength=131072, weightFormat="mxfp4",
@@ -111,14 +138,9 @@ MODELS: tuple[ModelEntry, ...] = (
         moe=MoEArchitecture(experts=32, experts_per_token=4, active_parameters=3_610_000_000))),
 )
 
-# Suffixes naming a variant, not a different architecture; each maps to the
-# weight format it implies, or None. Matched at the end of the name, repeatedly.
-_VARIANT_SUFFIXES: dict[str, str | None] = {
-    "instruct": None, "chat": None, "it": None, "hf": None, "base": None,
-    "awq": "awq", "gptq": "gptq", "int4": None, "int8": None, "w4a16": None,
-    "fp8": "fp8", "dynamic": None, "w8a8": None, "fp8-dynamic": "fp8",
-}
 _VERSION_SUFFIX = re.compile(r"-v\d+(\.\d+)*$")
+_DATE_SUFFIX = re.compile(r"-\d{4}$")            # Qwen's -2507, DeepSeek's -0324
+_LAST_TOKEN = re.compile(r"[-_.]([a-z0-9]+)$")
 
 _BY_KEY: dict[str, ModelEntry] = {}
 for _entry in MODELS:
@@ -127,26 +149,43 @@ for _entry in MODELS:
 
 
 def normalise(model_name: str) -> tuple[str, str | None]:
-    """(canonical key, weight format implied by the name or None).
+    """(canonical key, weight format implied by the name's quantization markers, or None).
 
-    Variant suffixes are peeled one at a time, stopping at the first known key,
-    so names such as `deepseek-v3` keep their own version-like suffix.
+    Variant suffixes are peeled one at a time (`-v0.3`, `-2507`, and the tokens
+    of catalog/formats.py's VARIANT_TOKENS, split at `-`, `_` or `.`), stopping at
+    the first known key, so names such as `deepseek-v3` keep their own
+    version-like suffix.
     """
     base = model_name.rstrip("/").rsplit("/", 1)[-1].lower().removeprefix("meta-")
-    implied: str | None = None
+    tokens: set[str] = set()
     while base not in _BY_KEY:
         stripped = _VERSION_SUFFIX.sub("", base)
-        for suffix, fmt in _VARIANT_SUFFIXES.items():
-            if stripped == base and base.endswith("-" + suffix):
-                stripped = base[: -len(suffix) - 1]
-                implied = implied or fmt
         if stripped == base:
+            last = _LAST_TOKEN.search(base)
+            if last and last.group(1) in VARIANT_TOKENS:
+                tokens.add(last.group(1))
+                stripped = base[: last.start()]
+            else:
+                stripped = _DATE_SUFFIX.sub("", base)
+        if stripped == base or not stripped:
             break
         base = stripped
-    return base, implied
+    return base, id_format(tokens)
 
 
 def find_model(model_name: str) -> tuple[ModelEntry | None, str | None]:
     """The catalog entry for a model name, and the weight format its name implies."""
     key, implied = normalise(model_name)
     return _BY_KEY.get(key), implied
+
+
+def catalog_facts(model_name: str) -> ModelFacts | None:
+    """The catalog's facts for MODEL_NAME (source `catalog`, or `catalog+id-markers` when
+    quantization markers in the name set the weight format), or None if it is not known."""
+    entry, implied = find_model(model_name)
+    if entry is None:
+        return None
+    if implied is None:
+        return from_architecture(model_name, entry.arch, entry.arch.weight_format, "catalog")
+    note = f"weight format {implied} read from the model id (its config.json was not read)"
+    return from_architecture(model_name, entry.arch, implied, "catalog+id-markers", notes=(note,))

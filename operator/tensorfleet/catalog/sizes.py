@@ -4,13 +4,13 @@ The planner sizes a layout's GPUs with them (planner/memory.py), and the
 simulator times its steps with them; neither re-derives them.
 
 Weights (vLLM loads parameters as stored; quantized linear layers keep
-16-bit embeddings and output head):
-    16-bit          2 bytes/parameter
-    fp8             1 byte + per-tensor/per-block scales (negligible)
-    awq/gptq int4   4 bits + one 16-bit scale and 4-bit zero per group of 128
-    mxfp4           4 bits + one 8-bit scale per block of 32 (gpt-oss MoE experts)
-Tensor parallelism shards every linear layer and the vocabulary over `tensor`
-ranks.
+16-bit embeddings and output head). The bits per weight of each format, scales
+included, are in `catalog/formats.py` (16-bit 2 bytes, fp8/int8 1 byte, W4A16
+4.125 bits, AWQ/GPTQ 4.156, MXFP4 4.25, ...). The functions here size the
+catalog's coarse facts (totals only: every non-embedding parameter at the
+format's bits); facts read from a config.json carry their weights per layer
+(`catalog/facts.py`), which the planner sizes a stage with. Tensor parallelism
+shards every linear layer and the vocabulary over `tensor` ranks.
 
 KV cache bytes per token and layer:
     standard/GQA    2 (K and V) x kv heads on this rank x head dim x element bytes,
@@ -28,19 +28,12 @@ full-length sequence.
 from __future__ import annotations
 
 from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.catalog.facts import DEFAULT_VOCAB
+from tensorfleet.catalog.formats import BITS
 
 # Weight bytes per parameter of quantizable (linear) layers, per format.
-BYTES_PER_PARAMETER: dict[str, float] = {
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "awq": 0.5 + (2 + 0.5) / 128,
-    "gptq": 0.5 + (2 + 0.5) / 128,
-    "mxfp4": 0.5 + 1 / 32,
-}
+BYTES_PER_PARAMETER: dict[str, float] = {name: bits / 8 for name, bits in BITS.items()}
 EMBEDDING_BYTES = 2  # embeddings and output head stay 16-bit under every format
-
-DEFAULT_VOCAB = 32000
 
 
 def kv_element_bytes(kv_cache_dtype: str) -> int:

@@ -11,12 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import contract
+from tensorfleet.controller.diagnose import diagnose
 
-# Container waiting reasons that will not fix themselves.
-STUCK_REASONS = frozenset({
-    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
-})
 REVISION_LABEL = "controller-revision-hash"
 
 
@@ -71,21 +67,9 @@ def pod_gpus(pod: dict[str, Any]) -> int:
 
 
 def pod_problem(pod: dict[str, Any]) -> str | None:
-    """Why a pod cannot become ready without someone acting, or None."""
-    name = pod.get("metadata", {}).get("name", "?")
-    status = pod.get("status", {})
-    if status.get("phase") == "Failed":
-        return f"pod {name} failed: {status.get('reason') or status.get('message') or 'unknown reason'}"
-    for condition in status.get("conditions") or []:
-        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
-                and condition.get("reason") == "Unschedulable":
-            return f"pod {name} unschedulable: {condition.get('message', '').strip() or 'no node fits'}"
-    for container in status.get("containerStatuses") or []:
-        waiting = (container.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in STUCK_REASONS:
-            restarts = container.get("restartCount", 0)
-            return f"pod {name} container {container.get('name')}: {waiting['reason']} (restarts {restarts})"
-    return None
+    """Why a pod cannot become ready without someone acting (one line, see diagnose.py), or None."""
+    found = diagnose(pod)
+    return found.line if found else None
 
 
 @dataclass
@@ -166,25 +150,32 @@ class Observation:
     groups: dict[int, Group]
     revisions: dict[int, str | None]
     router_available: int
+    surge: int = 0  # extra ordinals run during a rollout (see rollout.py)
 
     @property
     def existing(self) -> int:
-        return len(self.groups)
+        """Groups with at least one pod, surge groups left out."""
+        return sum(1 for i in self.groups if i < self.desired or i >= self.desired + self.surge)
 
-    def _current(self) -> list[Group]:
+    def current(self) -> list[Group]:
+        """The wanted groups, ordinals [0, desired), in order."""
         return [g for i, g in sorted(self.groups.items()) if i < self.desired]
+
+    def surge_groups(self) -> list[Group]:
+        """Groups beyond the wanted count: a rollout's surge, or what a scale-down leaves until it goes."""
+        return [g for i, g in sorted(self.groups.items()) if i >= self.desired]
 
     @property
     def ready_replicas(self) -> int:
-        return sum(1 for g in self._current() if g.ready(self.pipeline))
+        return sum(1 for g in self.current() if g.ready(self.pipeline))
 
     @property
     def updated_replicas(self) -> int:
-        return sum(1 for g in self._current() if g.complete(self.pipeline) and g.updated(self.revisions))
+        return sum(1 for g in self.current() if g.complete(self.pipeline) and g.updated(self.revisions))
 
     def problems(self) -> list[str]:
         found = []
-        for group in self._current():
+        for group in self.current():
             for stage in sorted(group.pods):
                 problem = pod_problem(group.pods[stage])
                 if problem:
@@ -193,36 +184,20 @@ class Observation:
 
     def unschedulable(self) -> list[dict[str, Any]]:
         """Pods of the wanted groups that the scheduler could not place."""
-        return [pod for group in self._current() for _, pod in sorted(group.pods.items()) if pod_unschedulable(pod)]
+        return [pod for group in self.current() for _, pod in sorted(group.pods.items()) if pod_unschedulable(pod)]
 
     def groups_to_restart(self) -> dict[int, str]:
         """Broken multi-node groups (see Group.broken), by index, with the reason."""
         found = {}
-        for group in self._current():
+        for group in self.current():
             reason = group.broken(self.pipeline)
             if reason:
                 found[group.index] = reason
         return found
 
-    def groups_to_replace(self) -> list[int]:
-        """Groups to delete now to roll a multi-stage rollout, at most one serving group at a time.
-
-        An outdated group that is not serving costs nothing to replace, so all
-        of those go at once (this also unsticks a fleet crash-looping on a bad
-        version). A serving outdated group goes only when every group is ready,
-        so capacity drops by one group at most.
-        """
-        outdated = [g for g in self._current() if not g.updated(self.revisions) and not g.terminating()]
-        idle = [g.index for g in outdated if not g.ready(self.pipeline)]
-        if idle:
-            return idle
-        serving = [g.index for g in outdated]
-        all_ready = self.ready_replicas == self.desired
-        return serving[:1] if serving and all_ready else []
-
 
 def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulsets: dict[int, dict[str, Any]],
-            router: dict[str, Any] | None) -> Observation:
+            router: dict[str, Any] | None, *, surge: int = 0) -> Observation:
     groups: dict[int, Group] = {}
     for pod in pods:
         stage, index = pod_stage(pod), pod_group(pod)
@@ -231,4 +206,5 @@ def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulset
         groups.setdefault(index, Group(index)).pods[stage] = pod
     revisions = {stage: (sts.get("status") or {}).get("updateRevision") for stage, sts in statefulsets.items()}
     available = int(((router or {}).get("status") or {}).get("availableReplicas") or 0)
-    return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions, router_available=available)
+    return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions,
+                       router_available=available, surge=surge)

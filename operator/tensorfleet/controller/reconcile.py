@@ -24,18 +24,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.api import SpecError, load_inference_service
+from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.controller import metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, uses, whose
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.observe import Observation, is_terminating, observe
 from tensorfleet.controller.policy import check_images
+from tensorfleet.controller.rollout import Mode, decide
 from tensorfleet.controller.statefulsets import StatefulSetHandler, roll_groups
 from tensorfleet.controller.status import (
     PLAN_VALID,
     PROGRESSING,
     READY,
     condition_status,
+    pod_causes,
     rejected_status,
     serving_status,
 )
@@ -68,6 +70,17 @@ Key = tuple[str, str]  # (namespace, name)
 # Per child kind, how it is applied; kinds not listed need only server-side apply.
 CHILD_HANDLERS: dict[Kind, ChildHandler] = {STATEFUL_SET: StatefulSetHandler()}
 _DEFAULT_HANDLER = ChildHandler()
+
+
+def spec_warnings(body: dict[str, Any]) -> list[str]:
+    """What an accepted spec asks for that a person should know it asked for."""
+    isvc = load_inference_service({k: v for k, v in body.items() if k != "status"})
+    accelerator = isvc.spec.accelerator
+    if isvc.spec.engine.kind == "vllm" and accelerator.node_affinity == "none":
+        pinned = ", ".join(f"{k}={v}" for k, v in sorted(accelerator.node_selector.items())) or "nothing"
+        return [(f"spec.accelerator.nodeAffinity is none: engine pods are not held to {accelerator.type} nodes "
+                 f"(spec.accelerator.nodeSelector pins {pinned}); on another GPU type the plan does not hold")]
+    return []
 
 
 def utc_now() -> str:
@@ -124,8 +137,9 @@ class Reconciler:
         if condition_status(status.get("conditions") or [], PLAN_VALID) == "False":
             await self.events.normal(body, "PlanAccepted", "the spec is valid again; rolling it out")
         ctx = Context(kube=self.kube, cache=self.cache, events=self.events, owner=body)
-        desired = render(isvc, plan, images=self.images)
         children = {kind: self.cache.owned(kind, namespace, name) for kind in CHILD_KINDS}
+        mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"])
+        desired = render(isvc, plan, images=self.images, surge=mode.surge)
         first_time = status.get("observedGeneration") is None
         spec_unchanged = status.get("observedGeneration") == generation
         live_after: dict[tuple[str, str], dict[str, Any]] = {}
@@ -145,21 +159,35 @@ class Reconciler:
         sts = {k: live_after[key] for k in range(plan.pipeline)
                if (key := (STATEFUL_SET.kind, contract.stage_name(name, k))) in live_after}
         router = live_after.get((DEPLOYMENT.kind, contract.router_name(name)))
-        engine = engine_selector(name)
-        ours = {s["metadata"].get("uid") for s in sts.values()}
-        # Only pods our StatefulSets control: a pod that merely carries our labels is never read or deleted.
-        pods = [pod for pod in self.cache.owned(POD, namespace, name).values()
-                if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in engine.items())
-                and any(controlled_by(pod, uid) for uid in ours if uid)]
-        obs = observe(plan.pipeline, desired_replicas(isvc.spec), pods, sts, router)
-        if plan.pipeline > 1:
-            await roll_groups(ctx, obs)
-        ready = await self._report(body, status, generation, plan, obs, list(conflicts.values()))
+        obs = observe(plan.pipeline, desired_replicas(isvc.spec), self._engine_pods(namespace, name, sts), sts, router,
+                      surge=mode.surge)
+        await roll_groups(ctx, obs, mode)
+        ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()))
         counts: dict[str, int] = {}
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
         self._record((namespace, name), (counts, ready))
         return None
+
+    def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Engine pods from the cache that our StatefulSets control: a pod merely carrying our labels is never used."""
+        engine = engine_selector(name)
+        ours = {s["metadata"].get("uid") for s in sts.values()} - {None}
+        return [pod for pod in self.cache.owned(POD, namespace, name).values()
+                if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in engine.items())
+                and any(controlled_by(pod, uid) for uid in ours)]
+
+    def _rollout_mode(self, isvc: InferenceService, plan: Plan, status: dict[str, Any],
+                      live: dict[str, dict[str, Any]], uid: str) -> Mode:
+        """Decide the rollout's surge from the cluster as it is, before the StatefulSets are applied."""
+        name = isvc.metadata.name
+        sts = {k: live[n] for k in range(plan.pipeline)
+               if (n := contract.stage_name(name, k)) in live and controlled_by(live[n], uid)}
+        wanted = desired_replicas(isvc.spec)
+        before = observe(plan.pipeline, wanted, self._engine_pods(isvc.metadata.namespace or "", name, sts), sts, None)
+        running = max([int((s.get("spec") or {}).get("replicas") or 0) for s in sts.values()], default=wanted)
+        previous = next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == PROGRESSING), None)
+        return decide(before, isvc.spec.rollout, running_surge=max(0, running - wanted), previous_reason=previous)
 
     async def _claim(self, kind: Kind, obj: dict[str, Any], cached: dict[str, Any] | None, uid: str,
                      conflicts: dict[tuple[str, str], str]) -> tuple[dict[str, Any] | None, str | None]:
@@ -220,12 +248,12 @@ class Reconciler:
                 await self.events.normal(ctx.owner, "Pruned", f"deleted {kind.kind} {name}, no longer part of the spec")
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
-                      obs: Observation, conflicts: list[str]) -> str:
+                      obs: Observation, mode: Mode, conflicts: list[str]) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
-                             conflicts=conflicts)
+                             rollout=mode, conflicts=conflicts, warnings=spec_warnings(body))
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]
@@ -233,6 +261,8 @@ class Reconciler:
             await self.events.normal(body, "RolloutComplete", f"all {obs.desired} groups ready and updated")
         if condition_status(before, READY) != "True" and condition_status(after, READY) == "True":
             await self.events.normal(body, "Ready", f"serving at {new['endpoint']}")
+        for reason, message in pod_causes(obs):  # the recorder posts each once per window
+            await self.events.warning(body, reason, message)
         return condition_status(after, READY) or "False"
 
     async def _reject(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, exc: SpecError) -> None:

@@ -5,11 +5,11 @@ place. The API server answers 422; the StatefulSet is then deleted with the
 Orphan policy, so its pods keep serving, and re-created: the new one adopts
 the pods and replaces them under its own update strategy.
 
-A multi-stage engine is one group per ordinal across every stage's
-StatefulSet; the StatefulSet controller rolls each stage on its own, which
-would mix versions inside a group. `roll_groups` replaces whole groups
-instead: every idle outdated group at once, a serving one only when all are
-ready (see `observe.Observation.groups_to_replace`). It also restarts a
+An engine is one group per ordinal across every stage's StatefulSet; the
+StatefulSet controller would roll each stage on its own (mixing versions
+inside a group) and take a pod down before its replacement loads. So every
+StatefulSet is OnDelete and `roll_groups` replaces whole groups, as
+`rollout.replacements` allows (a surge first, by default). It also restarts a
 group as a whole when one of its members died or left it
 (`observe.Group.broken`): deleting the leader takes the group's endpoint out
 of every router at once (a terminating pod is never a ready endpoint), and
@@ -26,6 +26,7 @@ from typing import Any
 from tensorfleet import contract
 from tensorfleet.controller.children import ChildHandler, Context
 from tensorfleet.controller.observe import Observation
+from tensorfleet.controller.rollout import Mode, replacements
 from tensorfleet.kube.client import ApiError
 from tensorfleet.kube.resources import POD, STATEFUL_SET, Kind
 
@@ -84,8 +85,8 @@ async def wait_deleted(ctx: Context, namespace: str, name: str, uid: str) -> Non
         delay = min(delay * 2, 1.0)
 
 
-async def roll_groups(ctx: Context, obs: Observation) -> None:
-    """Restart broken groups, then delete the pods of groups to replace for a rollout.
+async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
+    """Restart broken groups, then delete the pods of the groups a rollout replaces now.
 
     Each stage's StatefulSet recreates the deleted pods, at its update revision.
     """
@@ -97,14 +98,16 @@ async def roll_groups(ctx: Context, obs: Observation) -> None:
         await ctx.events.warning(ctx.owner, "GroupRestarted",
                                  f"restarting group {index} (all {obs.pipeline} stages): {reason}; "
                                  "vLLM cannot take a lost pipeline stage back")
-    for index in obs.groups_to_replace():
+    for index in replacements(obs, mode):
         if index in restart:
             continue
         await _delete_group(ctx, pods, obs, index)
         log.info("replacing group %d of %s/%s", index, ctx.namespace, ctx.name)
+        how = "in place" if mode.in_place else f"{mode.surge} surge group(s) serving meanwhile"
         await ctx.events.normal(
             ctx.owner, "RolloutGroupReplaced",
-            f"replacing group {index} (all {obs.pipeline} stages); {obs.updated_replicas} of {obs.desired} groups updated",
+            f"replacing group {index} (all {obs.pipeline} stages, {how}); "
+            f"{obs.updated_replicas} of {obs.desired} groups updated",
         )
 
 

@@ -11,6 +11,12 @@ cannot be in it, because the API server prunes what the CRD does not declare.
 Conditions follow the Kubernetes API conventions: each has a CamelCase
 reason, a message a person can act on, lastTransitionTime that moves only
 when the status does, and the generation it was computed for.
+
+Why pods are not Ready comes from diagnose.py: the worst pod's cause (its
+order of severity is there) gives Degraded its reason and message, in the
+kubelet's or the scheduler's words, and Ready too when no group is ready
+(`kubectl get infsvc` shows Ready's reason). `pod_causes` is the same, one
+entry per distinct cause, for the Warning events reconcile.py posts.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.api.models import Condition, ConditionStatus, InferenceServiceStatus
-from tensorfleet.controller.observe import Observation, pod_gpus
+from tensorfleet.controller.diagnose import UNSCHEDULABLE, Diagnosis, causes, diagnose_all
+from tensorfleet.controller.observe import Observation, pod_gpus, pod_unschedulable
+from tensorfleet.controller.rollout import IN_PLACE, STEADY, SURGE_UNSCHEDULABLE, SURGING, Mode
 from tensorfleet.planner import Plan
 
 PLAN_VALID, PROGRESSING, READY, DEGRADED = "PlanValid", "Progressing", "Ready", "Degraded"
@@ -36,10 +44,20 @@ def plan_message(plan: Plan) -> str:
             f"{plan.max_concurrent_sequences} sequences of {plan.max_model_len:,} tokens")
 
 
-def _progress(obs: Observation) -> tuple[ConditionStatus, str, str]:
+def _progress(obs: Observation, rollout: Mode) -> tuple[ConditionStatus, str, str]:
     desired = obs.desired
+    if rollout.blocked:
+        return "True", SURGE_UNSCHEDULABLE, f"{obs.updated_replicas} of {desired} groups updated; {rollout.blocked}"
     if obs.updated_replicas < desired and obs.existing >= desired:
-        return "True", "RollingOut", f"{obs.updated_replicas} of {desired} groups updated"
+        done = f"{obs.updated_replicas} of {desired} groups updated"
+        if rollout.in_place:
+            return "True", IN_PLACE, f"{done}, replacing in place one group at a time"
+        if rollout.surge:
+            return "True", SURGING, f"{done}; {rollout.surge} replacement group(s) started ahead of the old ones"
+        return "True", "RollingOut", done
+    if rollout.surge and obs.ready_replicas < desired:
+        return "True", SURGING, (f"all {desired} groups updated, {obs.ready_replicas} ready; the surge group(s) "
+                                 "serve until the rest are")
     if obs.existing < desired:
         return "True", "ScalingUp", f"{obs.existing} of {desired} groups exist"
     if obs.existing > desired:
@@ -49,14 +67,20 @@ def _progress(obs: Observation) -> tuple[ConditionStatus, str, str]:
     return "False", "Complete", f"all {desired} groups ready and updated"
 
 
-def _readiness(obs: Observation) -> tuple[ConditionStatus, str, str]:
+def _readiness(obs: Observation, cause: tuple[str, str] | None) -> tuple[ConditionStatus, str, str]:
+    """Ready, with the worst pod's cause as its reason when no group is ready (and in its message when some are not)."""
     if obs.desired == 0:
         return "False", "ScaledToZero", "spec.replicas is 0"
+    groups = f"{obs.ready_replicas} of {obs.desired} groups ready"
     if obs.ready_replicas == 0:
-        return "False", "NoReadyReplicas", f"0 of {obs.desired} groups ready"
+        if cause is not None:
+            return "False", cause[0], f"{groups}: {cause[1]}"
+        return "False", "NoReadyReplicas", groups
     if obs.router_available == 0:
         return "False", "RouterUnavailable", "no router pod is available"
-    return "True", "Serving", f"{obs.ready_replicas} of {obs.desired} groups ready"
+    if cause is not None and obs.ready_replicas < obs.desired:
+        return "True", "Serving", f"{groups}; {cause[1]}"
+    return "True", "Serving", groups
 
 
 def _shortfall(obs: Observation, plan: Plan) -> str | None:
@@ -73,20 +97,49 @@ def _shortfall(obs: Observation, plan: Plan) -> str | None:
             f"add {plan.accelerator} nodes, lower spec.replicas, or choose another spec.accelerator.type")
 
 
-def _degradation(obs: Observation, plan: Plan, conflicts: Sequence[str]) -> tuple[ConditionStatus, str, str]:
+def _diagnoses(obs: Observation) -> list[Diagnosis]:
+    """Why pods are not becoming ready, worst first: the wanted groups' pods and a rollout's surge groups'.
+
+    A surge group waiting for a node is left out: the Progressing condition
+    says so (rollout.py), and the groups that serve are not degraded by it.
+    """
+    pods = [group.pods[stage] for group in obs.current() for stage in sorted(group.pods)]
+    surge = [group.pods[stage] for group in obs.surge_groups() for stage in sorted(group.pods)]
+    return diagnose_all([*pods, *(pod for pod in surge if not pod_unschedulable(pod))])
+
+
+def _cause(obs: Observation, plan: Plan, found: list[Diagnosis]) -> tuple[str, str] | None:
+    """(reason, one-line message) of the worst pod, and how many others need attention; None when none does."""
+    if not found:
+        return None
+    worst, others = found[0], found[1:]
+    message = worst.line
+    if worst.reason == UNSCHEDULABLE:
+        shortfall = _shortfall(obs, plan)
+        if shortfall:
+            message = f"{shortfall}. {message}"
+    if others:
+        counts: dict[str, int] = {}
+        for diagnosis in others:
+            counts[diagnosis.reason] = counts.get(diagnosis.reason, 0) + 1
+        listed = ", ".join(f"{count} {reason}" for reason, count in counts.items())
+        message += f"; {len(others)} more pod{'s' if len(others) != 1 else ''} need attention ({listed})"
+    return worst.reason, message
+
+
+def _degradation(cause: tuple[str, str] | None, conflicts: Sequence[str]) -> tuple[ConditionStatus, str, str]:
     if conflicts:
         shown = "; ".join(conflicts[:MAX_PROBLEMS_SHOWN])
         more = f" (and {len(conflicts) - MAX_PROBLEMS_SHOWN} more)" if len(conflicts) > MAX_PROBLEMS_SHOWN else ""
         return "True", "ChildConflict", shown + more
-    problems = obs.problems()
-    if not problems:
+    if cause is None:
         return "False", "AsExpected", "no pod needs attention"
-    shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
-    more = f" (and {len(problems) - MAX_PROBLEMS_SHOWN} more)" if len(problems) > MAX_PROBLEMS_SHOWN else ""
-    shortfall = _shortfall(obs, plan)
-    if shortfall:
-        return "True", "Unschedulable", f"{shortfall}. {shown}{more}"
-    return "True", "PodsFailing", shown + more
+    return "True", cause[0], cause[1]
+
+
+def pod_causes(obs: Observation) -> list[tuple[str, str]]:
+    """One (reason, message) per distinct cause that stops pods, worst first: the Warning events to post."""
+    return causes(_diagnoses(obs))
 
 
 def set_condition(conditions: list[Condition], type_: str, status: ConditionStatus, reason: str, message: str,
@@ -120,16 +173,21 @@ def _wire(status: InferenceServiceStatus) -> dict[str, Any]:
 
 
 def serving_status(previous: dict[str, Any], *, name: str, namespace: str, generation: int | None, plan: Plan,
-                   obs: Observation, selector: str, now: str, conflicts: Sequence[str] = ()) -> dict[str, Any]:
+                   obs: Observation, selector: str, now: str, rollout: Mode = STEADY,
+                   conflicts: Sequence[str] = (), warnings: Sequence[str] = ()) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
     owner holds their names; they make Degraded True (reason ChildConflict).
+    `warnings` are things about an accepted spec a person should know; they
+    follow the plan in PlanValid's message (reason PlanAcceptedWithWarnings).
     """
-    conditions = set_condition(_conditions(previous), PLAN_VALID, "True", "PlanAccepted", plan_message(plan),
-                               generation, now)
+    accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
+    message = "; ".join([plan_message(plan), *(f"warning: {w}" for w in warnings)])
+    conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
+    cause = _cause(obs, plan, _diagnoses(obs))
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs)), (READY, _readiness(obs)), (DEGRADED, _degradation(obs, plan, conflicts)),
+        (PROGRESSING, _progress(obs, rollout)), (READY, _readiness(obs, cause)), (DEGRADED, _degradation(cause, conflicts)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(

@@ -121,11 +121,11 @@ def _handler(config: WebhookConfig, lookup: Lookup | None) -> Callable[[web.Requ
             return _refuse(429, "too many reviews in flight")
         async with slots:
             try:
-                raw = await request.content.read(MAX_BODY_BYTES + 1)
+                raw = await request.read()  # the whole body; aiohttp stops at client_max_size
+            except web.HTTPRequestEntityTooLarge:
+                return _refuse(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
             except (TimeoutError, ConnectionError):
                 return _refuse(400, "the body could not be read")
-            if len(raw) > MAX_BODY_BYTES:
-                return _refuse(413, f"the body exceeds {MAX_BODY_BYTES} bytes")
             try:
                 body = json.loads(raw)
             except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python parses

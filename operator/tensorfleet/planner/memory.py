@@ -11,8 +11,10 @@ vLLM logs the result as "GPU KV cache size: N tokens"; with tensor
 parallelism every rank holds the same tokens for its share of the KV heads, and
 with pipeline parallelism the engine takes the smallest stage's figure.
 
-Weights and KV-cache bytes per token are the model's: `tensorfleet.catalog.sizes`
-computes them from its architecture facts (and says how). Pipeline parallelism
+Weights and KV-cache bytes per token are the model's: its ModelFacts
+(`tensorfleet.catalog.facts`, read from config.json by `catalog/modelconfig.py`,
+or the catalog's totals) carry the weights layer by layer, and
+`tensorfleet.catalog.sizes` computes the KV cache (and says how). Pipeline parallelism
 splits layers the way vLLM's `get_pp_indices` does: an even share each, the
 remainder to the stages before the last; the first stage also holds the input
 embedding, the last the output head. The block size is vLLM's default
@@ -34,14 +36,8 @@ import math
 from dataclasses import dataclass
 
 from tensorfleet.api.models import ArchitectureSpec
-from tensorfleet.catalog.sizes import (
-    DEFAULT_VOCAB,
-    EMBEDDING_BYTES,
-    effective_kv_layers,
-    embedding_parameters,
-    kv_bytes_per_token_layer,
-    layer_weight_bytes,
-)
+from tensorfleet.catalog.facts import EMBEDDING_BITS, ModelFacts, from_architecture
+from tensorfleet.catalog.sizes import DEFAULT_VOCAB, effective_kv_layers, kv_bytes_per_token_layer
 
 GiB = 1024**3
 MiB = 1024**2
@@ -81,19 +77,38 @@ def stage_layers(layers: int, pipeline: int) -> list[int]:
 def stages(
     arch: ArchitectureSpec, weight_format: str, tensor: int, pipeline: int, kv_element_bytes: int, max_model_len: int
 ) -> list[Stage]:
-    per_layer = layer_weight_bytes(arch, weight_format)
-    embedding = embedding_parameters(arch) * EMBEDDING_BYTES
+    """Stages of a model known by its totals (catalog, spec.model.architecture) in WEIGHT_FORMAT."""
+    facts = from_architecture("", arch, weight_format, "catalog")
+    return facts_stages(facts, tensor, pipeline, kv_element_bytes, max_model_len)
+
+
+def facts_stages(
+    facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes: int, max_model_len: int,
+    bits: float | None = None,
+) -> list[Stage]:
+    """Weights and KV bytes per token on one GPU of each pipeline stage.
+
+    The first stage also holds the input embedding and any vision encoder, the
+    last the final norm and the output head (vLLM gives the last stage its own
+    copy of a tied head when pipeline > 1). BITS re-quantizes every linear weight
+    (fp8 at load time); otherwise each layer counts as its checkpoint stores it.
+    """
+    arch = facts.arch
     per_layer_kv = kv_bytes_per_token_layer(arch, tensor, kv_element_bytes)
     out: list[Stage] = []
-    parts = stage_layers(arch.layers, pipeline)
-    for index, count in enumerate(parts):
-        weights = count * per_layer
+    first = 0
+    for index, count in enumerate(stage_layers(arch.layers, pipeline)):
+        weights = sum(layer.bytes_per_gpu(tensor, bits) for layer in facts.layers[first:first + count])
+        first += count
+        fixed = 0.0
         if index == 0:
-            weights += embedding
-        if index == pipeline - 1 and not (arch.tied_embeddings and pipeline == 1):
-            weights += embedding
+            fixed += (facts.embedding + facts.encoder) * EMBEDDING_BITS / 8
+        if index == pipeline - 1:
+            fixed += facts.final * EMBEDDING_BITS / 8
+            if not (facts.tied and pipeline == 1):
+                fixed += facts.head * (EMBEDDING_BITS if facts.tied else facts.head_bits) / 8
         kv_per_token = math.ceil(effective_kv_layers(arch, count, max_model_len) * per_layer_kv)
-        out.append(Stage(count, math.ceil(weights / tensor), kv_per_token))
+        out.append(Stage(count, math.ceil(weights + fixed / tensor), kv_per_token))
     return out
 
 

@@ -1,8 +1,14 @@
 """Does a model fit on these GPUs, and how many requests can it hold?
 
-`make_plan(spec)` resolves the model and GPU facts, checks the parallel
+`make_plan(spec, facts)` resolves the model and GPU facts, checks the parallel
 layout against the rules vLLM enforces, sizes memory with `memory.py`, and
 either returns a Plan or raises SpecError naming the field and what would fit.
+
+The model's facts, first found wins: spec.model.architecture; FACTS, the
+ModelFacts its caller read from the model's config.json (`tensorfleet.modelinfo`
+does the reading: the planner does no I/O); the built-in catalog, by the
+model id, with the weight format its quantization markers name. The plan
+records which (`Plan.model_source`, status.plan.modelSource).
 
 When `spec.parallelism` leaves tensor or pipeline out, the planner picks the
 smallest layout that fits, following vLLM's distributed-serving guidance:
@@ -17,12 +23,13 @@ from dataclasses import dataclass, field, replace
 from tensorfleet import vllm_defaults
 from tensorfleet.api.errors import SpecError
 from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
-from tensorfleet.catalog import GPUType, find_gpu, find_model, gpu_names, sizes
+from tensorfleet.catalog import GPUType, ModelFacts, catalog_facts, find_gpu, gpu_names, sizes
+from tensorfleet.catalog.facts import from_architecture
+from tensorfleet.catalog.formats import BITS, UNQUANTIZED, family
 from tensorfleet.planner import memory
 from tensorfleet.planner.memory import GiB
 
 MAX_PIPELINE = 64
-QUANTIZED_FORMATS = {"fp8", "awq", "gptq", "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -31,10 +38,13 @@ class Resolved:
 
     model: str
     arch: ArchitectureSpec
+    facts: ModelFacts
+    bits: float | None          # set when the engine re-quantizes every linear weight at load time (fp8)
     gpu: GPUType
     gpus_per_node: int
     weight_format: str
     dtype: str
+    engine_dtype: str
     kv_element_bytes: int
     max_model_len: int
     utilization: float
@@ -49,7 +59,8 @@ class Plan:
     tensor: int
     pipeline: int
     max_model_len: int
-    dtype: str
+    dtype: str          # what the engine computes in (for sizing and display): the spec's, or auto resolved
+    engine_dtype: str   # what `--dtype` says: the spec's, `auto` included (see _engine_dtype)
     weight_format: str
     kv_cache_dtype: str
     gpu_memory_bytes: int
@@ -64,6 +75,9 @@ class Plan:
     max_num_seqs: int
     auto_layout: bool
     notes: tuple[str, ...] = field(default=())
+    model_source: str = "catalog"       # where the model's facts came from (catalog/facts.py MODEL_SOURCES)
+    model_revision: str | None = None   # the commit its config.json was read at, when known
+    weight_detail: str = ""             # the weight format in words (method, group size, layers left 16-bit)
 
     @property
     def gpus_per_replica(self) -> int:
@@ -93,6 +107,7 @@ class Plan:
             kv_cache_bytes_per_token=self.kv_bytes_per_token_per_gpu,
             kv_cache_tokens=self.kv_cache_tokens,
             max_concurrent_sequences=self.max_concurrent_sequences,
+            model_source=self.model_source,
         )
 
 
@@ -103,37 +118,33 @@ def gib(value: float) -> str:
 # --- resolving facts -------------------------------------------------------------
 
 
-def _resolve(spec: InferenceServiceSpec) -> Resolved:
+def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None) -> Resolved:
     gpu = find_gpu(spec.accelerator.type)
     if gpu is None:
         raise SpecError(
             "spec.accelerator.type",
             f"unknown GPU type {spec.accelerator.type!r}; known types: {', '.join(gpu_names())}",
         )
-    entry, implied_format = find_model(spec.model.name)
-    if spec.model.architecture is not None:
-        arch, source = spec.model.architecture, "spec.model.architecture"
-    elif entry is not None:
-        arch, source = entry.arch, "the catalog"
-    else:
-        raise SpecError(
-            "spec.model.architecture",
-            f"model {spec.model.name!r} is not in the catalog; add spec.model.architecture with its facts "
-            "from config.json (parameters, layers, hiddenSize, attentionHeads, kvHeads), or run `tensorfleet catalog`",
-        )
-    native = implied_format if (implied_format and source == "the catalog") else arch.weight_format
-    weight_format = _weight_format(spec, native, source, gpu)
-    dtype = _dtype(spec, gpu)
+    facts = _model_facts(spec, given)
+    arch = facts.arch
+    native = facts.weight_format.name
+    weight_format = _weight_format(spec, native, facts.source, gpu)
+    # fp8 may be quantized at load time; awq/gptq name the checkpoint itself; a float16 config says so.
+    checkpoint = "fp16" if facts.dtype == "float16" else family(native if weight_format == "fp8" else weight_format)
+    dtype = _dtype(spec, gpu, checkpoint)
     kv_element_bytes = sizes.kv_element_bytes(spec.engine.kv_cache_dtype)
     max_model_len = _max_model_len(spec, arch)
     batch = vllm_defaults.batch_defaults(gpu_memory_mib=gpu.memory_mib, gpu_name=gpu.name)
     return Resolved(
         model=spec.model.name,
         arch=arch,
+        facts=facts,
+        bits=BITS[weight_format] if weight_format != native else None,
         gpu=gpu,
         gpus_per_node=spec.accelerator.gpus_per_node or gpu.gpus_per_node,
         weight_format=weight_format,
         dtype=dtype,
+        engine_dtype=_engine_dtype(spec, gpu),
         kv_element_bytes=kv_element_bytes,
         max_model_len=max_model_len,
         utilization=spec.engine.gpu_memory_utilization,
@@ -142,13 +153,31 @@ def _resolve(spec: InferenceServiceSpec) -> Resolved:
     )
 
 
+def _model_facts(spec: InferenceServiceSpec, given: ModelFacts | None) -> ModelFacts:
+    """spec.model.architecture, else the facts read from config.json, else the catalog's."""
+    arch = spec.model.architecture
+    if arch is not None:
+        return from_architecture(spec.model.name, arch, arch.weight_format, "spec")
+    if given is not None:
+        return given
+    found = catalog_facts(spec.model.name)
+    if found is None:
+        raise SpecError(
+            "spec.model.architecture",
+            f"model {spec.model.name!r} is not in the catalog and no config.json was read for it; add "
+            "spec.model.architecture with its facts from config.json (parameters, layers, hiddenSize, attentionHeads, "
+            "kvHeads), give `tensorfleet plan --model-config config.json`, or run `tensorfleet catalog`",
+        )
+    return found
+
+
 def _weight_format(spec: InferenceServiceSpec, native: str, source: str, gpu: GPUType) -> str:
     wanted = spec.model.quantization
     name = spec.model.name
     if wanted is None:
         return native
     if wanted == "none":
-        if native in QUANTIZED_FORMATS:
+        if native not in UNQUANTIZED:
             raise SpecError(
                 "spec.model.quantization",
                 f"'none' is impossible: {name} ships {native} weights; omit the field to serve them as they are",
@@ -162,7 +191,9 @@ def _weight_format(spec: InferenceServiceSpec, native: str, source: str, gpu: GP
             f"fp8 cannot re-quantize {name}, which ships {native} weights; omit the field",
         )
     # awq / gptq: a property of the checkpoint; vLLM cannot produce it at load time.
-    if native == wanted or source == "spec.model.architecture":
+    if family(native) == wanted:
+        return native
+    if source == "spec":
         return wanted
     raise SpecError(
         "spec.model.quantization",
@@ -171,11 +202,28 @@ def _weight_format(spec: InferenceServiceSpec, native: str, source: str, gpu: GP
     )
 
 
-def _dtype(spec: InferenceServiceSpec, gpu: GPUType) -> str:
+# Checkpoints whose config.json names float16 (AWQ and GPTQ kernels compute in it).
+_FLOAT16_CHECKPOINTS = {"fp16", "awq", "gptq"}
+
+
+def _dtype(spec: InferenceServiceSpec, gpu: GPUType, checkpoint: str) -> str:
+    """The dtype the engine computes in: the spec's, or for auto the checkpoint's as vLLM picks it."""
     if spec.model.dtype == "bfloat16" and not gpu.bf16:
         raise SpecError("spec.model.dtype", f"{gpu.name} has no bfloat16 support; use float16 or auto")
     if spec.model.dtype == "auto":
-        return "bfloat16" if gpu.bf16 else "float16"
+        return "float16" if checkpoint in _FLOAT16_CHECKPOINTS or not gpu.bf16 else "bfloat16"
+    return spec.model.dtype
+
+
+def _engine_dtype(spec: InferenceServiceSpec, gpu: GPUType) -> str:
+    """The `--dtype` vLLM gets: what the spec says, `auto` included, so vLLM follows the checkpoint.
+
+    The one exception: on a GPU without bfloat16 (T4, V100), auto would pick bfloat16
+    for a bfloat16 checkpoint and fail to start, so the flag says float16, which is
+    also what auto picks for a float16 checkpoint.
+    """
+    if spec.model.dtype == "auto" and not gpu.bf16:
+        return "float16"
     return spec.model.dtype
 
 
@@ -217,7 +265,7 @@ def valid_tensor_sizes(arch: ArchitectureSpec, gpus_per_node: int) -> list[int]:
 def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> Plan:
     """Size one layout (assumed valid). `plan.fits` says whether it serves."""
     arch = r.arch
-    stages = memory.stages(arch, r.weight_format, tensor, pipeline, r.kv_element_bytes, r.max_model_len)
+    stages = memory.facts_stages(r.facts, tensor, pipeline, r.kv_element_bytes, r.max_model_len, r.bits)
     budget = int(memory.cuda_total_bytes(r.gpu.memory_bytes) * r.utilization)
     activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
     non_torch = memory.non_torch_bytes(tensor, pipeline)
@@ -229,7 +277,7 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
         stage_tokens = blocks * vllm_defaults.BLOCK_SIZE
         if tokens is None or stage_tokens < tokens:
             tokens, worst = stage_tokens, stage
-    notes: list[str] = []
+    notes: list[str] = list(r.facts.notes)
     kv_heads = arch.kv_heads or arch.attention_heads
     if arch.mla is None and tensor > kv_heads:
         notes.append(f"tensor {tensor} > {kv_heads} KV heads: each KV head is replicated on {tensor // kv_heads} GPUs")
@@ -240,11 +288,12 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
         pipeline=pipeline,
         max_model_len=r.max_model_len,
         dtype=r.dtype,
+        engine_dtype=r.engine_dtype,
         weight_format=r.weight_format,
         kv_cache_dtype="fp8" if r.kv_element_bytes == 1 else r.dtype,
         gpu_memory_bytes=r.gpu.memory_bytes,
         budget_bytes_per_gpu=budget,
-        weight_bytes_total=sizes.total_weight_bytes(arch, r.weight_format),
+        weight_bytes_total=r.facts.weight_bytes(r.bits),
         weight_bytes_per_gpu=max(s.weight_bytes_per_gpu for s in stages),
         activation_bytes_per_gpu=activation,
         non_torch_bytes_per_gpu=non_torch,
@@ -254,6 +303,9 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
         max_num_seqs=r.max_num_seqs,
         auto_layout=auto,
         notes=tuple(notes),
+        model_source=r.facts.source,
+        model_revision=r.facts.revision,
+        weight_detail=f"{r.weight_format}, quantized at load time" if r.bits is not None else r.facts.weight_format.detail,
     )
 
 
@@ -292,7 +344,7 @@ def _alternatives(r: Resolved, spec: InferenceServiceSpec, failed: Plan) -> str:
         else:
             options.append(f"needs {_describe_layout(smallest)} on {r.gpu.name}")
     if r.weight_format in {"bf16", "fp16"}:
-        quantized = size_layout(replace(r, weight_format="fp8"), failed.tensor, failed.pipeline)
+        quantized = size_layout(replace(r, weight_format="fp8", bits=BITS["fp8"]), failed.tensor, failed.pipeline)
         if quantized.fits:
             options.append("or spec.model.quantization: fp8")
     if r.kv_element_bytes == 2 and spec.engine.kv_cache_dtype == "auto":
@@ -336,9 +388,14 @@ def _check_layout(r: Resolved, tensor: int | None, pipeline: int | None) -> None
         )
 
 
-def make_plan(spec: InferenceServiceSpec) -> Plan:
-    """Plan one replica. Raises SpecError with the field and a layout that fits."""
-    r = _resolve(spec)
+def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
+    """Plan one replica. Raises SpecError with the field and a layout that fits.
+
+    FACTS are the model's, read from its config.json by the caller
+    (`tensorfleet.modelinfo.resolve_model`); without them the catalog answers.
+    spec.model.architecture wins over both.
+    """
+    r = _resolve(spec, facts)
     tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
     _check_layout(r, tensor, pipeline)
     if tensor and pipeline:

@@ -47,6 +47,7 @@ def render(
     namespace: str | None = None,
     standalone: bool = False,
     images: Images = DEFAULT_IMAGES,
+    surge: int = 0,
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 
@@ -54,6 +55,8 @@ def render(
     standalone: write no ownerReferences, for manifests meant to outlive
     the operator (they are also omitted when the input has no uid).
     images: the default worker and control-plane images.
+    surge: extra groups the StatefulSets run during a rollout (the operator's
+    decision; 0 for a printed render).
     """
     ctx = Context(
         isvc=isvc,
@@ -61,6 +64,7 @@ def render(
         namespace=namespace or isvc.metadata.namespace or "default",
         standalone=standalone,
         images=images,
+        surge=surge,
     )
     # Dependencies first: identities and RBAC before the pods using them,
     # Services before the pods that resolve them, the NetworkPolicies and the

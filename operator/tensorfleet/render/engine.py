@@ -12,6 +12,14 @@ seccomp profile, with emptyDir and PVC volumes only.
 vLLM, Ray and NCCL over TCP and NVLink need nothing more; the NVIDIA device
 plugin hands the GPUs in without privileges.
 
+The launcher (`tensorfleet-worker`) is in no GPU engine image: the pod's init
+container, from the control-plane image, copies its zipapp into an emptyDir
+(`_launcher_init_container`), and the engine container runs it with the
+image's own Python (`contract.LAUNCHER_COMMAND`), so any vLLM image serves.
+Such images have no user WORKER_UID, so HOME and USER point vLLM's, Triton's
+and torch.compile's caches at an emptyDir (`_home_env`). Simulator pods run the
+control-plane image, which has `tensorfleet-worker` installed.
+
 Probes (`_probes`): a GPU pod's readiness is the launcher's `/health` on the
 GPU metrics port, which answers 200 only when every GPU passes the NVML checks,
 the launcher runs its engine or Ray worker, and, on stage 0, vLLM's own
@@ -38,6 +46,10 @@ CONTAINER_NAME = "engine"
 REVISION_HISTORY_LIMIT = 3
 STARTUP_PERIOD_SECONDS = 10
 SIMULATOR_REQUESTS = {"cpu": "100m", "memory": "256Mi"}
+# The init container copies one file of about 300 KiB.
+LAUNCHER_REQUESTS = {"cpu": "10m", "memory": "64Mi"}
+LAUNCHER_LIMITS = {"memory": "128Mi"}
+LAUNCHER_VOLUME_SIZE = "64Mi"
 
 
 def desired_replicas(spec: InferenceServiceSpec) -> int:
@@ -73,18 +85,17 @@ def _stage_labels(stage: int) -> dict[str, str]:
 def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
     spec = ctx.spec
     cache = spec.cache
-    # A multi-stage group must never run mixed versions, so the operator
-    # deletes whole groups itself; the StatefulSet controller would roll
-    # each stage independently.
-    strategy = "RollingUpdate" if ctx.plan.pipeline == 1 else "OnDelete"
+    # The operator replaces whole groups itself (controller/rollout.py): the
+    # StatefulSet controller would roll each stage on its own, mixing versions
+    # inside a group, and take a pod down before its replacement has loaded.
     body: dict[str, Any] = {
-        "replicas": desired_replicas(spec),
+        "replicas": desired_replicas(spec) + ctx.surge,
         "serviceName": contract.workers_service_name(ctx.name),
         # Groups load for minutes; ordered start-up would serialise that.
         "podManagementPolicy": "Parallel",
         "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
         "selector": {"matchLabels": stage_selector(ctx.name, stage)},
-        "updateStrategy": {"type": strategy},
+        "updateStrategy": {"type": "OnDelete"},
         "template": _pod_template(ctx, stage),
     }
     if cache.size:
@@ -131,6 +142,10 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         "volumes": _volumes(ctx),
     }
     if is_gpu(ctx):
+        pod["initContainers"] = [_launcher_init_container(ctx)]
+    if spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
+    if is_gpu(ctx) and spec.accelerator.node_affinity == "auto":
         pod["affinity"] = _gpu_affinity(ctx)
     if spec.accelerator.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.accelerator.node_selector.items()))
@@ -179,6 +194,18 @@ def _image(ctx: Context) -> str:
     return ctx.images.worker if is_gpu(ctx) else ctx.images.control_plane
 
 
+def _launcher_init_container(ctx: Context) -> dict[str, Any]:
+    """Copies the launcher zipapp from the control-plane image (the operator's, so launcher and env agree)."""
+    return {
+        "name": contract.LAUNCHER_INIT_CONTAINER,
+        "image": ctx.images.control_plane,
+        "command": list(contract.LAUNCHER_INSTALL_COMMAND),
+        "resources": resources_block(dict(LAUNCHER_REQUESTS), dict(LAUNCHER_LIMITS)),
+        "securityContext": {**_container_security(), "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR}],
+    }
+
+
 def _container(ctx: Context, stage: int) -> dict[str, Any]:
     engine = ctx.spec.engine
     container: dict[str, Any] = {
@@ -194,7 +221,7 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
         ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
     container.update({
-        "command": list(contract.WORKER_COMMAND),
+        "command": list(contract.LAUNCHER_COMMAND if is_gpu(ctx) else contract.WORKER_COMMAND),
         "env": _env(ctx, stage),
         "ports": ports,
         "resources": _resources(ctx),
@@ -203,9 +230,19 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         "volumeMounts": [
             {"name": contract.SHM_VOLUME, "mountPath": contract.SHM_PATH},
             {"name": contract.CACHE_VOLUME, "mountPath": contract.CACHE_PATH},
+            *_launcher_mounts(ctx),
         ],
     })
     return container
+
+
+def _launcher_mounts(ctx: Context) -> list[dict[str, Any]]:
+    if not is_gpu(ctx):
+        return []
+    return [
+        {"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR, "readOnly": True},
+        {"name": contract.ENGINE_HOME_VOLUME, "mountPath": contract.ENGINE_HOME_PATH},
+    ]
 
 
 def _port(name: str, number: int) -> dict[str, Any]:
@@ -271,7 +308,8 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_MODEL: spec.model.name,
         contract.ENV_SERVED_MODEL_NAME: ctx.served_name,
         contract.ENV_MODEL_REVISION: spec.model.revision or None,
-        contract.ENV_DTYPE: plan.dtype,
+        # What the spec says (auto included), not the dtype the planner sized with.
+        contract.ENV_DTYPE: plan.engine_dtype,
         # "none" means "no quantization flag", the same as leaving it out.
         contract.ENV_QUANTIZATION: quantization if quantization and quantization != "none" else None,
         contract.ENV_KV_CACHE_DTYPE: spec.engine.kv_cache_dtype,
@@ -285,6 +323,7 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_gpu(ctx) else None,
     })
     env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
+    env += _home_env(ctx)
     token = spec.hf_token_secret_ref
     if token is not None:
         env.append({
@@ -294,6 +333,21 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
     # Copied so callers mutating the output cannot reach into the spec.
     env += [copy.deepcopy(var.model_dump(by_alias=True, exclude_none=True)) for var in spec.engine.env]
     return env
+
+
+def _home_env(ctx: Context) -> list[dict[str, Any]]:
+    """HOME and USER of a GPU engine, unless spec.engine.env sets them.
+
+    Stock vLLM images have no passwd entry for WORKER_UID: HOME would be `/`,
+    where vLLM, Triton and torch.compile cannot write their caches, and
+    getpass.getuser() (torch's inductor cache) would fail. The same values as
+    the worker image's user.
+    """
+    if not is_gpu(ctx):
+        return []
+    theirs = {var.name for var in ctx.spec.engine.env}
+    ours = ((contract.ENV_HOME, contract.ENGINE_HOME_PATH), (contract.ENV_USER, contract.ENGINE_USER))
+    return [_value(name, value) for name, value in ours if name not in theirs]
 
 
 def _user_resources(resources: ResourceRequirements | None) -> tuple[dict[str, str], dict[str, str]]:
@@ -316,20 +370,13 @@ def _resources(ctx: Context) -> dict[str, Any]:
 
 
 def _gpu_affinity(ctx: Context) -> dict[str, Any]:
+    """Nodes with the planned GPU, under any labelling the catalog knows (GFD, GKE, Karpenter, AKS VM sizes)."""
     gpu = find_gpu(ctx.plan.accelerator)
     if gpu is None:
         raise ValueError(f"spec.accelerator.type: the plan names {ctx.plan.accelerator!r}, which is not in the GPU catalog")
     return {
         "nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {
-                "nodeSelectorTerms": [{
-                    "matchExpressions": [{
-                        "key": contract.GPU_PRODUCT_LABEL,
-                        "operator": "In",
-                        "values": list(gpu.product_labels),
-                    }],
-                }],
-            },
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": gpu.node_selector_terms()},
         },
     }
 
@@ -353,6 +400,11 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
     ]
     if not ctx.spec.cache.size:
         volumes.append({"name": contract.CACHE_VOLUME, "emptyDir": {}})
+    if is_gpu(ctx):
+        volumes += [
+            {"name": contract.LAUNCHER_VOLUME, "emptyDir": {"sizeLimit": LAUNCHER_VOLUME_SIZE}},
+            {"name": contract.ENGINE_HOME_VOLUME, "emptyDir": {}},
+        ]
     return volumes
 
 

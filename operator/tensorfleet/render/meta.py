@@ -12,9 +12,14 @@ from tensorfleet.planner import Plan
 
 @dataclass(frozen=True)
 class Images:
-    """Default images when a spec names none; the operator's flags can point them at a mirror."""
+    """Default images when a spec names none; the operator's flags can point them at a mirror.
 
-    worker: str = contract.WORKER_IMAGE
+    worker: the GPU engine image (a stock vLLM image by default). control_plane:
+    the router's and the simulator's, and the one GPU engine pods' init
+    container copies the launcher from.
+    """
+
+    worker: str = contract.DEFAULT_ENGINE_IMAGE
     control_plane: str = contract.CONTROL_PLANE_IMAGE
 
 
@@ -32,6 +37,7 @@ class Context:
     namespace: str
     standalone: bool
     images: Images = DEFAULT_IMAGES
+    surge: int = 0  # groups beyond spec.replicas during a rollout (the operator decides; see controller/rollout.py)
 
     @property
     def name(self) -> str:

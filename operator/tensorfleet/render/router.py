@@ -80,6 +80,8 @@ def _container(ctx: Context) -> dict[str, Any]:
             # beyond that requests only queue inside the engine.
             "--max-concurrency-per-backend", str(router.max_concurrency_per_engine or ctx.plan.max_num_seqs),
             "--model", ctx.served_name,
+            "--drain-delay", str(contract.ROUTER_DRAIN_SECONDS),
+            "--shutdown-grace", str(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),
             *(["--max-queue", str(router.max_queue)] if router.max_queue else []),
             *(["--queue-timeout", str(router.queue_timeout_seconds)] if router.queue_timeout_seconds else []),
         ],
@@ -118,7 +120,13 @@ def deployment(ctx: Context) -> dict[str, Any]:
             "labelSelector": {"matchLabels": router_selector(ctx.name)},
         }],
         "containers": [_container(ctx)],
+        # SIGTERM starts the drain: keep serving while the endpoints update, then
+        # let in-flight generations finish (the router ends the rest with an SSE error).
+        "terminationGracePeriodSeconds": contract.ROUTER_DRAIN_SECONDS + contract.ROUTER_SHUTDOWN_GRACE_SECONDS
+        + contract.ROUTER_TERMINATION_MARGIN_SECONDS,
     }
+    if ctx.spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": ref.name} for ref in ctx.spec.image_pull_secrets]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -126,6 +134,8 @@ def deployment(ctx: Context) -> dict[str, Any]:
         "spec": {
             "replicas": ctx.spec.router.replicas,
             "revisionHistoryLimit": 3,
+            # A new router is Ready before an old one starts draining: capacity never drops in a rollout.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": router_selector(ctx.name)},
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },

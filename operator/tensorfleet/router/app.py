@@ -1,14 +1,83 @@
 """The router's HTTP server: OpenAI API in, the chosen engine's answer out.
 
-Request path: read the body (bounded), parse it once (model check, routing
-keys), take an engine slot from the dispatcher (maybe queueing), forward the
-bytes unchanged, relay the answer. Streams are relayed chunk by chunk as the
-engine writes them; the client's headers are sent only once the engine's first
-byte is in hand, so until then a failed engine can be replaced by another one
-without the client noticing. After that, an engine failure ends the client's
-stream with an explicit SSE error event: never a silent truncation. A client
-that disconnects cancels its handler (see httpapi.start_site), which closes
-the engine connection, which aborts the request in the engine.
+Request path: refuse what the router can refuse itself, read the body
+(bounded), parse it once (model check, routing keys, prompt size), take an
+engine slot from the dispatcher (maybe queueing), forward the bytes unchanged,
+relay the answer. Streams are relayed chunk by chunk as the engine writes
+them; the client's headers are sent only once the engine's first byte is in
+hand, so until then a failed engine can be replaced by another one without the
+client noticing. After that, an engine failure ends the client's stream with
+an explicit SSE error event: never a silent truncation. A client that
+disconnects cancels its handler (see httpapi.start_site), which closes the
+engine connection, which aborts the request in the engine.
+
+Endpoints (an allow-list): POST /v1/chat/completions, /v1/completions,
+/v1/embeddings, /tokenize and /detokenize are forwarded; GET /v1/models is the
+union of the engines' lists; GET /health and /metrics are the router's own.
+Anything else is an OpenAI-style 404, or 405 for a listed path with another
+method. Left out on purpose: /v1/responses (stateful: a stored response lives
+on one engine, and a later GET or `previous_response_id` may land on another),
+the audio endpoints (multipart uploads, not JSON), and vLLM's operational
+endpoints (LoRA adapter loading, sleep/wake, cache resets), which no client of
+a shared fleet may reach. The engine always gets the route's own path: an
+absolute-form target (`POST http://host/v1/completions`, which HTTP/1.1 servers
+must accept) is served like the origin form, and the client's target string
+never reaches an engine. Of the client's headers only Authorization (vLLM's
+--api-key), X-Request-Id, traceparent and tracestate are forwarded, with
+Content-Type: application/json.
+
+Refused by the router, never forwarded, never counted against an engine:
+  415  a compressed body (Content-Encoding other than identity), unread. vLLM
+       does not decode compressed request bodies and OpenAI clients do not
+       send them, so nothing legitimate is lost, and refusing unread costs
+       nothing: no decompression bomb can cost CPU or memory.
+  413  a body over --max-body-bytes (by Content-Length, unread, or as it arrives)
+  408  a body not complete within --body-timeout of its head
+  503  a body the in-flight budget (--max-body-bytes-in-flight) cannot hold
+       now, with Retry-After: the client should retry, not wait connected
+  400  not JSON, not an object, nested deeper than --max-json-depth, or with
+       more than --max-json-values values (a cheap upper bound taken on the
+       bytes before parsing, so no body can inflate into millions of objects)
+  404  a model other than the served one
+A request refused before its body was read also has its connection closed
+(after at most LINGER_SECONDS of reading and dropping the rest of it).
+
+Health accounting (backends.py) counts only the engine's faults: refused or
+reset connections, failed health checks, 5xx answers. A 4xx answer is the
+client's doing and is neutral. A 5xx counts against its engine only once
+another engine has answered the same request without one: a request that
+fails on every engine it is tried on is likelier the cause than every engine
+at once, and must not be able to eject them all. Client-facing messages never
+name an engine; the log does.
+
+Timeouts the router owns:
+  first byte   an attempt that has received nothing from its engine within
+               --first-byte-timeout + prompt tokens / --prefill-tokens-per-second
+               (for a non-streamed generation also + max_tokens /
+               --decode-tokens-per-second; none when it sets no max_tokens)
+               is abandoned, the engine connection closed, and the request
+               retried elsewhere. Not counted against the engine: its health
+               checks answer for its health.
+  health       a health check unanswered within --health-timeout ejects the
+               engine at once as unresponsive; requests waiting for its first
+               byte move to other engines then, and its streams that have been
+               quiet as long end with an error event.
+  stall        a stream that gets nothing from its engine for
+               --stream-idle-timeout ends with an SSE error event; a client that
+               reads nothing for as long is disconnected.
+  clients      request heads (--header-timeout), bodies (--body-timeout) and
+               idle keep-alive connections (--idle-timeout); see ServerLimits.
+
+Memory: request bodies are read into one buffer each, charged to a global
+budget as their bytes arrive (dispatch.BodyBudget) and given back once the
+answer's first byte reached the client or the request ended.
+
+Shutdown (`drain`): on SIGTERM the router keeps accepting and serving for
+--drain-delay seconds, every answer with `Connection: close`, while the
+endpoints controller takes the pod out of the Service; then it stops
+accepting, closes idle connections, and lets in-flight requests finish for up
+to --shutdown-grace seconds. What is still running then ends: streams with an
+SSE error event, requests without an answer yet and queued ones with 503.
 """
 
 from __future__ import annotations
@@ -17,33 +86,37 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
-from tensorfleet.httpapi import SSE_CONTENT_TYPE, error_body, error_response
+from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
-from tensorfleet.prompts import prompt_text
+from tensorfleet.prompts import content_text, prompt_text
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy, parse_engine_metrics
 from tensorfleet.router.discovery import EndpointSliceWatcher
-from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
+from tensorfleet.router.dispatch import BodyBudget, Dispatcher, NoBackend, QueueFull, QueueTimeout, ShuttingDown
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
 from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
 
 log = logging.getLogger("tensorfleet.router")
+CLIENT_LOG = "tensorfleet.router.clients"  # what clients can trigger at will: rate-limited, no tracebacks
 
-# Not forwarded: hop-by-hop headers (RFC 9110 7.6.1) and those aiohttp sets.
-_HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length",
-})
+# Forwarded to an engine (POST); the generation endpoints also get a first-byte bound for their answer.
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+INFERENCE_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/tokenize", "/detokenize")
+# The client headers an engine gets; everything else stays at the router.
+_FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 _RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id")
 RETRY_AFTER_SECONDS = "1"
-HEALTH_TIMEOUT_SECONDS = 2.0
+CHARS_PER_TOKEN = 3  # prompt length estimate: fewer characters per token than English has, so an over-estimate
+SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
+LINGER_SECONDS = 2.0  # a refused request's unread body is drained (and dropped) this long at most
+SHUTTING_DOWN = "the router is shutting down; retry the request"
 
 
 @dataclass
@@ -55,8 +128,25 @@ class RouterConfig:
     queue_timeout: float = 30.0
     retries: int = 2
     health_interval: float = 2.0
+    health_timeout: float = 2.0
     connect_timeout: float = 3.0
+    # An attempt's first byte: base + prompt tokens / prefill rate (+ max_tokens / decode rate unstreamed).
+    first_byte_timeout: float = 30.0
+    prefill_tokens_per_second: float = 1000.0
+    decode_tokens_per_second: float = 5.0
+    stream_idle_timeout: float = 30.0
+    # Clients.
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 75.0
     max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    max_json_depth: int = 64
+    max_json_values: int = 250_000
+    # Shutdown.
+    drain_delay: float = 5.0
+    shutdown_grace: float = 60.0
+    backend_header: bool = False  # name the engine that answered (its URL) in contract.BACKEND_HEADER
     static_backends: tuple[str, ...] = ()
     service: str | None = None
     namespace: str | None = None
@@ -64,13 +154,26 @@ class RouterConfig:
     breaker: BreakerPolicy | None = None
 
 
-class _Failed(Exception):
-    """An engine failed before any byte reached the client: try another."""
+# _Failed.fault: how an attempt's failure counts against its engine.
+FATAL = "fatal"      # ejects at once (a refused or reset connection)
+COUNTED = "counted"  # towards the breaker's threshold
+SUSPECT = "suspect"  # a 5xx: counted once another engine answers the same request without one
 
-    def __init__(self, reason: str, message: str, final: web.Response | None = None) -> None:
+
+class _Failed(Exception):
+    """An attempt failed before any byte reached the client: try another engine.
+
+    The message may reach the client: it never names an engine (the log does)."""
+
+    def __init__(self, reason: str, message: str, *, fault: str | None, final: web.Response | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.fault = fault
         self.final = final
+
+
+class _Stopped(Exception):
+    """The shutdown grace ended before the engine's first byte: answer 503."""
 
 
 class _ClientGone(Exception):
@@ -81,6 +184,113 @@ class _ClientGone(Exception):
         self.response = response
 
 
+class _Interrupted(Exception):
+    """Set on an engine stream's reader to end its relay: `stalled`, `unresponsive` or `shutdown`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class _Body:
+    """One request's body as it arrives, its bytes charged to the router's BodyBudget until released."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.data = bytearray()
+        self.held = 0
+
+    def add(self, chunk: bytes) -> bool:
+        if not self.budget.take(len(chunk), held=self.held):
+            return False
+        self.held += len(chunk)
+        self.data += chunk
+        return True
+
+    def release(self) -> None:
+        """Give the bytes back: no retry can need them any more."""
+        self.data = bytearray()
+        self.budget.give(self.held)
+        self.held = 0
+
+
+@dataclass(eq=False)
+class _Call:
+    """A parsed request, ready to send to any engine."""
+
+    path: str
+    body: _Body
+    headers: dict[str, str]
+    info: RequestInfo
+    first_byte_bound: float | None
+    start: float
+    suspects: list[Backend] = field(default_factory=list)  # engines that answered it 5xx, not yet charged
+
+
+@dataclass(eq=False)
+class _Attempt:
+    """One request on one engine, visible to the watchdog, to ejections and to the shutdown."""
+
+    backend: Backend
+    loop: asyncio.AbstractEventLoop
+    timer: asyncio.Timeout | None = None      # while waiting for the engine's first byte
+    upstream: aiohttp.ClientResponse | None = None
+    client: asyncio.Transport | None = None
+    streaming: bool = False                   # relaying a stream: the client has bytes
+    writing: bool = False                     # waiting for the client to take a chunk
+    last: float = 0.0                         # the stream's last progress (loop time)
+    reason: str | None = field(default=None)  # why it was interrupted
+
+    def interrupt(self, reason: str) -> None:
+        """End the attempt: before its first byte through its timer (TimeoutError), mid-stream through its reader
+        (_Interrupted) or, when the client is the one not reading, by dropping the client."""
+        if self.reason is not None:
+            return
+        self.reason = reason
+        if self.timer is not None:
+            self.timer.reschedule(self.loop.time())
+        elif self.streaming and self.writing:
+            if self.client is not None:
+                self.client.abort()
+        elif self.streaming and self.upstream is not None:
+            self.upstream.content.set_exception(_Interrupted(reason))
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """An over-estimate of a request's prompt in tokens: token ids count one each, text one per CHARS_PER_TOKEN
+    characters (English runs about four; code and CJK text fewer)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(len(content_text(m.get("content"))) for m in messages if isinstance(m, Mapping))
+        return chars // CHARS_PER_TOKEN + 1
+    prompt = body.get("prompt", body.get("input"))
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN + 1
+    total = 0
+    if isinstance(prompt, list):
+        for item in prompt:
+            if isinstance(item, str):
+                total += len(item) // CHARS_PER_TOKEN + 1
+            elif isinstance(item, list):
+                total += len(item)
+            else:
+                total += 1
+    return total
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests containers more than `limit` deep (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -88,25 +298,43 @@ class Router:
         self.strategy = make_strategy(config.strategy)
         self.dispatcher = Dispatcher(self.pool, self.strategy, ceiling=config.max_concurrency_per_backend,
                                      max_queue=config.max_queue, queue_timeout=config.queue_timeout)
+        self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
         self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending)
         self.pool.on_removed.append(self.strategy.forget)
-        self.pool.on_ejected.append(lambda b: log.warning("ejected engine %s for %.1fs", b.url,
-                                                          b.open_until - self.pool.clock()))
+        self.pool.on_ejected.append(self._on_ejected)
         self.session: aiohttp.ClientSession | None = None
+        self.draining = False
+        self.clients_log = rate_limited_logger(CLIENT_LOG)
         self._static: list[str] = list(config.static_backends)
         self._discovered: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._attempts: set[_Attempt] = set()
+        self._active = 0  # inference requests being handled
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # --- app ------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_body_bytes)
-        app.router.add_post("/v1/{tail:.+}", self.inference)
+        for path in INFERENCE_PATHS:
+            app.router.add_post(path, self.inference)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get(contract.HEALTH_PATH, self.health)
         app.router.add_get(contract.METRICS_PATH, self.metrics_handler)
-        app.router.add_route("*", "/{tail:.*}", self.not_found)
+        # No middleware (each costs every request): the listed paths answer other methods themselves, and a
+        # catch-all answers the rest. A route's own method is matched before its "*".
+        for path in (*INFERENCE_PATHS, "/v1/models", contract.HEALTH_PATH, contract.METRICS_PATH):
+            app.router.add_route(hdrs.METH_ANY, path, self.method_not_allowed)
+        app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", self.not_found)
         app.cleanup_ctx.append(self._lifecycle)
         return app
+
+    def limits(self) -> ServerLimits:
+        """The bounds on the router's clients, for httpapi.start_site: bodies arrive undecoded (a compressed
+        one is refused unread) and malformed requests log rate-limited single lines."""
+        cfg = self.config
+        return ServerLimits(header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout, decompress=False,
+                            client_error_log=CLIENT_LOG, lingering_time=min(LINGER_SECONDS, cfg.body_timeout))
 
     async def _lifecycle(self, _: web.Application) -> AsyncIterator[None]:
         self._loop = asyncio.get_running_loop()
@@ -117,7 +345,8 @@ class Router:
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
                                              skip_auto_headers=("User-Agent",))
         self._update_pool()
-        tasks = [asyncio.create_task(self._health_loop(), name="router-health")]
+        tasks = [asyncio.create_task(self._health_loop(), name="router-health"),
+                 asyncio.create_task(self._watchdog(), name="router-watchdog")]
         if self.config.service:
             namespace = self.config.namespace or in_cluster_namespace() or "default"
             connection = self.config.kube or Connection.from_environment()
@@ -136,56 +365,99 @@ class Router:
     def _update_pool(self) -> None:
         self.pool.set_urls([*self._static, *self._discovered])
 
+    async def not_found(self, request: web.Request) -> web.Response:
+        """Anything not on the allow-list: an OpenAI-style 404."""
+        return self._reject(404, f"{request.method} {request.path} is not an endpoint of this router")
+
+    async def method_not_allowed(self, request: web.Request) -> web.Response:
+        """A listed path with another method: an OpenAI-style 405."""
+        resource = request.match_info.route.resource
+        allowed = sorted({r.method for r in resource} - {hdrs.METH_ANY}) if resource is not None else []
+        return self._reject(405, f"{request.method} is not allowed on {request.path}; allowed: {', '.join(allowed)}",
+                            headers={"Allow": ",".join(allowed)})
+
     # --- health and load ----------------------------------------------------------
     async def _health_loop(self) -> None:
+        """Check every engine each health interval (and scrape its load), until cancelled."""
         while True:
             backends = list(self.pool)
             if backends:
-                await asyncio.gather(*(self._check(b) for b in backends), return_exceptions=True)
+                await asyncio.gather(*(self.check(b) for b in backends), return_exceptions=True)
             self.pool.tick()
             await asyncio.sleep(self.config.health_interval)
 
-    async def _check(self, backend: Backend) -> None:
+    async def check(self, backend: Backend) -> None:
+        """One health check: unanswered within the timeout ejects as unresponsive, refused ejects, else counts."""
         assert self.session is not None
         if backend.state != CLOSED:
-            if not backend.routable(self.pool.clock()):
+            if not backend.probe_due(self.pool.clock()):
                 return  # ejected, or a probe is already out: nothing to learn yet
             # Past its ejection time: this check is the half-open probe.
             self.pool.begin_probe(backend)
-        timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_SECONDS)
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
             async with self.session.get(backend.url + contract.HEALTH_PATH, timeout=timeout) as resp:
                 ok = resp.status == 200
                 await resp.read()
-            if ok:
-                async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        load = parse_engine_metrics(await resp.text())
-                        backend.waiting, backend.running = load.waiting, load.running
-                        backend.kv_usage, backend.kv_cache_tokens = load.kv_usage, load.kv_cache_tokens
+        except TimeoutError:
+            if backend.state == CLOSED:
+                log.warning("engine %s did not answer its health check within %gs", backend.url,
+                            self.config.health_timeout)
+            self.pool.record_failure(backend, unresponsive=True)
+            return
         except (aiohttp.ClientConnectorError, ConnectionError):
             self.pool.record_failure(backend, fatal=True)
             return
         except Exception:  # noqa: BLE001 - a check that fails in any way has failed
             ok = False
+        if ok:
+            try:
+                async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        load = parse_engine_metrics(await resp.text())
+                        backend.waiting, backend.running = load.waiting, load.running
+                        backend.kv_usage, backend.kv_cache_tokens = load.kv_usage, load.kv_cache_tokens
+            except Exception:  # noqa: BLE001 - a scrape that fails in any way has failed
+                ok = False
         if not ok:
             self.pool.record_failure(backend)
         elif backend.state != CLOSED:
             self.pool.record_success(backend)
 
+    def _on_ejected(self, backend: Backend) -> None:
+        log.warning("ejected engine %s%s for %.1fs", backend.url, " (unresponsive)" if backend.unresponsive else "",
+                    backend.open_until - self.pool.clock())
+        if not backend.unresponsive or self._loop is None:
+            return
+        # Nothing will come from it: requests waiting for its first byte go elsewhere now, and its streams that
+        # have been quiet as long as its health check end.
+        now = self._now()
+        for attempt in [a for a in self._attempts if a.backend is backend]:
+            if attempt.timer is not None or (attempt.streaming and not attempt.writing
+                                              and now - attempt.last >= self.config.health_timeout):
+                attempt.interrupt("unresponsive")
+
+    async def _watchdog(self) -> None:
+        """End streams that stalled: the engine sent nothing, or the client took nothing, for the idle timeout."""
+        limit = self.config.stream_idle_timeout
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = self._now()
+            for attempt in [a for a in self._attempts if a.streaming and now - a.last > limit]:
+                attempt.interrupt("stalled")
+
     # --- plain endpoints ---------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
-        # Always 200 while serving: with no engine ready the router still
-        # queues requests, and failing the probe would only restart it.
+        """Always 200 while serving, draining included (see the comment)."""
+        # With no engine ready the router still queues requests, and failing
+        # the probe would only restart it; while draining it still serves.
         healthy = sum(1 for b in self.pool if b.healthy)
         return web.json_response({"status": "ok", "backends": len(self.pool), "healthy": healthy,
-                                  "pending": self.dispatcher.pending})
+                                  "pending": self.dispatcher.pending, "draining": self.draining})
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
+        """The router's Prometheus metrics."""
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def not_found(self, request: web.Request) -> web.Response:
-        return error_response(404, f"{request.method} {request.path} is not an endpoint of this router")
 
     async def models(self, _: web.Request) -> web.Response:
         """The union of the engines' model lists, each model once."""
@@ -194,7 +466,8 @@ class Router:
         backends = [b for b in self.pool if b.healthy] or list(self.pool)
 
         async def one(backend: Backend) -> list[dict[str, Any]]:
-            timeout = aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_SECONDS)
+            """One engine's models ([] unless it answers 200)."""
+            timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
             async with session.get(backend.url + "/v1/models", timeout=timeout) as resp:
                 if resp.status != 200:
                     return []
@@ -226,47 +499,137 @@ class Router:
             info.prefix_hashes = prefix_hashes(prompt_text(body))
         return info
 
+    def first_byte_bound(self, path: str, body: Mapping[str, Any]) -> float | None:
+        """Seconds an engine may take to send the first byte of its answer to this request (None: no bound).
+
+        A long prompt is a long prefill; an answer that is not streamed arrives whole, after its generation.
+        """
+        cfg = self.config
+        bound = cfg.first_byte_timeout + estimate_prompt_tokens(body) / cfg.prefill_tokens_per_second
+        if path in GENERATION_PATHS and body.get("stream") is not True:
+            limit = body.get("max_completion_tokens", body.get("max_tokens"))
+            if not isinstance(limit, int) or isinstance(limit, bool):
+                return None  # the engine's default is the whole context: no useful bound
+            bound += max(limit, 0) / cfg.decode_tokens_per_second
+        return bound
+
     async def inference(self, request: web.Request) -> web.StreamResponse:
+        """One OpenAI API request: refused by the router, or answered by an engine. Counted in flight for the
+        drain; while draining, the answer closes its connection so the client reconnects to a router that stays."""
         start = self._now()
         code = CLIENT_CLOSED
+        self._active += 1
+        self._idle.clear()
         try:
-            response = await self._inference(request)
+            response = await self._inference(request, start)
             code = str(response.status)
-            return response
         except _ClientGone as gone:
             return gone.response
         except Exception:
             # A bug, not an engine failure: still an OpenAI-shaped answer.
             log.exception("router error serving %s", request.path)
             code = "500"
-            return error_response(500, "internal router error; the router's log has the details")
+            response = error_response(500, "internal router error; the router's log has the details")
         finally:
             self.metrics.request_done(code, self._now() - start)
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+        if self.draining and not response.prepared:
+            response.force_close()
+        return response
 
-    async def _inference(self, request: web.Request) -> web.StreamResponse:
-        start = self._now()
+    async def _inference(self, request: web.Request, start: float) -> web.StreamResponse:
+        cfg = self.config
+        resource = request.match_info.route.resource
+        assert resource is not None
+        path = resource.canonical
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+        if encoding not in ("", "identity"):
+            return self._reject(415, "compressed request bodies are not accepted (Content-Encoding must be identity); "
+                                     "send the JSON as is", close=True)
+        length = request.content_length
+        if length is not None and length > cfg.max_body_bytes:
+            return self._reject(413, f"request body exceeds the router's limit of {cfg.max_body_bytes} bytes",
+                                close=True)
+        body = _Body(self.body_budget)
         try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._reject(413, f"request body exceeds the router's limit of {self.config.max_body_bytes} bytes")
+            refused = await self._read(request, body)
+            if refused is not None:
+                return refused
+            parsed = self._parse(body.data)
+            if isinstance(parsed, web.Response):
+                return parsed
+            model = parsed.get("model")
+            if cfg.model and model is not None and model != cfg.model:
+                return self._reject(404, f"The model `{str(model)[:200]}` does not exist; this endpoint serves "
+                                         f"`{cfg.model}`.", param="model")
+            headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+            headers[hdrs.CONTENT_TYPE] = "application/json"
+            call = _Call(path, body, headers, self._request_info(request, parsed), self.first_byte_bound(path, parsed),
+                         start)
+            del parsed  # the bytes are what is forwarded; the parsed copy can go now
+            return await self._dispatch(request, call)
+        finally:
+            body.release()
+
+    async def _read(self, request: web.Request, body: _Body) -> web.Response | None:
+        """Read the body within the size limit, the in-flight budget and the body timeout; an answer if it can't."""
+        cfg = self.config
+        content = request.content
+        try:
+            if content.is_eof():  # the usual case: the whole body came with the head, no need for a timer
+                return self._take(body, content.read_nowait())
+            async with asyncio.timeout(cfg.body_timeout):
+                while chunk := await content.readany():
+                    refused = self._take(body, chunk)
+                    if refused is not None:
+                        return refused
+        except TimeoutError:
+            self.clients_log.info("closed a connection from %s: request body not complete within %gs", request.remote,
+                                  cfg.body_timeout)
+            return self._reject(408, f"the request body did not arrive within {cfg.body_timeout:g}s", close=True)
+        except web.RequestPayloadError:
+            return self._reject(400, "the request body is malformed (bad chunked encoding)", close=True)
+        return None
+
+    def _take(self, body: _Body, chunk: bytes) -> web.Response | None:
+        """Add a chunk to the body, or the answer refusing it: too large (413), or over the budget (503)."""
+        limit = self.config.max_body_bytes
+        if len(body.data) + len(chunk) > limit:
+            return self._reject(413, f"request body exceeds the router's limit of {limit} bytes", close=True)
+        if body.add(chunk):
+            return None
+        self.clients_log.warning("refused a request: the router already holds %d bytes of request bodies (limit %d)",
+                                 self.body_budget.used, self.body_budget.limit)
+        return self._reject(503, "the router is holding too many request bytes right now; retry later",
+                            headers={"Retry-After": RETRY_AFTER_SECONDS}, close=True)
+
+    def _parse(self, raw: bytearray) -> dict[str, Any] | web.Response:
+        """The body as a JSON object, or a 400 that says which limit it broke."""
+        cfg = self.config
+        containers = raw.count(b"[") + raw.count(b"{")
+        if containers + raw.count(b",") >= cfg.max_json_values:
+            return self._reject(400, f"request body has more than {cfg.max_json_values} JSON values")
         try:
             body = json.loads(raw)
+        except RecursionError:
+            return self._reject(400, f"request body nests JSON deeper than {cfg.max_json_depth} levels")
         except (ValueError, UnicodeDecodeError) as exc:
             return self._reject(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return self._reject(400, "request body must be a JSON object")
-        model = body.get("model")
-        if self.config.model and model is not None and model != self.config.model:
-            return self._reject(404, f"The model `{model}` does not exist; this endpoint serves "
-                                     f"`{self.config.model}`.", param="model")
-        info = self._request_info(request, body)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-        target = request.raw_path
+        if containers > cfg.max_json_depth and _deeper_than(body, cfg.max_json_depth):
+            return self._reject(400, f"request body nests JSON deeper than {cfg.max_json_depth} levels")
+        return body
+
+    async def _dispatch(self, request: web.Request, call: _Call) -> web.StreamResponse:
+        """Send the call to engines until one answers (or the retries are spent); the answer, or the router's."""
         tried: set[str] = set()
-        failure: _Failed | None = None
+        failures: list[_Failed] = []
         for attempt in range(self.config.retries + 1):
             try:
-                backend = await self.dispatcher.acquire(info, frozenset(tried))
+                backend = await self.dispatcher.acquire(call.info, frozenset(tried))
             except QueueFull:
                 return self._reject(429, f"the router's queue is full ({self.dispatcher.max_queue} requests waiting "
                                          "for an engine); retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
@@ -275,109 +638,175 @@ class Router:
                 return self._reject(503, f"no engine could take the request within {self.config.queue_timeout:g}s "
                                          f"({len(self.pool)} engines, {healthy} healthy); the service is overloaded "
                                          "or starting, retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
+            except ShuttingDown:
+                return self._shutting_down()
             except NoBackend:
                 break
             tried.add(backend.url)
             code = CLIENT_CLOSED
             try:
-                response = await self._forward(request, backend, raw, headers, target, start)
+                response = await self._attempt(request, backend, call)
                 code = str(response.status)
                 return response
             except _Failed as exc:
-                failure = exc
+                failures.append(exc)
                 code = str(exc.final.status) if exc.final is not None else "502"
+                if exc.fault == FATAL:
+                    self.pool.record_failure(backend, fatal=True)
+                elif exc.fault == COUNTED:
+                    self.pool.record_failure(backend)
+                else:
+                    if exc.fault == SUSPECT:
+                        call.suspects.append(backend)
+                    self.pool.record_neutral(backend)
                 if attempt < self.config.retries:
                     self.metrics.retry(exc.reason)
-                    log.info("engine %s failed before the first byte (%s); retrying elsewhere", backend.url, exc)
+                    log.info("engine %s: %s before the first byte; retrying elsewhere", backend.url, exc)
+                else:
+                    log.info("engine %s: %s before the first byte", backend.url, exc)
+            except _Stopped:
+                code = "503"  # counted against this attempt's engine label below, like any answer on its behalf
+                response = error_response(503, SHUTTING_DOWN, headers={"Retry-After": RETRY_AFTER_SECONDS})
+                response.force_close()
+                return response
             finally:
                 self.dispatcher.release(backend)
                 self.metrics.attempt_done(backend.url, code)
-        if failure is not None and failure.final is not None:
-            return failure.final
-        reason = f": {failure}" if failure else ""
-        return self._reject(502, f"no engine could serve the request{reason}")
+        final = next((f.final for f in reversed(failures) if f.final is not None), None)
+        if final is not None:
+            return final
+        reasons = "; ".join(dict.fromkeys(str(f) for f in failures)) or "no engine"
+        status = 504 if failures and all(f.reason in ("timeout", "unresponsive") for f in failures) else 502
+        return self._reject(status, f"no engine could serve the request ({len(failures)} tried: {reasons})")
 
     def _reject(self, status: int, message: str, *, param: str | None = None,
-                headers: Mapping[str, str] | None = None) -> web.Response:
-        """An answer the router gives itself (counted against no engine)."""
+                headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
+        """An answer the router gives itself (counted against no engine); `close` for a request whose body
+        was left unread, so the connection is not kept for more."""
         self.metrics.attempt_done(NO_BACKEND, str(status))
-        return error_response(status, message, param=param, headers=headers)
+        response = error_response(status, message, param=param, headers=headers)
+        if close:
+            response.force_close()
+        return response
 
-    async def _forward(self, request: web.Request, backend: Backend, raw: bytes, headers: Mapping[str, str],
-                       target: str, start: float) -> web.StreamResponse:
+    def _shutting_down(self) -> web.Response:
+        return self._reject(503, SHUTTING_DOWN, headers={"Retry-After": RETRY_AFTER_SECONDS}, close=True)
+
+    async def _attempt(self, request: web.Request, backend: Backend, call: _Call) -> web.StreamResponse:
+        """The call on one engine: its whole answer, or its stream relayed."""
+        assert self._loop is not None
+        attempt = _Attempt(backend, self._loop)
+        self._attempts.add(attempt)
+        try:
+            try:
+                async with asyncio.timeout(call.first_byte_bound) as timer:
+                    attempt.timer = timer
+                    first, payload = await self._exchange(backend, call, attempt)
+            except TimeoutError:
+                if attempt.reason == "shutdown":
+                    raise _Stopped() from None
+                if attempt.reason == "unresponsive":
+                    raise _Failed("unresponsive", "its engine stopped answering health checks", fault=None) from None
+                raise _Failed("timeout", f"no answer within {call.first_byte_bound or 0:g}s", fault=None) from None
+            finally:
+                attempt.timer = None
+            # This engine answered without a 5xx: those that answered this same request with one were at fault.
+            for suspect in call.suspects:
+                self.pool.record_failure(suspect)
+            call.suspects.clear()
+            upstream = attempt.upstream
+            assert upstream is not None
+            if payload is not None:
+                if upstream.status >= 400:
+                    self.pool.record_neutral(backend)  # the client's doing, not the engine's
+                else:
+                    self.pool.record_success(backend)
+                return web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
+            assert first is not None
+            return await self._relay_stream(request, attempt, upstream, first, call)
+        finally:
+            self._attempts.discard(attempt)
+            upstream = attempt.upstream
+            if upstream is not None:
+                # close(), not release(): an unfinished answer must drop the
+                # connection, which is what tells the engine to abort.
+                if not upstream.closed and not upstream.content.is_eof():
+                    upstream.close()
+                else:
+                    upstream.release()
+
+    async def _exchange(self, backend: Backend, call: _Call, attempt: _Attempt) -> tuple[bytes | None, bytes | None]:
+        """Send the call and wait for the answer's first byte: (first chunk, None) for a stream, (None, whole
+        answer) otherwise. An engine failure raises _Failed."""
         assert self.session is not None
         try:
-            upstream = await self.session.post(backend.url + target, data=raw, headers=headers)
+            upstream = await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
         except (aiohttp.ClientConnectorError, ConnectionError) as exc:
-            self.pool.record_failure(backend, fatal=True)
-            raise _Failed("connect", f"cannot connect to {backend.url}: {exc}") from None
+            raise _Failed("connect", f"could not connect to an engine ({exc.__class__.__name__})", fault=FATAL) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.pool.record_failure(backend)
-            raise _Failed("upstream", f"{backend.url} failed before answering: {exc!r}") from None
+            raise _Failed("upstream", f"an engine failed before answering ({exc.__class__.__name__})",
+                          fault=COUNTED) from None
+        attempt.upstream = upstream
         try:
             if upstream.status >= 500:
-                try:
-                    payload = await upstream.read()
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    self.pool.record_failure(backend, fatal=True)
-                    raise _Failed("upstream", f"{backend.url} failed mid-answer: {exc!r}") from None
-                self.pool.record_failure(backend)
-                final = web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
-                raise _Failed("status", f"{backend.url} answered HTTP {upstream.status}", final)
-            if upstream.headers.get("Content-Type", "").startswith(SSE_CONTENT_TYPE):
-                return await self._relay_stream(request, backend, upstream, start)
-            try:
                 payload = await upstream.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                self.pool.record_failure(backend, fatal=True)
-                raise _Failed("upstream", f"{backend.url} failed mid-answer: {exc!r}") from None
-            self.pool.record_success(backend)
-            return web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
-        finally:
-            # close(), not release(): an unfinished answer must drop the
-            # connection, which is what tells the engine to abort.
-            if not upstream.closed and not upstream.content.is_eof():
-                upstream.close()
-            else:
-                upstream.release()
+                final = web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
+                raise _Failed("status", f"an engine answered HTTP {upstream.status}", fault=SUSPECT, final=final)
+            if upstream.status == 200 and upstream.headers.get(hdrs.CONTENT_TYPE, "").startswith(SSE_CONTENT_TYPE):
+                first = await upstream.content.readany()
+                if not first:
+                    raise _Failed("upstream", "an engine ended the stream before sending anything", fault=COUNTED)
+                return first, None
+            return None, await upstream.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise _Failed("upstream", f"an engine failed mid-answer ({exc.__class__.__name__})", fault=FATAL) from None
 
     def _relay_headers(self, upstream: aiohttp.ClientResponse, backend: Backend) -> dict[str, str]:
         out = {name: upstream.headers[name] for name in _RELAYED_RESPONSE_HEADERS if name in upstream.headers}
-        out[contract.BACKEND_HEADER] = backend.url
+        if self.config.backend_header:
+            out[contract.BACKEND_HEADER] = backend.url
         return out
 
-    async def _relay_stream(self, request: web.Request, backend: Backend, upstream: aiohttp.ClientResponse,
-                            start: float) -> web.StreamResponse:
-        content = upstream.content
-        try:
-            first = await content.readany()
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            self.pool.record_failure(backend, fatal=True)
-            raise _Failed("upstream", f"{backend.url} failed before its first token: {exc!r}") from None
-        if not first:
-            self.pool.record_failure(backend)
-            raise _Failed("upstream", f"{backend.url} ended the stream before sending anything")
+    async def _relay_stream(self, request: web.Request, attempt: _Attempt, upstream: aiohttp.ClientResponse,
+                            first: bytes, call: _Call) -> web.StreamResponse:
+        """Relay the engine's stream to the client as it comes; an interruption ends it with an error event."""
+        backend = attempt.backend
+        call.body.release()  # nothing can be retried from here on
         response = web.StreamResponse(status=upstream.status, headers={
             **self._relay_headers(upstream, backend), "Cache-Control": "no-cache"})
+        if self.draining:
+            response.force_close()
+        content = upstream.content
+        loop_time = self._now
+        attempt.client = request.transport
+        attempt.streaming = attempt.writing = True
+        attempt.last = loop_time()
         try:
             await response.prepare(request)
             await response.write(first)
-            self.metrics.first_byte(self._now() - start)
+            attempt.writing = False
+            self.metrics.first_byte(loop_time() - call.start)
             tail = first[-2:]
             while True:
+                attempt.last = loop_time()
                 try:
                     chunk = await content.readany()
+                except _Interrupted as exc:
+                    await self._end_interrupted(response, tail, backend, exc.reason)
+                    return response
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self.pool.record_failure(backend, fatal=True)
                     self.metrics.stream_error(backend)
                     log.warning("engine %s failed mid-stream: %r", backend.url, exc)
-                    await self._stream_error(response, tail, f"the engine serving this request ({backend.url}) failed "
-                                                             f"mid-stream ({exc.__class__.__name__}); the answer is "
-                                                             "incomplete")
+                    await self._stream_error(response, tail, 502, "the engine serving this request failed mid-stream "
+                                                                  f"({exc.__class__.__name__}); the answer is incomplete")
                     return response
                 if not chunk:
                     break
+                attempt.writing = True
+                attempt.last = loop_time()
                 await response.write(chunk)
+                attempt.writing = False
                 tail = chunk[-2:] if len(chunk) >= 2 else tail[-1:] + chunk
             self.pool.record_success(backend)
             await response.write_eof()
@@ -385,15 +814,63 @@ class Router:
             # The client went away between two chunks (a write failed rather
             # than the handler being cancelled); the engine is fine.
             raise _ClientGone(response) from None
+        finally:
+            attempt.streaming = False
         return response
 
-    async def _stream_error(self, response: web.StreamResponse, tail: bytes, message: str) -> None:
-        # Close the event the engine was in the middle of, then send an error
-        # event the openai SDK raises on, and end the stream.
+    async def _end_interrupted(self, response: web.StreamResponse, tail: bytes, backend: Backend, reason: str) -> None:
+        if reason == "shutdown":
+            await self._stream_error(response, tail, 503, "the router is shutting down; the answer is incomplete, "
+                                                          "retry the request", type_="ServiceUnavailableError")
+            return
+        self.metrics.stream_error(backend)
+        if reason == "unresponsive":
+            log.warning("engine %s stopped answering health checks mid-stream", backend.url)
+            message = "the engine serving this request stopped responding mid-stream; the answer is incomplete"
+        else:
+            log.warning("engine %s sent nothing for %gs mid-stream", backend.url, self.config.stream_idle_timeout)
+            message = (f"the engine serving this request sent nothing for {self.config.stream_idle_timeout:g}s "
+                       "mid-stream; the answer is incomplete")
+        await self._stream_error(response, tail, 504, message)
+
+    async def _stream_error(self, response: web.StreamResponse, tail: bytes, status: int, message: str, *,
+                            type_: str = "upstream_error") -> None:
+        """Close the event the engine was in the middle of, then send an error event the openai SDK raises on,
+        and end the stream."""
         prefix = b"" if tail.endswith(b"\n\n") else b"\n\n"
-        event = json.dumps(error_body(502, message, type_="upstream_error")).encode()
+        event = json.dumps(error_body(status, message, type_=type_)).encode()
         try:
             await response.write(prefix + b"data: " + event + b"\n\n")
             await response.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass
+
+    # --- shutdown ----------------------------------------------------------------------
+    async def drain(self, runner: web.AppRunner) -> None:
+        """SIGTERM: keep serving for the drain delay, stop accepting, give in-flight requests the grace period,
+        then end what is left (streams with an SSE error event, the rest with 503)."""
+        cfg = self.config
+        self.draining = True
+        log.info("draining: serving for %gs more, then finishing in-flight requests for up to %gs", cfg.drain_delay,
+                 cfg.shutdown_grace)
+        await asyncio.sleep(cfg.drain_delay)
+        for site in list(runner.sites):
+            await site.stop()
+        server = runner.server
+        if server is not None:
+            for connection in server.connections:
+                connection.close()  # idle ones close now, busy ones after their answer
+        try:
+            await asyncio.wait_for(self._idle.wait(), cfg.shutdown_grace)
+            log.info("drained: no request in flight")
+            return
+        except TimeoutError:
+            pass
+        log.warning("shutdown grace of %gs over: ending %d requests", cfg.shutdown_grace, self._active)
+        self.dispatcher.close()
+        for attempt in list(self._attempts):
+            attempt.interrupt("shutdown")
+        try:
+            await asyncio.wait_for(self._idle.wait(), SHUTDOWN_STOP_SECONDS)
+        except TimeoutError:
             pass

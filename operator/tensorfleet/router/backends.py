@@ -8,11 +8,20 @@ to that interval but include load from other router replicas.
 
 Health is a circuit breaker per engine:
   closed     normal; consecutive failures (5xx answers, failed health checks)
-             reaching the threshold open it; a refused connection opens it at once
+             reaching the threshold open it; a refused or reset connection, or
+             a health check left unanswered past its timeout, opens it at once
   open       ejected: no traffic for the ejection time, which doubles on every
              consecutive ejection (capped), so a dead pod costs little
   half-open  after the ejection time: one request (or the next health check)
-             probes it; success closes the breaker, failure reopens it
+             probes it; success closes the breaker, failure reopens it. An
+             engine ejected as unresponsive (a health check timed out: hung,
+             stopped, partitioned) is probed by health checks only, so no
+             client request waits on it to find out.
+
+Only the engine's own faults count. What a client controls never does: the
+router refuses malformed requests itself, the engine's 4xx answers are neutral
+(neither failure nor success), and a 5xx counts only once another engine has
+answered the same request without one (see app.py).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ class Backend:
     open_until: float = 0.0
     ejections: int = 0
     probing: bool = False
+    unresponsive: bool = False  # ejected by a health-check timeout: only a health check may probe it
     # Set by the router's metrics layer; called with the new in-flight count.
     on_change: Callable[[Backend], None] | None = field(default=None, repr=False)
 
@@ -61,7 +71,11 @@ class Backend:
         if self.state == CLOSED:
             return True
         # Half-open admits exactly one probe at a time.
-        return now >= self.open_until and not self.probing
+        return not self.unresponsive and self.probe_due(now)
+
+    def probe_due(self, now: float) -> bool:
+        """Ejected, past its ejection time, and no probe out yet."""
+        return self.state != CLOSED and now >= self.open_until and not self.probing
 
     def load(self) -> float:
         """Least-pending score: own in-flight requests, plus the engine's queue
@@ -114,22 +128,34 @@ class BackendPool:
 
     def record_success(self, backend: Backend) -> None:
         backend.failures = 0
+        backend.unresponsive = False
         if backend.state != CLOSED:
             backend.state = CLOSED
             backend.ejections = 0
             backend.probing = False
             self._notify_routable()
 
-    def record_failure(self, backend: Backend, *, fatal: bool = False) -> None:
+    def record_neutral(self, backend: Backend) -> None:
+        """An answer that says nothing about the engine's health (a 4xx): a
+        half-open probe that got one is over, and the next request probes."""
+        if backend.state == HALF_OPEN and backend.probing:
+            backend.probing = False
+            self._notify_routable()
+
+    def record_failure(self, backend: Backend, *, fatal: bool = False, unresponsive: bool = False) -> None:
         """A failed request or health check; `fatal` (connection refused or
-        reset) ejects at once instead of counting towards the threshold."""
+        reset) ejects at once instead of counting towards the threshold, and
+        `unresponsive` (a health check timed out) ejects at once and leaves the
+        probing to health checks."""
         if backend.state == OPEN:
             # Already ejected (a request sent before the ejection failing
             # late): the ejection stands as it is, neither extended nor doubled.
             return
         backend.failures += 1
         backend.probing = False
-        if backend.state == HALF_OPEN or fatal or backend.failures >= self.policy.failure_threshold:
+        if unresponsive:
+            backend.unresponsive = True
+        if backend.state == HALF_OPEN or fatal or unresponsive or backend.failures >= self.policy.failure_threshold:
             self.eject(backend)
 
     def eject(self, backend: Backend) -> None:
@@ -150,7 +176,7 @@ class BackendPool:
     def tick(self) -> None:
         """Wake waiters when an ejection time has passed (half-open is routable)."""
         now = self.clock()
-        if any(b.state != CLOSED and now >= b.open_until and not b.probing for b in self.backends.values()):
+        if any(b.state != CLOSED and b.routable(now) for b in self.backends.values()):
             self._notify_routable()
 
 

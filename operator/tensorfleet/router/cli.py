@@ -3,7 +3,10 @@
 The operator renders it as
 `tensorfleet router --service NAME-engine --namespace NS --strategy S --port 8080
  --max-concurrency-per-backend N --model SERVED_NAME`; `--backend URL`
-(repeatable) replaces discovery with a fixed list.
+(repeatable) replaces discovery with a fixed list. The timeout, limit and
+shutdown flags have defaults meant for production (router/app.py says what
+each bounds); the pod's terminationGracePeriodSeconds must exceed
+--drain-delay + --shutdown-grace.
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ from tensorfleet import argtypes, contract, extras
 
 log = logging.getLogger("tensorfleet.router")
 
-
-
+MIB = 1024 * 1024
 
 
 def register(subparsers: Any) -> None:
@@ -47,7 +49,55 @@ def register(subparsers: Any) -> None:
                    help="other engines to try when one fails before any byte reached the client")
     p.add_argument("--health-interval", type=argtypes.positive_float, default=2.0,
                    help="seconds between active health checks and /metrics scrapes of each engine")
-    p.add_argument("--max-body-bytes", type=argtypes.positive_int, default=16 * 1024 * 1024)
+    p.add_argument("--health-timeout", type=argtypes.positive_float, default=2.0,
+                   help="seconds an engine has to answer a health check; past it the engine is ejected at once as "
+                        "unresponsive and requests waiting for its first byte move to other engines (default: 2)")
+    p.add_argument("--backend-header", action="store_true",
+                   help=f"name the engine that answered (its URL) in the {contract.BACKEND_HEADER} response header; "
+                        "for tests and benchmarks, off by default since it shows clients internal addresses")
+    engine = p.add_argument_group("engine timeouts (an attempt that times out before its first byte is retried "
+                                  "on another engine)")
+    engine.add_argument("--first-byte-timeout", type=argtypes.positive_float, default=30.0,
+                        help="seconds an engine may take to send the first byte of an answer to a short prompt; "
+                             "longer prompts add their prefill time (default: 30)")
+    engine.add_argument("--prefill-tokens-per-second", type=argtypes.positive_float, default=1000.0,
+                        help="a conservative prefill rate: each prompt token (estimated as 3 characters) adds "
+                             "1/RATE seconds to the first-byte bound (default: 1000)")
+    engine.add_argument("--decode-tokens-per-second", type=argtypes.positive_float, default=5.0,
+                        help="a conservative per-request decode rate: an answer that is not streamed adds "
+                             "max_tokens/RATE seconds to its bound, and has none without max_tokens (default: 5)")
+    engine.add_argument("--stream-idle-timeout", type=argtypes.positive_float, default=30.0,
+                        help="seconds a stream may go without a byte from its engine before it ends with an SSE "
+                             "error event (and a client that reads nothing for as long is disconnected) (default: 30)")
+    clients = p.add_argument_group("client limits")
+    clients.add_argument("--max-body-bytes", type=argtypes.positive_int, default=16 * MIB,
+                         help="largest request body; larger ones get 413 (default: 16 MiB)")
+    clients.add_argument("--max-body-bytes-in-flight", type=argtypes.positive_int, default=64 * MIB,
+                         help="request-body bytes the router holds at once over all requests; a request that would "
+                              "pass it gets 503 with Retry-After; bodies over 1 MiB may fill only 3/4 of it "
+                              "(default: 64 MiB)")
+    clients.add_argument("--max-json-depth", type=argtypes.positive_int, default=64,
+                         help="deepest nesting of JSON arrays and objects in a request body; deeper gets 400 "
+                              "(default: 64)")
+    clients.add_argument("--max-json-values", type=argtypes.positive_int, default=250_000,
+                         help="most JSON values in a request body (counted as its commas and brackets, strings "
+                              "included); more gets 400 (default: 250000)")
+    clients.add_argument("--header-timeout", type=argtypes.positive_float, default=10.0,
+                         help="seconds a request head may take from its first byte (or from the connection's "
+                              "opening); past it 408 and the connection is closed (default: 10)")
+    clients.add_argument("--body-timeout", type=argtypes.positive_float, default=30.0,
+                         help="seconds a request body may take to arrive after its head; past it 408 (default: 30)")
+    clients.add_argument("--idle-timeout", type=argtypes.positive_float, default=75.0,
+                         help="seconds an idle keep-alive connection is kept; longer than the 60 s idle timeout of "
+                              "common proxies and load balancers, so they close first (default: 75)")
+    stop = p.add_argument_group("shutdown (SIGTERM)")
+    stop.add_argument("--drain-delay", type=argtypes.non_negative_float, default=float(contract.ROUTER_DRAIN_SECONDS),
+                      help="seconds the router keeps accepting and serving after SIGTERM, while the pod leaves the "
+                           f"Service's endpoints (what a preStop sleep would do) (default: {contract.ROUTER_DRAIN_SECONDS})")
+    stop.add_argument("--shutdown-grace", type=argtypes.non_negative_float,
+                      default=float(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),
+                      help="seconds in-flight requests then have to finish; streams still running end with an SSE "
+                           f"error event, other requests with 503 (default: {contract.ROUTER_SHUTDOWN_GRACE_SECONDS})")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -80,14 +130,31 @@ def run(args: argparse.Namespace) -> int:
         queue_timeout=args.queue_timeout,
         retries=args.retries,
         health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        first_byte_timeout=args.first_byte_timeout,
+        prefill_tokens_per_second=args.prefill_tokens_per_second,
+        decode_tokens_per_second=args.decode_tokens_per_second,
+        stream_idle_timeout=args.stream_idle_timeout,
+        header_timeout=args.header_timeout,
+        body_timeout=args.body_timeout,
+        idle_timeout=args.idle_timeout,
         max_body_bytes=args.max_body_bytes,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        max_json_depth=args.max_json_depth,
+        max_json_values=args.max_json_values,
+        drain_delay=args.drain_delay,
+        shutdown_grace=args.shutdown_grace,
+        backend_header=args.backend_header,
         static_backends=tuple(args.backend),
         service=args.service,
         namespace=args.namespace,
         kube=kube,
     )
 
-    async def make_app() -> web.Application:
-        return Router(config).app()
+    router = Router(config)
 
-    return run_server(make_app, args.host, args.port, f"router ({args.strategy})")
+    async def make_app() -> web.Application:
+        return router.app()
+
+    return run_server(make_app, args.host, args.port, f"router ({args.strategy})", limits=router.limits(),
+                      drain=router.drain)

@@ -8,6 +8,11 @@ bounded: when it is full a request is refused at once (429 with Retry-After)
 rather than piling up memory and latency, and a request that waits longer
 than the deadline gets 503. Waiters are served in arrival order; one that
 cannot use the free engine (it already failed there) lets the next one go.
+When the router's shutdown grace is over, `close` answers every waiter (and
+every later request) with ShuttingDown: 503.
+
+BodyBudget bounds the other thing clients can make the router hold: the bytes
+of request bodies, over all requests at once.
 """
 
 from __future__ import annotations
@@ -35,6 +40,10 @@ class NoBackend(Exception):
     """Every engine was already tried for this request."""
 
 
+class ShuttingDown(Exception):
+    """The router is stopping: answer 503."""
+
+
 @dataclass(eq=False)
 class _Waiter:
     info: RequestInfo
@@ -53,6 +62,7 @@ class Dispatcher:
         self.queue_timeout = queue_timeout
         self._waiters: OrderedDict[_Waiter, None] = OrderedDict()
         self.on_routed: Callable[[Backend], None] | None = None
+        self.closed = False
         pool.on_routable.append(self.drain)
 
     @property
@@ -89,6 +99,8 @@ class Dispatcher:
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Backend:
         """An engine slot for this request: at once, or after queueing."""
+        if self.closed:
+            raise ShuttingDown()
         if not self._waiters:
             backend = self._pick(info, exclude)
             if backend is not None:
@@ -112,6 +124,14 @@ class Dispatcher:
         finally:
             waiter.timer.cancel()
             self._waiters.pop(waiter, None)
+
+    def close(self) -> None:
+        """Refuse every waiter and every later request (ShuttingDown)."""
+        self.closed = True
+        for waiter in list(self._waiters):
+            self._waiters.pop(waiter, None)
+            if not waiter.future.done():
+                waiter.future.set_exception(ShuttingDown())
 
     def _expire(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter, None)
@@ -138,3 +158,35 @@ class Dispatcher:
                 continue  # only engines this waiter already failed on are free
             self._waiters.pop(waiter, None)
             waiter.future.set_result(backend)
+
+
+class BodyBudget:
+    """Request-body bytes the router holds at once, over all requests: its memory bound for what clients send.
+
+    A request takes bytes as they arrive, not as its Content-Length announces, so a slow sender holds only what
+    it has sent; it gives them back once no retry can need them (the answer's first byte reached the client) or
+    when it ends. When a take would pass the limit the request is refused (503): its sender can retry, and the
+    router's memory stays bounded whatever arrives at once. Bodies larger than `large` bytes may fill only
+    `large_share` of the budget, so a burst of big bodies leaves room for ordinary requests.
+    """
+
+    def __init__(self, limit: int, *, large: int = 1024 * 1024, large_share: float = 0.75) -> None:
+        self.limit = limit
+        self.large = min(large, limit)
+        self.large_limit = int(limit * large_share)
+        self.used = 0
+        self.peak = 0
+        self.refused = 0
+
+    def take(self, n: int, *, held: int = 0) -> bool:
+        """Charge `n` more bytes to a request that holds `held` already; False (nothing charged) if over."""
+        limit = self.limit if held + n <= self.large else self.large_limit
+        if self.used + n > limit:
+            self.refused += 1
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n

@@ -1,8 +1,11 @@
 """Real simulator and router servers on 127.0.0.1 for tests, on free ports.
 
 Servers run in the test's event loop (fast, and their state can be inspected);
+`router` serves with the limits the real router process has (Router.limits).
 `spawn_sim` starts a separate `tensorfleet sim` process for tests that must
-kill an engine the way a node failure would.
+kill or stop an engine the way a node failure would, `spawn_router` a router
+process for tests that signal it; `raw_exchange` sends bytes no HTTP client
+library would (malformed heads, absolute-form targets, slow senders).
 """
 
 from __future__ import annotations
@@ -83,9 +86,10 @@ async def router(backends: list[str], **options: Any) -> AsyncIterator[RunningRo
     options.setdefault("model", MODEL)
     options.setdefault("health_interval", 0.1)
     options.setdefault("breaker", BreakerPolicy(failure_threshold=3, ejection_seconds=0.3, max_ejection_seconds=1.0))
+    options.setdefault("backend_header", True)
     config = RouterConfig(static_backends=tuple(backends), **options)
     instance = Router(config)
-    runner = await start_site(instance.app(), "127.0.0.1", 0)
+    runner = await start_site(instance.app(), "127.0.0.1", 0, limits=instance.limits())
     bound = runner.addresses[0][1]
     try:
         yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
@@ -144,6 +148,45 @@ def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
         process.wait(timeout=10)
         if process.stderr:
             process.stderr.close()
+
+
+@contextmanager
+def spawn_router(port: int, backends: list[str], *args: str, log: Any = subprocess.DEVNULL
+                 ) -> Iterator[subprocess.Popen[bytes]]:
+    """`tensorfleet router` as its own process on PORT in front of BACKENDS (so signals reach it as in a pod);
+    killed on exit. LOG: where its output goes (a file, or DEVNULL)."""
+    command = [sys.executable, "-m", "tensorfleet.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+               "--model", MODEL, "--backend-header", *(f"--backend={url}" for url in backends), *args]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+async def raw_exchange(url: str, data: bytes, *, timeout: float = 10.0) -> bytes:
+    """Send DATA as is on a new connection to URL's host and port, and return every byte received until the
+    server closes the connection (or TIMEOUT passes: then what came, and b"<open>" appended)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        if data:
+            writer.write(data)
+            await writer.drain()
+        received = b""
+        try:
+            async with asyncio.timeout(timeout):
+                while chunk := await reader.read(65536):
+                    received += chunk
+        except TimeoutError:
+            received += b"<open>"
+        except ConnectionResetError:
+            pass
+        return received
+    finally:
+        writer.close()
 
 
 async def wait_healthy(url: str, timeout: float = 20.0) -> None:

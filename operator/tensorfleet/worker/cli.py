@@ -3,6 +3,7 @@
   tensorfleet-worker [--print-command] [timing flags]   run this pod's role (from the env)
   tensorfleet-worker health [--json] [thresholds]        GPU + launcher health (exec probe)
   tensorfleet-worker metrics [--port N]                  GPU gauges, printed once or served
+  tensorfleet-worker install-launcher DIR                copy the launcher zipapp into DIR (init container)
 
 Mistakes a user or the cluster can cause end as one line on stderr and an
 exit code (see `errors.py`); tracebacks are for bugs only.
@@ -16,6 +17,7 @@ import os
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from tensorfleet import argtypes, contract, extras
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     metrics = commands.add_parser("metrics", help="print the GPU gauges in Prometheus format, or serve them")
     metrics.add_argument("--port", type=int, help="serve on this port until stopped instead of printing once")
     _threshold_flags(metrics)
+
+    install = commands.add_parser(
+        "install-launcher",
+        help="copy the launcher zipapp this image carries into DIR (what a GPU engine pod's init container runs)")
+    install.add_argument("directory", metavar="DIR", help=f"where to put {Path(contract.LAUNCHER_PATH).name}")
+    install.add_argument("--from", dest="source", default=contract.LAUNCHER_BUNDLE_PATH, metavar="PATH",
+                         help=f"the bundle to copy (default {contract.LAUNCHER_BUNDLE_PATH})")
     return parser
 
 
@@ -137,6 +146,14 @@ def _cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_install_launcher(args: argparse.Namespace) -> int:
+    from tensorfleet.worker.bundle import install
+
+    info = install(Path(args.directory), Path(args.source))
+    print(f"{PROG}: installed {info.line()}")
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     if not args.print_command:
         # The GPU metrics exporter and the drain (which reads the engine's
@@ -165,7 +182,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"health": _cmd_health, "metrics": _cmd_metrics}.get(args.command or "", _cmd_run)
+    handler = {
+        "health": _cmd_health, "metrics": _cmd_metrics, "install-launcher": _cmd_install_launcher,
+    }.get(args.command or "", _cmd_run)
     try:
         return handler(args)
     except WorkerError as exc:

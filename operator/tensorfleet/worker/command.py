@@ -5,6 +5,10 @@ row names the `vllm serve` and `tensorfleet sim` flag that carries its value.
 
 Every command is an argv list handed to the OS as is: no shell, so extra
 engine args from the spec stay one item each, whatever characters they hold.
+They come last, so a flag among them would win over the operator's copy: the
+API models refuse every flag the operator sets, in any spelling vLLM reads
+(`engine_settings.refused_engine_arg`), and the launcher checks again here,
+so an env edited by hand cannot run an engine the plan did not size.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.engine_settings import BY_FIELD, EXECUTOR_FLAG, HOST_FLAG, SETTINGS, Setting
+from tensorfleet.engine_settings import BY_FIELD, EXECUTOR_FLAG, HOST_FLAG, SETTINGS, Setting, refused_engine_arg
+from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
 from tensorfleet.worker.role import Role, worker_hosts
 
 VLLM = "vllm"
@@ -67,6 +72,16 @@ def _flag(argv: list[str], flag: str, value: object | None) -> None:
         argv += [flag, str(value)]
 
 
+def extra_args(role: Role) -> list[str]:
+    """The user's extra args, refused when one would override a flag the operator sets."""
+    for index, item in enumerate(role.extra_args):
+        refused = refused_engine_arg(item)
+        if refused is not None:
+            raise WorkerError(f"{contract.ENV_EXTRA_ARGS}[{index}]: {refused.message()} "
+                              "(spec.engine.args; the operator refuses it there too)", EXIT_CONFIG)
+    return list(role.extra_args)
+
+
 def vllm_argv(role: Role) -> list[str]:
     """`vllm serve MODEL ...`; flags the operator manages, then the user's extra args as given."""
     argv = [VLLM, "serve", role.model]
@@ -79,7 +94,7 @@ def vllm_argv(role: Role) -> list[str]:
                 argv += [setting.vllm_flag, str(role.pipeline_parallel_size), EXECUTOR_FLAG, _RAY_EXECUTOR]
             continue
         _flag(argv, setting.vllm_flag, getattr(role, setting.field))
-    return argv + list(role.extra_args)
+    return argv + extra_args(role)
 
 
 def simulator_argv(role: Role) -> list[str]:
@@ -88,7 +103,7 @@ def simulator_argv(role: Role) -> list[str]:
     for setting in _in_order(_SIM_FIRST):
         if setting.sim_flag is not None:
             _flag(argv, setting.sim_flag, getattr(role, setting.field))
-    return argv + list(role.extra_args)
+    return argv + extra_args(role)
 
 
 def engine_argv(role: Role) -> list[str]:

@@ -1,0 +1,121 @@
+"""ModelFacts: everything the planner sizes a model with, whatever it was read from. Pure data.
+
+Facts come from one of these sources, recorded in `source` (and in the plan's
+status as `modelSource`):
+
+    hub                 config.json read from the Hugging Face Hub (tensorfleet.modelinfo)
+    cache               config.json read from a local Hugging Face cache, or a model directory
+    file                a config.json given by hand (`tensorfleet plan --model-config FILE`)
+    spec                spec.model.architecture, written in the InferenceService
+    catalog             the built-in catalog (catalog/models.py), by the model id's base name
+    catalog+id-markers  the catalog, with the weight format read from markers in the model id
+                        (`-AWQ`, `quantized.w4a16`, ...; see catalog/formats.py)
+
+`arch` holds the facts the layout rules, the KV cache and the activation reserve
+need (heads, head dim, layers, MoE, MLA, sliding windows). The weights are kept
+per decoder layer (`layers`), because a checkpoint's layers differ: DeepSeek's
+first three are dense, Llama 4 interleaves MoE, and quantized checkpoints leave
+some modules 16-bit. Facts read from a config.json count every parameter from
+the config's shapes (`catalog/modelconfig.py`); the catalog and the spec know
+only totals, so `from_architecture` spreads the non-embedding parameters evenly
+over the layers at the format's bits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.catalog.formats import WeightFormat, standard
+
+ModelSource = Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"]
+MODEL_SOURCES: tuple[str, ...] = ("hub", "cache", "file", "spec", "catalog", "catalog+id-markers")
+DEFAULT_VOCAB = 32000
+EMBEDDING_BITS = 16.0  # embeddings, norms, biases and routers stay 16-bit under every format vLLM loads
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """The weights of one decoder layer.
+
+    `linear` are the weights of its linear layers (attention projections, MLP,
+    experts): what quantization converts. `bits` are the bits each is stored
+    with, averaged over the layer (16 where a checkpoint leaves a module
+    unquantized). `other` are norms, biases, router gates and attention sinks,
+    always 16-bit. `replicated` are the linear weights vLLM keeps whole on every
+    tensor rank instead of sharding (MLA's down-projections).
+    """
+
+    linear: float
+    bits: float = 16.0
+    other: int = 0
+    replicated: int = 0
+
+    @property
+    def parameters(self) -> float:
+        return self.linear + self.other
+
+    def bytes(self, bits: float | None = None) -> float:
+        """Bytes of the whole layer (all tensor ranks), at its own bits or BITS for every linear weight."""
+        return self.linear * (bits if bits is not None else self.bits) / 8 + self.other * EMBEDDING_BITS / 8
+
+    def bytes_per_gpu(self, tensor: int, bits: float | None = None) -> float:
+        """Bytes one of TENSOR ranks holds: sharded weights split, replicated ones whole."""
+        per_weight = (bits if bits is not None else self.bits) / 8
+        sharded = (self.linear - self.replicated) * per_weight + self.other * EMBEDDING_BITS / 8
+        return sharded / tensor + self.replicated * per_weight
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    arch: ArchitectureSpec
+    weight_format: WeightFormat
+    layers: tuple[LayerWeights, ...]
+    embedding: int                     # input embedding parameters (vocab x hidden), 16-bit, first stage
+    head: int                          # output head parameters, last stage; equal to `embedding` when tied
+    source: ModelSource
+    head_bits: float = EMBEDDING_BITS  # GPTQ checkpoints may quantize the head too
+    final: int = 0                     # final norm, last stage
+    encoder: int = 0                   # vision encoder and projector (16-bit), first stage
+    revision: str | None = None        # the commit the config was read at, when known
+    dtype: str | None = None           # the config's torch_dtype (bfloat16, float16, ...)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def tied(self) -> bool:
+        return self.arch.tied_embeddings
+
+    @property
+    def parameters(self) -> int:
+        """Every parameter of the checkpoint as vLLM loads it (a tied head counted once)."""
+        head = 0 if self.tied else self.head
+        return round(sum(layer.parameters for layer in self.layers)) + self.embedding + head + self.final + self.encoder
+
+    def weight_bytes(self, bits: float | None = None) -> int:
+        """Bytes of all weights on one pipeline stage and tensor rank; BITS re-quantizes every linear weight."""
+        head = 0 if self.tied else self.head * self.head_bits / 8
+        layers = sum(layer.bytes(bits) for layer in self.layers)
+        fixed = (self.embedding + self.final + self.encoder) * EMBEDDING_BITS / 8
+        return int(layers + head + fixed)
+
+    def with_source(self, source: ModelSource) -> ModelFacts:
+        return replace(self, source=source)
+
+
+def from_architecture(
+    name: str, arch: ArchitectureSpec, weight_format: str | WeightFormat, source: ModelSource,
+    notes: tuple[str, ...] = (),
+) -> ModelFacts:
+    """Facts from totals alone (the catalog, spec.model.architecture): the non-embedding
+    parameters spread evenly over the layers, all at the format's bits."""
+    fmt = standard(weight_format) if isinstance(weight_format, str) else weight_format
+    embedding = (arch.vocab_size or DEFAULT_VOCAB) * arch.hidden_size
+    embeddings = embedding * (1 if arch.tied_embeddings else 2)
+    body = max(arch.parameters - embeddings, 0)
+    layer = LayerWeights(linear=body / arch.layers, bits=fmt.bits)
+    return ModelFacts(
+        name=name, arch=arch, weight_format=fmt, layers=(layer,) * arch.layers, embedding=embedding,
+        head=embedding, source=source, notes=notes,
+    )

@@ -1,0 +1,230 @@
+"""Why a pod is not Ready, in the kubelet's and the scheduler's own words. Pure functions.
+
+`diagnose(pod)` reads what the kubelet and kube-scheduler wrote on a pod and
+returns a `Diagnosis`: a CamelCase reason (the one `kubectl get pods` shows,
+except that a crash loop caused by the kernel's OOM killer is `OOMKilled`) and
+a one-line detail a person can act on. Only causes that will not go away on
+their own count, the ones `STUCK_REASONS` names, plus the scheduler finding no
+node and a pod that failed for good; a pod still pulling or starting is not
+diagnosed.
+
+Where each cause's words come from (as kubelet and kube-scheduler 1.36 write them):
+
+| reason | read from | detail |
+|---|---|---|
+| `Unschedulable` | `status.conditions[PodScheduled]` False, reason Unschedulable | the scheduler's message, without its `preemption:` sentence |
+| `InvalidImageName`, `ErrImagePull`, `ImagePullBackOff` | `containerStatuses[].state.waiting` | the kubelet's message (in 1.36 it names the image and the registry's answer, during back-off too); the image is prefixed when the message does not name it |
+| `CreateContainerConfigError` | `state.waiting` | the kubelet's message: `secret "hf-token" not found`, `couldn't find key token in Secret llm/hf-token` |
+| `CreateContainerError`, `RunContainerError` | `state.waiting` | the kubelet's message |
+| `OOMKilled` | `state.waiting` CrashLoopBackOff and `lastState.terminated.reason` OOMKilled | exit code and the container's memory limit |
+| `CrashLoopBackOff` | `state.waiting` CrashLoopBackOff | `lastState.terminated`: exit code (and signal), reason, the last line of its termination message; the back-off message itself changes with every restart and says nothing of the cause |
+| `Evicted`, ... | `status.phase` Failed | `status.reason` and `status.message` |
+
+"Worst" is the earliest point in a pod's life a cause stops it (`SEVERITY`):
+no node, then no image, then no container, then a container that dies, then a
+pod that already failed (its controller replaces it). An earlier cause hides
+whatever would come after it, so it is the one to fix first. Ties go to the
+pod that comes first (lowest group, then stage) and, in a pod, to its init
+containers, which run first.
+
+Every detail is one line: whitespace and newlines are collapsed, gRPC's
+`rpc error: code = ... desc =` wrapper is dropped, and what is longer than
+`DETAIL_LIMIT` characters keeps its head and its tail, which is where the
+kubelet puts the object and the verdict (`... image "X": ... not found`).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+UNSCHEDULABLE = "Unschedulable"
+OOM_KILLED = "OOMKilled"
+CRASH_LOOP = "CrashLoopBackOff"
+POD_FAILED = "PodFailed"
+
+# Container waiting reasons that will not fix themselves.
+STUCK_REASONS = frozenset({
+    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
+    "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
+})
+
+# Worst first: the earlier in a pod's life a cause stops it, the worse (see the module docstring).
+# Reasons in one entry rank the same: the kubelet alternates between ErrImagePull and ImagePullBackOff.
+SEVERITY: tuple[tuple[str, ...], ...] = (
+    (UNSCHEDULABLE,),
+    ("InvalidImageName",), ("ErrImagePull", "ImagePullBackOff"),
+    ("CreateContainerConfigError",), ("CreateContainerError",), ("RunContainerError",),
+    (OOM_KILLED,), (CRASH_LOOP,),
+)
+_RANK = {reason: rank for rank, tied in enumerate(SEVERITY) for reason in tied}
+
+
+def rank(reason: str) -> int:
+    """Where `reason` stands in SEVERITY (0 is the worst); a Failed pod's reason (Evicted, ...) comes last,
+    since its controller replaces it."""
+    return _RANK.get(reason, len(SEVERITY))
+
+DETAIL_LIMIT = 240
+_GRPC = re.compile(r"rpc error: code = \w+ desc = ")
+_PREEMPTION = re.compile(r"\s*preemption: .*$")
+
+
+def one_line(text: str | None, limit: int = DETAIL_LIMIT) -> str:
+    """`text` on one line of at most `limit` characters, keeping its head and its tail."""
+    line = " ".join(_GRPC.sub("", text or "").split())
+    if len(line) <= limit:
+        return line
+    keep = limit - 5
+    head = line[: keep * 3 // 5]
+    tail = line[len(line) - (keep - len(head)):]
+    # Cut between words where there are any, so no word is left in pieces.
+    if " " in head[len(head) // 2:]:
+        head = head[: head.rindex(" ")]
+    if " " in tail[: len(tail) // 2]:
+        tail = tail[tail.index(" ") + 1:]
+    return f"{head.rstrip()} ... {tail.lstrip()}"
+
+
+def last_line(text: str | None) -> str:
+    """The last non-empty line: where a Python traceback puts the exception."""
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why one pod cannot become ready without someone acting."""
+
+    pod: str
+    reason: str          # CamelCase, as `kubectl get pods` shows it (OOMKilled for an OOM crash loop)
+    detail: str          # one line: the kubelet's or the scheduler's words
+    container: str | None = None
+    restarts: int = 0
+
+    @property
+    def rank(self) -> int:
+        return rank(self.reason)
+
+    @property
+    def line(self) -> str:
+        """One line naming the pod, the reason and the detail (and how often it restarted)."""
+        restarted = f" (restarted {self.restarts} time{'s' if self.restarts != 1 else ''})" if self.restarts else ""
+        return f"pod {self.pod}: {self.reason}: {self.detail}{restarted}"
+
+
+def _unschedulable(pod: dict[str, Any]) -> str | None:
+    for condition in pod.get("status", {}).get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False" \
+                and condition.get("reason") == UNSCHEDULABLE:
+            return one_line(_PREEMPTION.sub("", condition.get("message") or "")) or "no node fits"
+    return None
+
+
+def _spec_container(pod: dict[str, Any], name: str | None) -> dict[str, Any]:
+    spec = pod.get("spec", {})
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if container.get("name") == name:
+            return dict(container)
+    return {}
+
+
+def _exit(terminated: dict[str, Any]) -> str:
+    code = terminated.get("exitCode")
+    if code is None:
+        return "exited"
+    text = f"exited with code {code}"
+    try:
+        if int(code) > 128:
+            text += f" ({signal.Signals(int(code) - 128).name})"
+    except (TypeError, ValueError):
+        pass
+    return text
+
+
+def _crash(pod: dict[str, Any], status: dict[str, Any]) -> tuple[str, str]:
+    """(reason, detail) of a container in CrashLoopBackOff, from how it last ended."""
+    name = status.get("name")
+    terminated = (status.get("lastState") or {}).get("terminated") or {}
+    if not terminated:
+        return CRASH_LOOP, f"container {name} keeps exiting"
+    said = last_line(terminated.get("message"))
+    if terminated.get("reason") == OOM_KILLED:
+        limit = ((_spec_container(pod, name).get("resources") or {}).get("limits") or {}).get("memory")
+        code = terminated.get("exitCode")
+        facts = [f"exit code {code}"] if code is not None else []
+        facts.append(f"memory limit {limit}" if limit else "no memory limit: the node ran out")
+        detail = f"container {name} ran out of memory ({', '.join(facts)})"
+        return OOM_KILLED, one_line(f"{detail}: {said}" if said else detail)
+    how = terminated.get("reason")
+    detail = f"container {name} {_exit(terminated)}{f' ({how})' if how and how != 'Error' else ''}"
+    return CRASH_LOOP, one_line(f"{detail}: {said}" if said else detail)
+
+
+def _waiting(pod: dict[str, Any], status: dict[str, Any]) -> tuple[str, str] | None:
+    waiting = (status.get("state") or {}).get("waiting") or {}
+    reason = waiting.get("reason")
+    if reason not in STUCK_REASONS:
+        return None
+    if reason == CRASH_LOOP:
+        return _crash(pod, status)
+    message = one_line(waiting.get("message"))
+    image = status.get("image") or _spec_container(pod, status.get("name")).get("image")
+    if reason in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName") and image and image not in message:
+        message = one_line(f'image "{image}": {message}' if message else f'image "{image}"')
+    return reason, message or f"container {status.get('name')}"
+
+
+def diagnose(pod: dict[str, Any]) -> Diagnosis | None:
+    """Why `pod` cannot become ready without someone acting, or None."""
+    name = pod.get("metadata", {}).get("name", "?")
+    status = pod.get("status", {})
+    if status.get("phase") == "Failed":
+        reason = status.get("reason") or POD_FAILED
+        return Diagnosis(name, reason, one_line(status.get("message")) or "the pod failed")
+    scheduler = _unschedulable(pod)
+    if scheduler is not None:
+        return Diagnosis(name, UNSCHEDULABLE, scheduler)
+    found: list[Diagnosis] = []
+    # Init containers run first: one stuck there is what stops the pod.
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        cause = _waiting(pod, container)
+        if cause is not None:
+            found.append(Diagnosis(name, cause[0], cause[1], container.get("name"),
+                                   int(container.get("restartCount") or 0)))
+    return worst(found)
+
+
+def ranked(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:
+    """Worst first (SEVERITY); ties keep their order (the pods' order)."""
+    return sorted(diagnoses, key=lambda d: d.rank)
+
+
+def worst(diagnoses: Iterable[Diagnosis]) -> Diagnosis | None:
+    found = ranked(diagnoses)
+    return found[0] if found else None
+
+
+def diagnose_all(pods: Iterable[dict[str, Any]]) -> list[Diagnosis]:
+    """The diagnoses of `pods`, worst first."""
+    return ranked(d for d in map(diagnose, pods) if d is not None)
+
+
+def causes(diagnoses: Iterable[Diagnosis], max_pods: int = 3) -> list[tuple[str, str]]:
+    """One (reason, message) per distinct cause, worst first: what to post as Warning events.
+
+    Pods failing the same way (reason and detail) are one cause; the message
+    names them. Nothing in it changes with every restart, so the event
+    recorder's dedup holds while the cause does.
+    """
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for diagnosis in ranked(diagnoses):
+        grouped.setdefault((diagnosis.reason, diagnosis.detail), []).append(diagnosis.pod)
+    found = []
+    for (reason, detail), pods in grouped.items():
+        named = ", ".join(pods[:max_pods]) + (f" and {len(pods) - max_pods} more" if len(pods) > max_pods else "")
+        found.append((reason, f"{detail} (pod{'s' if len(pods) > 1 else ''} {named})"))
+    return found

@@ -1,0 +1,91 @@
+"""How a spec change reaches running groups: surge replacements first, then retire old groups. Pure.
+
+Every engine StatefulSet uses the OnDelete strategy, so no pod goes unless
+the operator deletes it, and a group (ordinal i of every stage) is the unit:
+LeaderWorkerSet's semantics, with its maxSurge.
+
+With `spec.rollout.strategy: Surge` (the default), while any group runs an
+old revision the StatefulSets get `maxSurge` extra ordinals, which start at
+the new revision; an old group that serves goes only while at least
+`spec.replicas` other groups are Ready, so serving capacity never drops, not
+even for a one-replica service whose model takes 40 minutes to load. The
+surge ends once every wanted group is updated and Ready; the StatefulSets
+then drop the extra ordinals. Old groups that do not serve cost nothing to
+replace and go at once, which also unsticks a fleet crash-looping on a bad
+version.
+
+When the surge cannot be scheduled (no free GPUs), `Surge` waits and says
+so; `SurgeOrReplace` falls back to replacing in place, one serving group at a
+time; `Replace` always does. Which mode a rollout is in survives restarts
+through the Progressing condition's reason, the only state it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorfleet.api.models import RolloutSpec
+from tensorfleet.controller.observe import Observation, pod_unschedulable
+
+# Progressing reasons this module sets, and reads back.
+SURGING, IN_PLACE, SURGE_UNSCHEDULABLE = "Surging", "ReplacingInPlace", "SurgeUnschedulable"
+
+
+@dataclass(frozen=True)
+class Mode:
+    """This reconcile's rollout decision, made before the StatefulSets are applied."""
+
+    surge: int                   # extra ordinals the StatefulSets run now
+    in_place: bool               # replace serving groups without a surge
+    blocked: str | None = None   # why the surge cannot start (Surge strategy waits)
+
+
+# Nothing to roll: no surge, nothing in place.
+STEADY = Mode(surge=0, in_place=False)
+
+
+def _outdated(obs: Observation) -> list[int]:
+    return [g.index for g in obs.current() if not g.updated(obs.revisions) and not g.terminating()]
+
+
+def decide(obs: Observation, rollout: RolloutSpec, *, running_surge: int, previous_reason: str | None) -> Mode:
+    """The surge to render and whether to replace in place, from what the cluster shows now.
+
+    `running_surge` is how many ordinals beyond spec.replicas the StatefulSets
+    run (their live spec.replicas minus the wanted count); `previous_reason` is
+    the Progressing reason last written.
+    """
+    outdated = _outdated(obs)
+    if rollout.strategy == "Replace":
+        return Mode(surge=0, in_place=True)
+    stuck = [pod["metadata"]["name"] for g in obs.surge_groups() for pod in g.pods.values() if pod_unschedulable(pod)]
+    if outdated and rollout.strategy == "SurgeOrReplace" and (stuck or previous_reason == IN_PLACE):
+        return Mode(surge=0, in_place=True)
+    if outdated:
+        blocked = None
+        if stuck:
+            blocked = (f"the surge cannot be scheduled ({', '.join(stuck[:3])} pending): no free GPUs for a "
+                       f"replacement group; free {obs.pipeline} node(s) worth of GPUs, or set "
+                       "spec.rollout.strategy: SurgeOrReplace to replace in place")
+        return Mode(surge=min(rollout.max_surge, len(outdated)), in_place=False, blocked=blocked)
+    settled = all(g.ready(obs.pipeline) and g.updated(obs.revisions) for g in obs.current()) \
+        and len(obs.current()) >= obs.desired
+    if running_surge > 0 and not settled:
+        return Mode(surge=running_surge, in_place=False)  # the last replacements are still loading
+    return STEADY
+
+
+def replacements(obs: Observation, mode: Mode) -> list[int]:
+    """Groups to delete now: idle outdated ones at once; serving ones only as the mode's capacity allows."""
+    outdated = [g for g in obs.current() if g.index in set(_outdated(obs))]
+    idle = [g.index for g in outdated if not g.ready(obs.pipeline)]
+    if idle:
+        return idle
+    serving = [g.index for g in outdated]
+    if not serving:
+        return []
+    if mode.in_place:
+        # At most one group down, and only while every other one serves.
+        return serving[:1] if obs.ready_replicas == obs.desired else []
+    ready = sum(1 for g in obs.current() + obs.surge_groups() if g.ready(obs.pipeline))
+    return serving[:max(0, ready - obs.desired)]
