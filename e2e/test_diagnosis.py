@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 import pytest
-from kube import apply, condition, engine_pods, eventually, example, isvc, kubectl
+from kube import apply, cluster_status, condition, engine_pods, eventually, example, isvc, kubectl
 
 from tensorfleet import contract
 
@@ -28,6 +28,17 @@ CAUSES = {
     "CrashLoopBackOff": [r"container engine exited with code 1: ValueError: To serve at least one request",
                          r"\(restarted 5 times\)$"],
 }
+
+
+@pytest.fixture(autouse=True)
+def _fault_stages() -> None:
+    """These tests need e2e/cluster's KWOK stages; a cluster with kubelets fails pods its own way."""
+    found = cluster_status()
+    if not found or not found["operator"]["running"]:
+        pytest.skip("needs the KWOK fault stages of `e2e/cluster up` (e2e/kwok-stages.yaml)")
+    if not found.get("faultStages"):
+        pytest.fail("this e2e/cluster was brought up before e2e/kwok-stages.yaml existed, so its kwok cannot fail "
+                    "pods: `e2e/cluster down && e2e/cluster up`")
 
 
 def _columns(name: str, namespace: str) -> dict[str, str]:

@@ -92,6 +92,7 @@ def test_a_stock_vllm_image_runs_the_launcher_from_the_init_container() -> None:
         assert init["command"] == ["tensorfleet-worker", "install-launcher", contract.LAUNCHER_DIR]
         assert init["volumeMounts"] == [{"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR}]
         assert init["securityContext"]["readOnlyRootFilesystem"] is True
+        assert init["terminationMessagePolicy"] == "FallbackToLogsOnError", "its one-line error reaches Degraded"
         assert init["resources"]["limits"]["memory"]
 
         [engine] = pod["containers"]

@@ -962,3 +962,10 @@ def test_node_affinity_none_leaves_placement_to_the_node_selector() -> None:
     doc = document(accelerator={"type": "H100-80GB", "nodeAffinity": "none", "nodeSelector": {"pool": "h100"}})
     pod = by_kind(rendered(doc), "StatefulSet")[0]["spec"]["template"]["spec"]
     assert "affinity" not in pod and pod["nodeSelector"] == {"pool": "h100"}
+
+
+@pytest.mark.parametrize("doc", [PIPELINE_1, PIPELINE_2])
+def test_a_crashed_engine_leaves_its_last_log_lines_as_the_termination_message(doc: dict[str, Any]) -> None:
+    for sts in by_kind(rendered(doc), "StatefulSet"):
+        engine = sts["spec"]["template"]["spec"]["containers"][0]
+        assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"

@@ -54,8 +54,8 @@ async def broken_engine(mode: str) -> AsyncIterator[tuple[str, list[str]]]:
 
     async def handle(request: web.Request) -> web.StreamResponse:
         calls.append(request.path)
-        if request.path == contract.HEALTH_PATH:
-            return web.Response()
+        if request.path in (contract.HEALTH_PATH, contract.METRICS_PATH):
+            return web.Response()  # healthy to its checks (an engine joins once they pass)
         if mode == "500":
             return web.json_response({"error": {"message": "CUDA error: an illegal memory access", "type":
                                                 "InternalServerError", "param": None, "code": 500}}, status=500)

@@ -14,6 +14,8 @@ import signal
 import socket
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -267,44 +269,39 @@ def test_worker_deadline_when_the_leader_never_appears(fakes: Fakes) -> None:
 
 # --- signals: the serving stage drains before the engine gets SIGTERM -----------
 
-def _serving_launcher(fakes: Fakes) -> subprocess.Popen[str]:
-    """A single-stage launcher whose fake vLLM serves (with 2 requests in flight) on a free port."""
+@contextmanager
+def _serving_launcher(fakes: Fakes) -> Iterator[subprocess.Popen[str]]:
+    """A single-stage launcher whose fake vLLM serves (with 2 requests in flight) on a free port; killed on exit."""
     port = free_port()
     proc = fakes.start(fakes.env(SINGLE, 0, FAKE_VLLM_SERVE="1", **{contract.ENV_ENGINE_PORT: str(port)}))
-    assert wait_until(lambda: bool(fakes.events("vllm", "started")) and raywait.tcp_open("127.0.0.1", port))
-    return proc
+    try:
+        assert wait_until(lambda: bool(fakes.events("vllm", "started")) and raywait.tcp_open("127.0.0.1", port))
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def test_sigterm_waits_for_in_flight_requests(fakes: Fakes) -> None:
-    proc = _serving_launcher(fakes)
-    try:
+    with _serving_launcher(fakes) as proc:
         proc.send_signal(signal.SIGTERM)
         # The launcher keeps polling the engine's queue and holds SIGTERM while requests run.
         assert wait_until(lambda: len(fakes.events("vllm", "metrics")) >= 3)
         assert not fakes.events("vllm", "terminated")
         assert all(e["running"] == 2 for e in fakes.events("vllm", "metrics"))
         (fakes.tmp / "requests-done").write_text("")
-        code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 0
+        assert proc.wait(timeout=30) == 0
     assert fakes.events("vllm", "terminated")
     stderr = fakes.stderr.read_text()
     assert "draining: 2 request(s) in flight" in stderr and "stopping the engine" in stderr
 
 
 def test_second_sigterm_stops_at_once(fakes: Fakes) -> None:
-    proc = _serving_launcher(fakes)
-    try:
+    with _serving_launcher(fakes) as proc:
         proc.send_signal(signal.SIGTERM)
         assert wait_until(lambda: bool(fakes.events("vllm", "metrics")))
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 0
+        assert proc.wait(timeout=30) == 0
     assert fakes.events("vllm", "terminated")
     assert not (fakes.tmp / "requests-done").exists()
 

@@ -202,6 +202,8 @@ def _launcher_init_container(ctx: Context) -> dict[str, Any]:
         "command": list(contract.LAUNCHER_INSTALL_COMMAND),
         "resources": resources_block(dict(LAUNCHER_REQUESTS), dict(LAUNCHER_LIMITS)),
         "securityContext": {**_container_security(), "readOnlyRootFilesystem": True},
+        # Its one-line error (say, an image built without the bundle) reaches Degraded.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [{"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR}],
     }
 
@@ -227,6 +229,9 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         "resources": _resources(ctx),
         **_probes(ctx, stage),
         "securityContext": _container_security(),
+        # A crash's last log lines (vLLM's exception) become the termination message,
+        # which Degraded and the events show (controller/diagnose.py).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": contract.SHM_VOLUME, "mountPath": contract.SHM_PATH},
             {"name": contract.CACHE_VOLUME, "mountPath": contract.CACHE_PATH},

@@ -4,3 +4,7 @@
 `dispatch` (concurrency ceilings, the bounded queue, the request-body budget), `discovery`
 (EndpointSlices), `app` (the HTTP server), `metrics`, `cli`.
 """
+
+# Retry-After (seconds) of the router's 503 when it knows no engine at all (none ready or starting, or discovery
+# failing): nothing to derive a time from. Here, not in app.py, so the CLI's help can say it without aiohttp.
+NO_ENGINE_RETRY_SECONDS = 10

@@ -42,6 +42,35 @@ Refused by the router, never forwarded, never counted against an engine:
 A request refused before its body was read also has its connection closed
 (after at most LINGER_SECONDS of reading and dropping the rest of it).
 
+No engine to wait for: a request that finds no engine healthy (every one
+ejected, joining or gone) is answered 503 at once, with Retry-After, instead
+of waiting --queue-timeout for an engine the router already knows is not
+coming, unless a cold start is underway: then it queues, as it does when
+the engines are busy, and gets 503 once --queue-timeout passes. A cold start
+is underway while any of these holds:
+  - discovery (--service) has not listed the engine Service's EndpointSlices
+    yet, and has not failed to: the router does not know its engines yet;
+  - the EndpointSlices list an endpoint that is neither ready nor terminating:
+    an engine pod that runs but has not passed its readiness probe yet
+    (loading the model, its group forming, restarting after a crash);
+  - an engine is joining (in the pool, no health check answered 200 yet; see
+    backends.py) and was named with --backend, or its first health check is
+    still out. A static engine has no readiness probe to say it is starting,
+    so one never yet seen up is taken as starting (one that never comes up
+    makes requests wait --queue-timeout, as before). A discovered engine
+    joins when its pod is Ready and is checked at once: if the router then
+    cannot reach it (a NetworkPolicy, a wrong port) that is a fault to report,
+    not a start to wait for.
+Requests already queued are refused the same way the moment this becomes
+true while they wait (the last engine ejected, the last starting pod gone).
+Retry-After says when the soonest engine may serve again: the end of its
+ejection (plus one --health-interval when only a health check may probe it:
+ejected as unresponsive), or the next health check for a joining engine or a
+probe in flight; rounded up, at least 1 s. With no engine at all (the Service
+lists none ready or starting, or discovery fails) it is NO_ENGINE_RETRY_SECONDS.
+A request that already failed on an engine and finds no other one gets its
+502/504 as before, with that Retry-After (or the engine's own 5xx, as it came).
+
 Health accounting (backends.py) counts only the engine's faults: refused or
 reset connections, failed health checks, 5xx answers. A 4xx answer is the
 client's doing and is neutral. A 5xx counts against its engine only once
@@ -85,6 +114,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,9 +127,27 @@ from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
 from tensorfleet.prompts import content_text, prompt_text
-from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy, parse_engine_metrics
+from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
+from tensorfleet.router.backends import (
+    CLOSED,
+    HALF_OPEN,
+    JOINING,
+    OPEN,
+    Backend,
+    BackendPool,
+    BreakerPolicy,
+    parse_engine_metrics,
+)
 from tensorfleet.router.discovery import EndpointSliceWatcher
-from tensorfleet.router.dispatch import BodyBudget, Dispatcher, NoBackend, QueueFull, QueueTimeout, ShuttingDown
+from tensorfleet.router.dispatch import (
+    BodyBudget,
+    Dispatcher,
+    NoBackend,
+    QueueFull,
+    QueueTimeout,
+    ShuttingDown,
+    Unavailable,
+)
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
 from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
 
@@ -294,10 +342,12 @@ def _deeper_than(value: Any, limit: int) -> bool:
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.pool = BackendPool(config.breaker)
+        # Engines join the pool without traffic until a health check passes (backends.py).
+        self.pool = BackendPool(config.breaker, check_first=True)
         self.strategy = make_strategy(config.strategy)
         self.dispatcher = Dispatcher(self.pool, self.strategy, ceiling=config.max_concurrency_per_backend,
-                                     max_queue=config.max_queue, queue_timeout=config.queue_timeout)
+                                     max_queue=config.max_queue, queue_timeout=config.queue_timeout,
+                                     unavailable=self._unavailable)
         self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
         self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending)
         self.pool.on_removed.append(self.strategy.forget)
@@ -306,7 +356,10 @@ class Router:
         self.draining = False
         self.clients_log = rate_limited_logger(CLIENT_LOG)
         self._static: list[str] = list(config.static_backends)
+        self._static_urls = {url.rstrip("/") for url in self._static}
         self._discovered: list[str] = []
+        self._watcher: EndpointSliceWatcher | None = None
+        self._health_wake = asyncio.Event()  # set when engines join: check them now, not an interval later
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attempts: set[_Attempt] = set()
         self._active = 0  # inference requests being handled
@@ -350,7 +403,9 @@ class Router:
         if self.config.service:
             namespace = self.config.namespace or in_cluster_namespace() or "default"
             connection = self.config.kube or Connection.from_environment()
-            watcher = EndpointSliceWatcher(self.config.service, namespace, self._on_discovered, connection=connection)
+            watcher = EndpointSliceWatcher(self.config.service, namespace, self._on_discovered, connection=connection,
+                                           on_update=self.dispatcher.reevaluate)
+            self._watcher = watcher
             tasks.append(asyncio.create_task(watcher.run(), name="router-discovery"))
         yield
         for task in tasks:
@@ -363,7 +418,11 @@ class Router:
         self._update_pool()
 
     def _update_pool(self) -> None:
+        known = set(self.pool.backends)
         self.pool.set_urls([*self._static, *self._discovered])
+        if any(url not in known for url in self.pool.backends):
+            self._health_wake.set()
+        self.dispatcher.reevaluate()
 
     async def not_found(self, request: web.Request) -> web.Response:
         """Anything not on the allow-list: an OpenAI-style 404."""
@@ -378,22 +437,35 @@ class Router:
 
     # --- health and load ----------------------------------------------------------
     async def _health_loop(self) -> None:
-        """Check every engine each health interval (and scrape its load), until cancelled."""
+        """Check every engine each health interval (and scrape its load), and at once when engines join, until
+        cancelled."""
         while True:
+            self._health_wake.clear()
             backends = list(self.pool)
             if backends:
                 await asyncio.gather(*(self.check(b) for b in backends), return_exceptions=True)
             self.pool.tick()
-            await asyncio.sleep(self.config.health_interval)
+            self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
+            try:
+                await asyncio.wait_for(self._health_wake.wait(), self.config.health_interval)
+            except TimeoutError:
+                pass
 
     async def check(self, backend: Backend) -> None:
-        """One health check: unanswered within the timeout ejects as unresponsive, refused ejects, else counts."""
-        assert self.session is not None
-        if backend.state != CLOSED:
+        """One health check: unanswered within the timeout ejects as unresponsive, refused ejects, else counts.
+        A joining engine is checked every time, and joins on its first 200."""
+        if backend.state in (OPEN, HALF_OPEN):
             if not backend.probe_due(self.pool.clock()):
                 return  # ejected, or a probe is already out: nothing to learn yet
             # Past its ejection time: this check is the half-open probe.
             self.pool.begin_probe(backend)
+        try:
+            await self._check(backend)
+        finally:
+            backend.checked = True
+
+    async def _check(self, backend: Backend) -> None:
+        assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
             async with self.session.get(backend.url + contract.HEALTH_PATH, timeout=timeout) as resp:
@@ -422,11 +494,14 @@ class Router:
         if not ok:
             self.pool.record_failure(backend)
         elif backend.state != CLOSED:
+            if backend.state == JOINING:
+                log.info("engine %s is up: taking requests", backend.url)
             self.pool.record_success(backend)
 
     def _on_ejected(self, backend: Backend) -> None:
         log.warning("ejected engine %s%s for %.1fs", backend.url, " (unresponsive)" if backend.unresponsive else "",
                     backend.open_until - self.pool.clock())
+        self.dispatcher.reevaluate()  # the last healthy engine gone: the queued requests have nothing to wait for
         if not backend.unresponsive or self._loop is None:
             return
         # Nothing will come from it: requests waiting for its first byte go elsewhere now, and its streams that
@@ -446,14 +521,56 @@ class Router:
             for attempt in [a for a in self._attempts if a.streaming and now - a.last > limit]:
                 attempt.interrupt("stalled")
 
+    # --- availability ---------------------------------------------------------------------
+    def cold_start(self) -> str | None:
+        """What makes a cold start underway (see the module docstring), in words; None when none is."""
+        watcher = self._watcher
+        if watcher is not None:
+            if not watcher.listed and not watcher.failing:
+                return "the router is listing its engines"
+            starting = watcher.starting()
+            if starting:
+                return f"{len(starting)} engine pod(s) starting"
+        joining = sum(1 for b in self.pool if b.state == JOINING and (b.url in self._static_urls or not b.checked))
+        if joining:
+            return f"{joining} engine(s) not up yet"
+        return None
+
+    def _unavailable(self, exclude: frozenset[str]) -> Unavailable | None:
+        """Why a request (that already failed on `exclude`) cannot wait for an engine: none healthy or about to
+        be probed, no cold start underway. None when it may queue."""
+        now = self.pool.clock()
+        candidates = [b for b in self.pool if b.url not in exclude]
+        if any(b.state == CLOSED or b.routable(now) for b in candidates):
+            return None
+        if self.cold_start() is not None:
+            return None
+        if candidates:
+            seconds = min(b.back_in(now, self.config.health_interval) for b in candidates)
+            ejected = sum(1 for b in candidates if b.state in (OPEN, HALF_OPEN))
+            parts = [f"{ejected} ejected after failures"] if ejected else []
+            if len(candidates) > ejected:
+                parts.append(f"{len(candidates) - ejected} ready but not answering the router's health checks")
+            detail = ", ".join(parts)
+        else:
+            seconds = NO_ENGINE_RETRY_SECONDS
+            if self._watcher is not None and self._watcher.failing:
+                detail = "the router cannot list its engines; its log says why"
+            else:
+                detail = "none is ready and none is starting"
+        retry = max(1, math.ceil(seconds))
+        return Unavailable(f"no engine is available ({detail}); retry in {retry}s", retry)
+
     # --- plain endpoints ---------------------------------------------------------------
     async def health(self, _: web.Request) -> web.Response:
         """Always 200 while serving, draining included (see the comment)."""
-        # With no engine ready the router still queues requests, and failing
-        # the probe would only restart it; while draining it still serves.
+        # With no engine ready the router answers requests 503 itself (or
+        # queues them, during a cold start), and failing the probe would only
+        # restart it; while draining it still serves.
         healthy = sum(1 for b in self.pool if b.healthy)
         return web.json_response({"status": "ok", "backends": len(self.pool), "healthy": healthy,
-                                  "pending": self.dispatcher.pending, "draining": self.draining})
+                                  "pending": self.dispatcher.pending, "cold_start": self.cold_start(),
+                                  "draining": self.draining})
 
     async def metrics_handler(self, _: web.Request) -> web.Response:
         """The router's Prometheus metrics."""
@@ -627,6 +744,7 @@ class Router:
         """Send the call to engines until one answers (or the retries are spent); the answer, or the router's."""
         tried: set[str] = set()
         failures: list[_Failed] = []
+        retry_after: dict[str, str] = {}
         for attempt in range(self.config.retries + 1):
             try:
                 backend = await self.dispatcher.acquire(call.info, frozenset(tried))
@@ -640,6 +758,11 @@ class Router:
                                          "or starting, retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
             except ShuttingDown:
                 return self._shutting_down()
+            except Unavailable as exc:
+                retry_after = {"Retry-After": str(exc.retry_after)}
+                if failures:
+                    break  # it failed where it was tried: say how, below
+                return self._reject(503, str(exc), headers=retry_after)
             except NoBackend:
                 break
             tried.add(backend.url)
@@ -677,7 +800,8 @@ class Router:
             return final
         reasons = "; ".join(dict.fromkeys(str(f) for f in failures)) or "no engine"
         status = 504 if failures and all(f.reason in ("timeout", "unresponsive") for f in failures) else 502
-        return self._reject(status, f"no engine could serve the request ({len(failures)} tried: {reasons})")
+        return self._reject(status, f"no engine could serve the request ({len(failures)} tried: {reasons})",
+                            headers=retry_after)
 
     def _reject(self, status: int, message: str, *, param: str | None = None,
                 headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:

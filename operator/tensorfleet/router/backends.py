@@ -6,7 +6,12 @@ is routed. The engine's `vllm:num_requests_waiting` and
 `vllm:kv_cache_usage_perc` are scraped every health interval; they lag by up
 to that interval but include load from other router replicas.
 
-Health is a circuit breaker per engine:
+Health is a circuit breaker per engine, after a first state of its own:
+  joining    in the pool, not yet seen healthy (the router's pool starts every
+             engine here, `check_first`): no traffic until a health check
+             answers 200. Failures while joining count for nothing, so an
+             engine loading its model is not ejected again and again, and is
+             taken the first health interval after it is up.
   closed     normal; consecutive failures (5xx answers, failed health checks)
              reaching the threshold open it; a refused or reset connection, or
              a health check left unanswered past its timeout, opens it at once
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 from tensorfleet import contract, promtext
 
-CLOSED, OPEN, HALF_OPEN = "closed", "open", "half-open"
+CLOSED, OPEN, HALF_OPEN, JOINING = "closed", "open", "half-open", "joining"
 
 
 @dataclass
@@ -59,6 +64,7 @@ class Backend:
     ejections: int = 0
     probing: bool = False
     unresponsive: bool = False  # ejected by a health-check timeout: only a health check may probe it
+    checked: bool = False       # a health check of it has completed (whatever it found)
     # Set by the router's metrics layer; called with the new in-flight count.
     on_change: Callable[[Backend], None] | None = field(default=None, repr=False)
 
@@ -70,12 +76,23 @@ class Backend:
         """Whether a request may go here now (ignoring the concurrency ceiling)."""
         if self.state == CLOSED:
             return True
-        # Half-open admits exactly one probe at a time.
+        # Half-open admits exactly one probe at a time; a joining engine waits for its health check.
         return not self.unresponsive and self.probe_due(now)
 
     def probe_due(self, now: float) -> bool:
         """Ejected, past its ejection time, and no probe out yet."""
-        return self.state != CLOSED and now >= self.open_until and not self.probing
+        return self.state in (OPEN, HALF_OPEN) and now >= self.open_until and not self.probing
+
+    def back_in(self, now: float, check_interval: float) -> float:
+        """Seconds until this engine may take requests again, as far as the router can tell: 0 when it can now;
+        for a joining engine or a probe in flight, the next health check; for an ejected one, the end of its
+        ejection (plus the health check that must then probe it, when it was ejected as unresponsive)."""
+        if self.state == CLOSED:
+            return 0.0
+        if self.state == JOINING or self.probing:
+            return check_interval
+        rest = max(self.open_until - now, 0.0)
+        return rest + check_interval if self.unresponsive else rest
 
     def load(self) -> float:
         """Least-pending score: own in-flight requests, plus the engine's queue
@@ -87,9 +104,11 @@ class Backend:
 class BackendPool:
     """The current set of engines, keyed by base URL, in discovery order."""
 
-    def __init__(self, policy: BreakerPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: BreakerPolicy | None = None, clock: Callable[[], float] = time.monotonic, *,
+                 check_first: bool = False) -> None:
         self.policy = policy or BreakerPolicy()
         self.clock = clock
+        self.check_first = check_first  # new engines join (no traffic) until a health check passes
         self.backends: dict[str, Backend] = {}
         self.on_removed: list[Callable[[Backend], None]] = []
         self.on_routable: list[Callable[[], None]] = []
@@ -112,7 +131,7 @@ class BackendPool:
         added = False
         for url in wanted:
             if url not in self.backends:
-                self.backends[url] = Backend(url)
+                self.backends[url] = Backend(url, state=JOINING if self.check_first else CLOSED)
                 added = True
         if added:
             self._notify_routable()
@@ -127,6 +146,7 @@ class BackendPool:
             callback()
 
     def record_success(self, backend: Backend) -> None:
+        """A good answer or health check; a joining engine joins (closed)."""
         backend.failures = 0
         backend.unresponsive = False
         if backend.state != CLOSED:
@@ -146,7 +166,9 @@ class BackendPool:
         """A failed request or health check; `fatal` (connection refused or
         reset) ejects at once instead of counting towards the threshold, and
         `unresponsive` (a health check timed out) ejects at once and leaves the
-        probing to health checks."""
+        probing to health checks. A joining engine has nothing to eject: it stays joining."""
+        if backend.state == JOINING:
+            return
         if backend.state == OPEN:
             # Already ejected (a request sent before the ejection failing
             # late): the ejection stands as it is, neither extended nor doubled.
@@ -169,7 +191,7 @@ class BackendPool:
 
     def begin_probe(self, backend: Backend) -> None:
         """Routing to a backend past its ejection time makes it half-open."""
-        if backend.state != CLOSED:
+        if backend.state in (OPEN, HALF_OPEN):
             backend.state = HALF_OPEN
             backend.probing = True
 

@@ -7,6 +7,10 @@ The operator renders it as
 shutdown flags have defaults meant for production (router/app.py says what
 each bounds); the pod's terminationGracePeriodSeconds must exceed
 --drain-delay + --shutdown-grace.
+
+With no engine healthy the router answers 503 at once with Retry-After,
+unless a cold start is underway, when it queues (up to --queue-timeout); the
+description below and router/app.py define a cold start.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 from typing import Any
 
 from tensorfleet import argtypes, contract, extras
+from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 
 log = logging.getLogger("tensorfleet.router")
 
@@ -26,6 +31,14 @@ def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "router", help="run the load-aware OpenAI-compatible router",
         description="Route OpenAI API requests over the ready engine leaders of an InferenceService.",
+        epilog="No engine available: when no engine is healthy (all ejected after failures, or none known) a "
+               "request gets 503 at once, with Retry-After: the seconds until the soonest engine's ejection ends "
+               "(plus --health-interval if only a health check may probe it) or its next health check, at least 1; "
+               f"{NO_ENGINE_RETRY_SECONDS} with no engine at all. During a cold start requests queue instead, up to --queue-timeout. A cold "
+               "start is underway while --service's EndpointSlices have not been listed yet, while they list an "
+               "endpoint that is neither ready nor terminating (a pod loading its model, its readiness probe not yet "
+               "passed), or while an engine that joined has not yet answered a health check: for --backend engines "
+               "until one first does, for discovered ones until their first check completes.",
     )
     where = p.add_argument_group("backends (at least one of --backend or --service)")
     where.add_argument("--backend", action="append", default=[], metavar="URL",
@@ -44,7 +57,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-queue", type=argtypes.non_negative_int, default=0,
                    help="requests queued at the router before 429 (0: twice the fleet's concurrency, at least 64)")
     p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
-                   help="seconds a request may wait for an engine slot before 503")
+                   help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
+                        "before 503; with no engine healthy and none starting it gets 503 at once (default: 30)")
     p.add_argument("--retries", type=argtypes.non_negative_int, default=2,
                    help="other engines to try when one fails before any byte reached the client")
     p.add_argument("--health-interval", type=argtypes.positive_float, default=2.0,

@@ -3,9 +3,17 @@
 List, then watch from the list's resourceVersion; a watch that ends is
 resumed from the last version seen, a 410 Gone (history compacted) relists,
 and errors back off exponentially. Only endpoints whose `ready` condition is
-not false count (the API defines an absent condition as ready); terminating
-pods are never ready. The Role the operator renders grants get/list/watch on
-endpointslices in the namespace and nothing else.
+not false are engines to route to (the API defines an absent condition as
+ready); terminating pods are never ready. The endpoints that are listed but
+not ready and not terminating (`ready: false`, `terminating` absent or false)
+are kept apart as *starting*: the EndpointSlice controller lists a pod once it
+has an address, so these are engine pods that run but have not passed their
+readiness probe yet (loading the model, forming their group, restarting after
+a crash). The router queues requests rather than refusing them while any
+exists (see router/app.py). Pods without an address yet (Pending: scheduling,
+pulling the image) are in no EndpointSlice and cannot be seen here. The Role
+the operator renders grants get/list/watch on endpointslices in the namespace
+and nothing else.
 
 The requests go through `tensorfleet.kube`, the client every process shares:
 in a pod it authenticates as the router's service account (the projected
@@ -18,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tensorfleet import contract
@@ -31,37 +40,58 @@ WATCH_TIMEOUT_SECONDS = 290  # the API server ends watches after 5-10 min anyway
 BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
 
 
-def slice_urls(endpoint_slice: Mapping[str, Any]) -> list[str]:
-    """Engine base URLs of the ready endpoints of one EndpointSlice."""
+@dataclass(frozen=True)
+class SliceEndpoints:
+    """The engine base URLs one EndpointSlice lists: ready ones, and starting ones (not ready, not terminating)."""
+
+    ready: tuple[str, ...] = ()
+    starting: tuple[str, ...] = ()
+
+
+def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> SliceEndpoints:
+    """The ready and the starting endpoints of one EndpointSlice, as engine base URLs."""
     ports = endpoint_slice.get("ports") or []
     port = next((p.get("port") for p in ports if p.get("name") == contract.PORT_NAME_HTTP), None)
     if port is None:
         port = next((p.get("port") for p in ports if p.get("port")), contract.ENGINE_PORT)
     family = endpoint_slice.get("addressType", "IPv4")
-    urls = []
+    ready: list[str] = []
+    starting: list[str] = []
     for endpoint in endpoint_slice.get("endpoints") or []:
-        conditions = endpoint.get("conditions") or {}
-        if conditions.get("ready") is False:
-            continue
         addresses = endpoint.get("addresses") or []
         if not addresses:
             continue
         # Addresses of one endpoint are fungible; the first serves.
         host = f"[{addresses[0]}]" if family == "IPv6" else addresses[0]
-        urls.append(f"http://{host}:{port}")
-    return urls
+        url = f"http://{host}:{port}"
+        conditions = endpoint.get("conditions") or {}
+        if conditions.get("ready") is not False:
+            ready.append(url)
+        elif conditions.get("terminating") is not True:
+            starting.append(url)
+    return SliceEndpoints(tuple(ready), tuple(starting))
+
+
+def slice_urls(endpoint_slice: Mapping[str, Any]) -> list[str]:
+    """Engine base URLs of the ready endpoints of one EndpointSlice."""
+    return list(slice_endpoints(endpoint_slice).ready)
 
 
 class EndpointSliceWatcher:
-    """Follows the ready endpoints of one Service and calls `on_change` with their URLs when they change."""
+    """Follows the endpoints of one Service: calls `on_change` with the ready ones' URLs when they change, and
+    `on_update` (no arguments) after every list, event and failure, for whoever reads `listed`, `failing` and
+    `starting()`."""
 
     def __init__(self, service: str, namespace: str, on_change: Callable[[list[str]], None], *,
-                 connection: Connection) -> None:
+                 connection: Connection, on_update: Callable[[], None] | None = None) -> None:
         self.service = service
         self.namespace = namespace
         self.on_change = on_change
+        self.on_update = on_update
         self.connection = connection
-        self.slices: dict[str, list[str]] = {}
+        self.slices: dict[str, SliceEndpoints] = {}
+        self.listed = False   # a list has succeeded: the slices are known
+        self.failing = False  # the last list or watch failed (until the next list succeeds)
         self._resource_version: str | None = None
 
     def _selector(self) -> dict[str, str]:
@@ -75,19 +105,34 @@ class EndpointSliceWatcher:
 
     # --- state -----------------------------------------------------------------------
     def urls(self) -> list[str]:
-        return sorted({url for urls in self.slices.values() for url in urls})
+        """The ready endpoints: the engines to route to."""
+        return sorted({url for endpoints in self.slices.values() for url in endpoints.ready})
+
+    def starting(self) -> list[str]:
+        """Endpoints listed but neither ready nor terminating (and not ready in another slice): starting pods."""
+        ready = set(self.urls())
+        return sorted({url for endpoints in self.slices.values() for url in endpoints.starting} - ready)
 
     def _publish(self, before: list[str]) -> None:
         after = self.urls()
         if after != before:
-            log.info("engines of %s/%s: %s", self.namespace, self.service, ", ".join(after) or "none ready")
+            starting = self.starting()
+            log.info("engines of %s/%s: %s%s", self.namespace, self.service, ", ".join(after) or "none ready",
+                     f" ({len(starting)} starting)" if starting else "")
             self.on_change(after)
+        self._updated()
+
+    def _updated(self) -> None:
+        if self.on_update is not None:
+            self.on_update()
 
     def apply_list(self, items: Iterable[Mapping[str, Any]]) -> None:
         before = self.urls()
         self.slices = {
-            item["metadata"]["name"]: slice_urls(item) for item in items if self._ours(item)
+            item["metadata"]["name"]: slice_endpoints(item) for item in items if self._ours(item)
         }
+        self.listed = True
+        self.failing = False
         self._publish(before)
 
     def apply_event(self, event: Mapping[str, Any]) -> None:
@@ -103,7 +148,7 @@ class EndpointSliceWatcher:
         if kind == "DELETED":
             self.slices.pop(name, None)
         elif kind in ("ADDED", "MODIFIED"):
-            self.slices[name] = slice_urls(obj)
+            self.slices[name] = slice_endpoints(obj)
         self._publish(before)
 
     # --- loop ------------------------------------------------------------------------------
@@ -130,5 +175,7 @@ class EndpointSliceWatcher:
                     log.warning("watching EndpointSlices of %s/%s failed: %s; retrying in %.1fs",
                                 self.namespace, self.service, exc, backoff)
                     self._resource_version = None
+                    self.failing = True
+                    self._updated()
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, BACKOFF_MAX)

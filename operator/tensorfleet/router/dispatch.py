@@ -8,6 +8,15 @@ bounded: when it is full a request is refused at once (429 with Retry-After)
 rather than piling up memory and latency, and a request that waits longer
 than the deadline gets 503. Waiters are served in arrival order; one that
 cannot use the free engine (it already failed there) lets the next one go.
+
+Queueing is for engines that will free a slot or come up soon. The router
+hands the dispatcher an `unavailable` check: when it says no engine can take
+the request now or soon (none healthy, none starting: see router/app.py), a
+request is refused at once with Unavailable (503 with Retry-After) instead of
+being queued, and `reevaluate` refuses the waiters the same way when that
+becomes true while they wait (the last engine ejected, the last starting pod
+gone).
+
 When the router's shutdown grace is over, `close` answers every waiter (and
 every later request) with ShuttingDown: 503.
 
@@ -44,6 +53,14 @@ class ShuttingDown(Exception):
     """The router is stopping: answer 503."""
 
 
+class Unavailable(Exception):
+    """No engine can take the request now and none is expected soon: answer 503 at once, with Retry-After."""
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 @dataclass(eq=False)
 class _Waiter:
     info: RequestInfo
@@ -54,12 +71,15 @@ class _Waiter:
 
 class Dispatcher:
     def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, max_queue: int = 0,
-                 queue_timeout: float = 30.0) -> None:
+                 queue_timeout: float = 30.0,
+                 unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool
         self.strategy = strategy
         self.ceiling = ceiling
         self.configured_max_queue = max_queue
         self.queue_timeout = queue_timeout
+        # Given the engines a request already failed on: why it cannot wait for one (None: it may queue).
+        self.unavailable = unavailable
         self._waiters: OrderedDict[_Waiter, None] = OrderedDict()
         self.on_routed: Callable[[Backend], None] | None = None
         self.closed = False
@@ -107,6 +127,10 @@ class Dispatcher:
                 return backend
         if exclude and all(b.url in exclude for b in self.pool):
             raise NoBackend()
+        if self.unavailable is not None:
+            refusal = self.unavailable(exclude)
+            if refusal is not None:
+                raise refusal
         if len(self._waiters) >= self.max_queue:
             raise QueueFull()
         loop = asyncio.get_running_loop()
@@ -132,6 +156,21 @@ class Dispatcher:
             self._waiters.pop(waiter, None)
             if not waiter.future.done():
                 waiter.future.set_exception(ShuttingDown())
+
+    def reevaluate(self) -> None:
+        """Refuse the waiters that can no longer expect an engine (Unavailable), after the pool or the fleet
+        changed."""
+        if self.unavailable is None or not self._waiters:
+            return
+        verdicts: dict[frozenset[str], Unavailable | None] = {}
+        for waiter in list(self._waiters):
+            if waiter.exclude not in verdicts:
+                verdicts[waiter.exclude] = self.unavailable(waiter.exclude)
+            refusal = verdicts[waiter.exclude]
+            if refusal is not None:
+                self._waiters.pop(waiter, None)
+                if not waiter.future.done():
+                    waiter.future.set_exception(Unavailable(str(refusal), refusal.retry_after))
 
     def _expire(self, waiter: _Waiter) -> None:
         self._waiters.pop(waiter, None)

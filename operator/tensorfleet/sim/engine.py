@@ -26,6 +26,17 @@ vLLM, the last prompt token is always computed (its logits give the first
 token), so a fully cached prompt hits on all whole blocks before it. Blocks
 filled by generated tokens are cached too, so the next turn of a conversation,
 which re-sends the answer, hits on it.
+
+A request's answer is drawn when it is submitted, from a generator seeded by
+its prompt and seed (the same request, the same answer): words, or the text
+the server asks for (structured output), cut at max_tokens. Each of a
+request's `n` choices is its own engine request (as vLLM's parallel sampling
+makes child requests): its own batch slot and KV blocks, sharing the prompt's
+blocks through the prefix cache, seeded with seed + its index. Stop strings are
+looked for in the text as each token is sampled, as vLLM's detokenizer does:
+the first one found ends the request there (finish_reason "stop") and cuts the
+text before it (after it with include_stop_str_in_output), so the tokens after
+it are never generated and their time and KV blocks never spent.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ log = logging.getLogger("tensorfleet.sim")
 
 # Words of one token each under the simulator's tokenizer, so a streamed answer
 # re-tokenizes to exactly the number of tokens reported in `usage`.
-_WORDS = tuple(
+WORDS = tuple(
     " " + w for w in ["the", "of", "and", "to", "in", "is", "it", "that", "for", "on", "with", "as", "was", "at", "by", "be", "this", "are", "or", "from", "an", "not", "but", "all", "can", "had", "her", "one", "our", "out", "day", "get", "has", "him", "his", "how", "man", "new", "now", "old", "see", "two", "way", "who", "boy", "did", "its", "let", "put", "say", "she", "too", "use", "data", "node", "pod", "gpu", "fast", "load", "time", "real", "work", "test", "next", "safe"]
 )
 # Answer length when a request sets no max_tokens: a model stopping at EOS.
@@ -72,6 +83,9 @@ class SimRequest:
     output_words: list[str]
     arrival: float
     finish_reason_if_done: str       # "length" when max_tokens was set, else "stop"
+    sample_seed: int = 0             # what the answer was drawn with (the server derives logprobs from it)
+    stop: tuple[str, ...] = ()       # stop strings
+    include_stop: bool = False       # keep the stop string in the text (vLLM's include_stop_str_in_output)
     # Scheduler state.
     num_computed: int = 0            # tokens whose KV is in the cache
     held_hashes: int = 0             # leading block_hashes this request references
@@ -85,7 +99,10 @@ class SimRequest:
     generated: int = 0
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | None = None   # the stop string that ended it
+    cut: int | None = None           # the text's length once a stop string ended it
     _wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    _sampled: str = ""               # the text so far, kept only to look for stop strings in
 
     @property
     def prompt_len(self) -> int:
@@ -102,7 +119,27 @@ class SimRequest:
 
     @property
     def text(self) -> str:
-        return "".join(self.output_words[: self.generated])
+        """The answer so far: its tokens' text, cut before the stop string that ended it."""
+        text = "".join(self.output_words[: self.generated])
+        return text if self.cut is None else text[: self.cut]
+
+    @property
+    def holdback(self) -> int:
+        """Characters a stream must hold back until the request ends, as vLLM's detokenizer does: the end of
+        the text could be the start of a stop string that is to be cut off."""
+        return max(map(len, self.stop)) - 1 if self.stop and not self.include_stop else 0
+
+    def hit_stop(self) -> bool:
+        """Look for the stop strings where the newest token could complete one; on a hit, cut the text."""
+        before = len(self._sampled)
+        self._sampled += self.output_words[self.generated - 1]
+        for stop in self.stop:
+            at = self._sampled.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.stop_reason = stop
+                self.cut = at + len(stop) if self.include_stop else at
+                return True
+        return False
 
     async def wait(self, seen: int) -> int:
         """Wait until more than `seen` tokens exist or the request ends; returns the count."""
@@ -233,9 +270,20 @@ class Engine:
             self._task = None
 
     # --- requests ------------------------------------------------------------
+    def sample_seed(self, prompt_tokens: Sequence[str], seed: int | None, index: int = 0) -> int:
+        """What a request's answer is drawn with: its prompt's last tokens, and its seed (the engine's when it
+        has none) plus the index of its choice."""
+        return zlib.crc32("".join(prompt_tokens[-64:]).encode()) ^ ((self.seed if seed is None else seed) + index)
+
     def submit(self, prompt_tokens: Sequence[str], max_tokens: int | None, *, request_id: str | None = None,
-               seed: int | None = None) -> SimRequest:
-        """Queue a request; raises RequestRejected for ones vLLM would refuse."""
+               seed: int | None = None, index: int = 0, output: Sequence[str] | None = None,
+               stop: Sequence[str] = (), include_stop: bool = False,
+               wakeup: asyncio.Event | None = None) -> SimRequest:
+        """Queue a request; raises RequestRejected for ones vLLM would refuse.
+
+        `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
+        (structured output: it ends with "stop" unless max_tokens cuts it), instead of words drawn at random;
+        `wakeup` an event to share with other requests (a request's choices, one waiter)."""
         profile = self.profile
         prompt_len = len(prompt_tokens)
         room = profile.max_model_len - prompt_len
@@ -251,14 +299,23 @@ class Engine:
                 "Please reduce the length of the messages or completion.",
                 "messages" if room < 1 or max_tokens is None else "max_tokens",
             )
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise RequestRejected("stop cannot contain an empty string.", "stop")
         # Deterministic per prompt and seed: the same request gets the same answer.
-        rng = random.Random(zlib.crc32("".join(prompt_tokens[-64:]).encode()) ^ (self.seed if seed is None else seed))
-        if max_tokens is None:
-            target = min(room, _DEFAULT_MIN_TOKENS + int(rng.expovariate(1 / _DEFAULT_MEAN_TOKENS)))
-            reason = "stop"
+        sample_seed = self.sample_seed(prompt_tokens, seed, index)
+        rng = random.Random(sample_seed)
+        if output is not None:
+            limit = room if max_tokens is None else max_tokens
+            pieces = list(output) or [""]
+            target, reason = (len(pieces), "stop") if len(pieces) <= limit else (limit, "length")
+            words = pieces[:target]
         else:
-            target, reason = max_tokens, "length"
-        words = [_WORDS[rng.randrange(len(_WORDS))] for _ in range(target)]
+            if max_tokens is None:
+                target = min(room, _DEFAULT_MIN_TOKENS + int(rng.expovariate(1 / _DEFAULT_MEAN_TOKENS)))
+                reason = "stop"
+            else:
+                target, reason = max_tokens, "length"
+            words = [WORDS[rng.randrange(len(WORDS))] for _ in range(target)]
         request = SimRequest(
             request_id=request_id or f"{next(self._ids):x}",
             prompt_tokens=prompt_tokens,
@@ -267,7 +324,12 @@ class Engine:
             output_words=words,
             arrival=self._clock(),
             finish_reason_if_done=reason,
+            sample_seed=sample_seed,
+            stop=tuple(stop),
+            include_stop=include_stop,
         )
+        if wakeup is not None:
+            request._wakeup = wakeup
         self.waiting.append(request)
         self.stats.max_waiting = max(self.stats.max_waiting, len(self.waiting))
         self._wakeup.set()
@@ -401,11 +463,11 @@ class Engine:
         # A request preempted after being picked this step must not run.
         return [(r, c) for r, c in work if r.admitted]
 
-    def _finish(self, request: SimRequest, now: float) -> None:
+    def _finish(self, request: SimRequest, now: float, reason: str | None = None) -> None:
         self._free(request)
         self.running.remove(request)
         request.finished = True
-        request.finish_reason = request.finish_reason_if_done
+        request.finish_reason = reason or request.finish_reason_if_done
         self.stats.finished[request.finish_reason] = self.stats.finished.get(request.finish_reason, 0) + 1
         if self.on_finish:
             self.on_finish(request, now)
@@ -417,7 +479,9 @@ class Engine:
             request.first_token_at = now
             if self.on_first_token:
                 self.on_first_token(request, now)
-        if request.generated >= request.max_tokens:
+        if request.stop and request.hit_stop():
+            self._finish(request, now, "stop")
+        elif request.generated >= request.max_tokens:
             self._finish(request, now)
         request._wakeup.set()
 

@@ -1,20 +1,60 @@
 """vLLM's OpenAI-compatible HTTP surface over the simulated engine.
 
 Shapes follow vLLM's server: `/v1/chat/completions` and `/v1/completions`
-(JSON, or SSE with one event per token, `usage`, optional
+(JSON, or SSE with one event per token per choice, `usage`, optional
 `stream_options.include_usage`), `/v1/models`, `/health` (503 while the
 "model loads"), `/metrics`. A client that disconnects aborts its request in the
-engine, as vLLM does, so the KV blocks and batch slot are freed at once.
+engine, as vLLM does, so the KV blocks and batch slots are freed at once.
+
+Sampling parameters that shape an answer are honoured, or refused with 400 (as
+vLLM refuses what it cannot do, and where only the simulator cannot), never
+ignored; params.py checks them and lists the refusals:
+  n                 n choices, `choices[i].index` i, each its own engine request
+                    (a batch slot and KV blocks, the prompt's shared through the
+                    prefix cache; seeded seed + i). `usage` counts the prompt
+                    once and every choice's tokens. A stream interleaves the
+                    choices' events, each naming its index, and ends each
+                    choice with its own finish_reason event.
+  stop              a choice ends at the first stop string its text shows:
+                    finish_reason "stop", stop_reason the string, the text cut
+                    before it (after it, with include_stop_str_in_output). The
+                    tokens are checked as they are sampled, so the request
+                    stops there in the engine too. A stream holds back the last
+                    len(longest stop string) - 1 characters until the choice
+                    ends, as vLLM's detokenizer does, so no part of a stop
+                    string that is cut is ever sent.
+  logprobs          completions (an integer k): `logprobs` {tokens,
+                    token_logprobs, top_logprobs (dicts of max(k, 1) tokens, the
+                    chosen one first), text_offset}; chat (`logprobs: true`,
+                    `top_logprobs` k): `logprobs.content` [{token, logprob,
+                    bytes, top_logprobs (k of them)}]. Streamed with each token.
+                    The values are drawn, not computed: deterministic per answer
+                    and position, the chosen token always the likeliest.
+  echo              completions: the prompt before the answer, with its tokens'
+                    logprobs (the first one null); `max_tokens: 0` gives the
+                    prompt alone (vLLM still samples, and counts, one token).
+                    Chat (vLLM's extension): the last message's content before
+                    the answer when that message is the assistant's.
+  response_format   `json_object`: a small JSON object; `json_schema`: an
+                    instance of the schema, for the schemas structured.py can
+                    generate (others get 400); vLLM's `guided_json` and
+                    `guided_choice` likewise. The document is written whole and
+                    then emitted token by token: valid, with finish_reason
+                    "stop", unless max_tokens cuts it ("length"), as vLLM's
+                    guided decoding is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import random
 import time
 import uuid
+import zlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
@@ -22,9 +62,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_event
-from tensorfleet.prompts import render_chat
-from tensorfleet.sim.engine import Engine, RequestRejected, SimRequest
+from tensorfleet.prompts import content_text, render_chat
+from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
 from tensorfleet.sim.metrics import EngineMetrics
+from tensorfleet.sim.params import Sampling, parse
 from tensorfleet.sim.profile import Profile
 from tensorfleet.sim.tokenizer import tokenize
 
@@ -123,8 +164,6 @@ class SimServer:
         model = body.get("model")
         if model is not None and model not in (self.config.served_model_name, self.config.model):
             return error_response(404, f"The model `{model}` does not exist.", param="model")
-        if body.get("n", 1) != 1:
-            return error_response(400, "the simulator supports n=1 only", param="n")
         return body
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
@@ -134,8 +173,15 @@ class SimServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
             return error_response(400, "messages must be a non-empty list of message objects", param="messages")
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        return await self._generate(request, body, tokenize(render_chat(messages)), limit, chat=True)
+        try:
+            sampling = parse(body, chat=True)
+        except RequestRejected as exc:
+            return error_response(400, str(exc), param=exc.param)
+        # vLLM's chat `echo`: the last message's content goes before the answer when it is the assistant's own.
+        last = messages[-1]
+        echo = content_text(last.get("content")) if sampling.echo and last.get("role") == "assistant" else ""
+        return await self._generate(request, body, tokenize(render_chat(messages)), sampling,
+                                    _Answer(chat=True, sampling=sampling, echo_text=echo))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -150,97 +196,236 @@ class SimServer:
             tokens = tokenize(prompt)
         else:
             return error_response(400, "prompt must be a string or a list of token ids", param="prompt")
-        return await self._generate(request, body, tokens, body.get("max_tokens", 16), chat=False)
-
-    async def _generate(self, request: web.Request, body: dict[str, Any], tokens: list[str], limit: Any,
-                        *, chat: bool) -> web.StreamResponse:
-        engine = request.app[_ENGINE_KEY]
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool)):
-            return error_response(400, "max_tokens must be an integer", param="max_tokens")
-        seed = body.get("seed")
         try:
-            sim = engine.submit(tokens, limit, seed=seed if isinstance(seed, int) else None)
+            sampling = parse(body, chat=False)
         except RequestRejected as exc:
             return error_response(400, str(exc), param=exc.param)
-        prefix = "chatcmpl" if chat else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        answer = _Answer(chat=False, sampling=sampling)
+        if sampling.echo:
+            answer.echo_text = prompt if isinstance(prompt, str) else "".join(tokens)
+            answer.echo_tokens = tokens
+        return await self._generate(request, body, tokens, sampling, answer)
+
+    async def _generate(self, request: web.Request, body: dict[str, Any], tokens: list[str], sampling: Sampling,
+                        answer: _Answer) -> web.StreamResponse:
+        engine = request.app[_ENGINE_KEY]
+        wakeup = asyncio.Event()  # the choices' one waiter: this handler
+        choices: list[SimRequest] = []
+        try:
+            for index in range(sampling.n):
+                output = None
+                if sampling.structure is not None:
+                    output = tokenize(sampling.structure(random.Random(engine.sample_seed(tokens, sampling.seed,
+                                                                                          index))))
+                choices.append(engine.submit(tokens, sampling.max_tokens, seed=sampling.seed, index=index,
+                                             output=output, stop=sampling.stop, include_stop=sampling.include_stop,
+                                             wakeup=wakeup))
+        except RequestRejected as exc:
+            for choice in choices:
+                engine.abort(choice)
+            return error_response(400, str(exc), param=exc.param)
+        answer.id = f"{'chatcmpl' if answer.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        answer.model = self.config.served_model_name
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}
                 usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
-                return await self._stream(request, sim, response_id, chat=chat, include_usage=usage)
-            await sim.wait(sim.max_tokens)
-            return web.json_response(self._final(sim, response_id, chat))
+                return await self._stream(request, choices, wakeup, answer, include_usage=usage)
+            while not all(c.finished for c in choices):
+                wakeup.clear()  # nothing runs between the check and here: no wakeup is lost
+                await wakeup.wait()
+            return web.json_response(self._final(choices, answer))
         finally:
-            # Client gone (handler cancelled or write failed): free the slot.
-            engine.abort(sim)
+            # Client gone (handler cancelled or write failed): free the slots.
+            for choice in choices:
+                engine.abort(choice)
 
-    def _usage(self, sim: SimRequest) -> dict[str, Any]:
+    def _usage(self, choices: list[SimRequest]) -> dict[str, Any]:
+        """vLLM's usage: the prompt once, the completion tokens of every choice."""
+        prompt = choices[0].prompt_len
+        generated = sum(c.generated for c in choices)
         usage: dict[str, Any] = {
-            "prompt_tokens": sim.prompt_len,
-            "completion_tokens": sim.generated,
-            "total_tokens": sim.prompt_len + sim.generated,
+            "prompt_tokens": prompt,
+            "completion_tokens": generated,
+            "total_tokens": prompt + generated,
         }
-        if sim.cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": sim.cached_tokens}
+        if choices[0].cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": choices[0].cached_tokens}
         return usage
 
-    def _final(self, sim: SimRequest, response_id: str, chat: bool) -> dict[str, Any]:
-        name = self.config.served_model_name
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": sim.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": sim.text, "tool_calls": []}
-        else:
-            choice["text"] = sim.text
+    def _final(self, choices: list[SimRequest], answer: _Answer) -> dict[str, Any]:
+        out = []
+        for index, sim in enumerate(choices):
+            text = answer.echo_text + ("" if answer.sampling.prompt_only else sim.text)
+            choice: dict[str, Any] = {"index": index}
+            if answer.chat:
+                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+            else:
+                choice["text"] = text
+            choice["logprobs"] = answer.logprobs(sim, 0, sim.generated, first=True)
+            choice["finish_reason"] = sim.finish_reason
+            choice["stop_reason"] = sim.stop_reason
+            out.append(choice)
         return {
-            "id": response_id,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": name,
-            "choices": [choice],
-            "usage": self._usage(sim),
+            "id": answer.id,
+            "object": "chat.completion" if answer.chat else "text_completion",
+            "created": answer.created,
+            "model": answer.model,
+            "choices": out,
+            "usage": self._usage(choices),
         }
 
-    async def _stream(self, request: web.Request, sim: SimRequest, response_id: str, *, chat: bool,
-                      include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, choices: list[SimRequest], wakeup: asyncio.Event,
+                      answer: _Answer, *, include_usage: bool) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"})
-        created = int(time.time())
-        name = self.config.served_model_name
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        # Every token event is the same JSON around one string; build the two
-        # halves once instead of serialising a dict per token.
-        head = (f'data: {{"id":"{response_id}","object":"{obj}","created":{created},"model":{json.dumps(name)},'
-                f'"choices":[{{"index":0,').encode()
-        tail_open = b',"logprobs":null,"finish_reason":null}]}\n\n'
+        obj = "chat.completion.chunk" if answer.chat else "text_completion"
+        # Every token event is the same JSON around one string; build the halves once per choice instead of
+        # serialising a dict per token.
+        prefix = (f'data: {{"id":"{answer.id}","object":"{obj}","created":{answer.created},'
+                  f'"model":{json.dumps(answer.model)},"choices":[{{').encode()
+        streams = [_ChoiceStream(i, sim, answer, prefix + f'"index":{i},'.encode()) for i, sim in enumerate(choices)]
         await response.prepare(request)
-        sent = 0
         while True:
-            count = await sim.wait(sent)
-            if count > sent:
-                pieces = []
-                if chat and sent == 0:
-                    # vLLM sends the role with the first token, not before it.
-                    pieces.append(head + b'"delta":{"role":"assistant","content":""}' + tail_open)
-                for word in sim.output_words[sent:count]:
-                    text = json.dumps(word).encode()
-                    field = b'"delta":{"content":' + text + b"}" if chat else b'"text":' + text
-                    pieces.append(head + field + tail_open)
-                sent = count
+            wakeup.clear()  # what the engine does while this writes wakes the wait below at once
+            pieces = [piece for stream in streams for piece in stream.events()]
+            if pieces:
                 await response.write(b"".join(pieces))
-            if sim.finished:
+            if all(sim.finished for sim in choices):
                 break
-        if sim.finish_reason == "abort":
+            await wakeup.wait()
+        if any(sim.finish_reason == "abort" for sim in choices):
             return response
-        final: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": sim.finish_reason}
-        if chat:
-            final["delta"] = {}
-        else:
-            final["text"] = ""
-        chunk = {"id": response_id, "object": obj, "created": created, "model": name, "choices": [final]}
-        out = sse_event(chunk)
+        out = b""
         if include_usage:
-            out += sse_event({"id": response_id, "object": obj, "created": created, "model": name, "choices": [],
-                              "usage": self._usage(sim)})
+            out += sse_event({"id": answer.id, "object": obj, "created": answer.created, "model": answer.model,
+                              "choices": [], "usage": self._usage(choices)})
         await response.write(out + SSE_DONE)
         await response.write_eof()
         return response
+
+
+_TAIL = b',"finish_reason":null,"stop_reason":null}]}\n\n'
+
+
+@dataclass
+class _ChoiceStream:
+    """One choice's events in a stream: a token event per token, then one with its finish reason."""
+
+    index: int
+    sim: SimRequest
+    answer: _Answer
+    head: bytes                 # the event up to this choice's fields
+    sent: int = 0               # tokens sent
+    shown: int = 0              # characters of the answer sent (a stop string's possible start held back)
+    offset: int = 0             # characters sent, echo included (completions' text_offset)
+    ended: bool = False
+
+    def events(self) -> list[bytes]:
+        """The events for what the engine produced since the last call."""
+        sim, answer = self.sim, self.answer
+        pieces: list[bytes] = []
+        count = sim.generated
+        # With stop strings the visible text is the answer cut and held back; without, each token's own text.
+        text = sim.text if sim.holdback or sim.cut is not None else None
+        length = sum(len(w) for w in sim.output_words[:self.sent]) if text is not None else 0
+        for k in range(self.sent, count):
+            word = sim.output_words[k]
+            if text is not None:
+                length += len(word)
+                visible = len(text) if sim.finished and k == count - 1 else min(max(0, length - sim.holdback),
+                                                                                 len(text))
+                delta = text[self.shown:visible]
+                self.shown = max(self.shown, visible)
+            else:
+                delta = word
+            if answer.sampling.prompt_only:
+                delta = ""
+            if k == 0 and answer.chat:
+                # vLLM sends the role with the first token, not before it; then what `echo` repeats.
+                pieces.append(self.head + b'"delta":{"role":"assistant","content":""},"logprobs":null' + _TAIL)
+                if answer.echo_text:
+                    pieces.append(self.head + b'"delta":{"content":' + json.dumps(answer.echo_text).encode()
+                                  + b'},"logprobs":null' + _TAIL)
+            elif k == 0:
+                delta = answer.echo_text + delta
+            encoded = json.dumps(delta).encode()
+            field = b'"delta":{"content":' + encoded + b"}" if answer.chat else b'"text":' + encoded
+            logprobs = answer.logprobs(sim, k, k + 1, first=k == 0, offset=self.offset)
+            self.offset += len(delta)
+            encoded_logprobs = b"null" if logprobs is None else json.dumps(logprobs, separators=(",", ":")).encode()
+            pieces.append(self.head + field + b',"logprobs":' + encoded_logprobs + _TAIL)
+        self.sent = count
+        if sim.finished and not self.ended and sim.finish_reason != "abort":
+            self.ended = True
+            final: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": sim.finish_reason,
+                                     "stop_reason": sim.stop_reason}
+            final["delta" if answer.chat else "text"] = {} if answer.chat else ""
+            pieces.append(sse_event({"id": answer.id, "object": "chat.completion.chunk" if answer.chat else
+                                     "text_completion", "created": answer.created, "model": answer.model,
+                                     "choices": [final]}))
+        return pieces
+
+
+def draw_logprobs(seed: int, position: int, token: str, entries: int) -> list[tuple[str, float]]:
+    """A token's simulated log-probability among the likeliest `entries` tokens at its position: the token itself
+    first (the simulator's model always picks its likeliest token), then others, each less likely. Deterministic
+    per seed (the answer's, or the prompt's) and position."""
+    rng = random.Random(seed * 1_000_003 + position)
+    top = [(token, -round(rng.uniform(0.0005, 1.5), 4))]
+    for word in rng.sample(WORDS, min(entries, len(WORDS))):
+        if len(top) >= entries:
+            break
+        if word != token:
+            top.append((word, round(top[-1][1] - rng.uniform(0.05, 2.0), 4)))
+    return top
+
+
+@dataclass
+class _Answer:
+    """How one request's answer is written: its kind, what it echoes, its logprobs."""
+
+    chat: bool
+    sampling: Sampling
+    echo_text: str = ""                    # before the answer (completions: the prompt; chat: vLLM's echo)
+    echo_tokens: list[str] = field(default_factory=list)  # completions: the prompt's tokens, for their logprobs
+    id: str = ""
+    model: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def logprobs(self, sim: SimRequest, start: int, end: int, *, first: bool, offset: int = 0) -> Any:
+        """The logprobs object of tokens start..end of a choice (with the echoed prompt's, for the first), in
+        vLLM's shape for the endpoint: completions {tokens, token_logprobs, top_logprobs, text_offset}, chat
+        {content: [{token, logprob, bytes, top_logprobs}]}; None when the request asked for none."""
+        count = self.sampling.logprobs
+        if count is None:
+            return None
+        seed = sim.sample_seed
+        if self.chat:
+            return {"content": [self._chat_entry(draw_logprobs(seed, k, sim.output_words[k], max(count, 1)), count)
+                                for k in range(start, end)]}
+        steps: list[tuple[str, list[tuple[str, float]] | None]] = []
+        if first and self.echo_tokens:
+            # The prompt's first token has no logprob (nothing before it); the others are scored as a model
+            # scores a prompt: the same for every choice.
+            prompt_seed = zlib.crc32("".join(self.echo_tokens).encode())
+            steps += [(t, None if p == 0 else draw_logprobs(prompt_seed, -1 - p, t, max(count, 1)))
+                      for p, t in enumerate(self.echo_tokens)]
+        if not self.sampling.prompt_only:
+            steps += [(sim.output_words[k], draw_logprobs(seed, k, sim.output_words[k], max(count, 1)))
+                      for k in range(start, end)]
+        offsets = []
+        for token, _ in steps:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [None if top is None else top[0][1] for _, top in steps],
+            "tokens": [token for token, _ in steps],
+            "top_logprobs": [None if top is None else dict(top) for _, top in steps],
+        }
+
+    @staticmethod
+    def _chat_entry(top: list[tuple[str, float]], count: int) -> dict[str, Any]:
+        token, logprob = top[0]
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())} for t, lp in top[:count]]}

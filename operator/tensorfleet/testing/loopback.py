@@ -1,7 +1,11 @@
 """Real simulator and router servers on 127.0.0.1 for tests, on free ports.
 
 Servers run in the test's event loop (fast, and their state can be inspected);
-`router` serves with the limits the real router process has (Router.limits).
+`router` serves with the limits the real router process has (Router.limits),
+and is handed over once its first health round is done (every engine it
+starts with checked once), so which engine takes the first requests does not
+depend on which check happened to answer first; `first_round=False` hands it
+over at once.
 `spawn_sim` starts a separate `tensorfleet sim` process for tests that must
 kill or stop an engine the way a node failure would, `spawn_router` a router
 process for tests that signal it; `raw_exchange` sends bytes no HTTP client
@@ -82,7 +86,7 @@ async def sim(*, profile: Profile | None = None, time_scale: float = FAST, start
 
 
 @asynccontextmanager
-async def router(backends: list[str], **options: Any) -> AsyncIterator[RunningRouter]:
+async def router(backends: list[str], *, first_round: bool = True, **options: Any) -> AsyncIterator[RunningRouter]:
     options.setdefault("model", MODEL)
     options.setdefault("health_interval", 0.1)
     options.setdefault("breaker", BreakerPolicy(failure_threshold=3, ejection_seconds=0.3, max_ejection_seconds=1.0))
@@ -92,6 +96,8 @@ async def router(backends: list[str], **options: Any) -> AsyncIterator[RunningRo
     runner = await start_site(instance.app(), "127.0.0.1", 0, limits=instance.limits())
     bound = runner.addresses[0][1]
     try:
+        if first_round:
+            await eventually(lambda: all(b.checked for b in instance.pool), timeout=10)
         yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
     finally:
         await runner.cleanup()
