@@ -8,6 +8,7 @@ value.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import math
@@ -19,10 +20,11 @@ import yaml
 from pod_security import pod_templates, violations
 
 from tensorfleet import contract
-from tensorfleet.api import load_inference_service
+from tensorfleet.api import SpecError, load_inference_service
 from tensorfleet.catalog import find_gpu
 from tensorfleet.planner import make_plan
 from tensorfleet.render import desired_replicas, leader_selector, render, selector_string
+from tensorfleet.router import cli as router_cli
 
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 
@@ -89,7 +91,10 @@ SIMULATOR = document(
     accelerator={"type": "A100-80GB", "nodeSelector": {"pool": "cpu"}, "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "sim", "effect": "NoSchedule"}]},
     autoscaling={"maxReplicas": 3, "behavior": {"scaleUp": {"policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]}}},
 )
-CASES = {"pipeline-1": PIPELINE_1, "pipeline-2": PIPELINE_2, "pipeline-3": PIPELINE_3, "simulator": SIMULATOR}
+ROUTER_AUTH = document(router={"auth": {"secretRef": {"name": "llm-keys"}, "requestsPerMinute": 600,
+                                        "tokensPerMinute": 200000}})
+CASES = {"pipeline-1": PIPELINE_1, "pipeline-2": PIPELINE_2, "pipeline-3": PIPELINE_3, "simulator": SIMULATOR,
+         "router-auth": ROUTER_AUTH}
 
 
 # --- schema ------------------------------------------------------------------------
@@ -614,6 +619,48 @@ def test_router() -> None:
     assert container["args"][container["args"].index("--max-concurrency-per-backend") + 1] == "48"
     assert container["args"][-4:] == ["--max-queue", "500", "--queue-timeout", "10"]
     assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+
+
+def test_router_api_keys_come_from_the_secret_mounted_read_only() -> None:
+    deployment = one(rendered(ROUTER_AUTH), "Deployment", "llama-router")
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["args"][-6:] == ["--api-keys", contract.ROUTER_API_KEYS_PATH, "--requests-per-minute", "600",
+                                      "--tokens-per-minute", "200000"]
+    # The Secret, never optional: a router without its keys does not start. Its files are readable by the
+    # router's group only (fsGroup), and the router cannot write them.
+    assert pod["volumes"] == [{"name": "api-keys", "secret": {"secretName": "llm-keys", "optional": False,
+                                                                "defaultMode": 0o440}}]
+    assert container["volumeMounts"] == [{"name": "api-keys", "mountPath": "/etc/tensorfleet/api-keys",
+                                          "readOnly": True}]
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"] == contract.CONTROL_PLANE_UID
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    # Limits are optional; keys alone only authenticate. The flags are the router's own.
+    only_keys = one(rendered(document(router={"auth": {"secretRef": {"name": "llm-keys"}}})), "Deployment",
+                    "llama-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert only_keys[-2:] == ["--api-keys", contract.ROUTER_API_KEYS_PATH]
+    parser = argparse.ArgumentParser()
+    router_cli.register(parser.add_subparsers())
+    parsed = parser.parse_args(["router", *container["args"]])
+    assert (parsed.api_keys, parsed.requests_per_minute, parsed.tokens_per_minute) == (
+        contract.ROUTER_API_KEYS_PATH, 600, 200000)
+    # Without auth: no volume, no fsGroup, no key flags (the router's pod is as before).
+    plain = one(rendered(PIPELINE_1), "Deployment", "llama-router")["spec"]["template"]["spec"]
+    assert "volumes" not in plain and "fsGroup" not in plain["securityContext"]
+    assert "volumeMounts" not in plain["containers"][0] and "--api-keys" not in plain["containers"][0]["args"]
+
+
+@pytest.mark.parametrize(("auth", "says"), [
+    ({}, "secretRef"),
+    ({"secretRef": {"name": ""}}, "secretRef.name"),
+    ({"secretRef": {"name": "k"}, "requestsPerMinute": 0}, "requestsPerMinute"),
+    ({"secretRef": {"name": "k"}, "tokensPerMinute": -1}, "tokensPerMinute"),
+    ({"secretRef": {"name": "k"}, "burst": 5}, "burst"),
+])
+def test_router_auth_is_checked(auth: dict[str, Any], says: str) -> None:
+    with pytest.raises(SpecError) as caught:
+        load_inference_service(document(router={"auth": auth}))
+    assert "router.auth" in str(caught.value) and says in str(caught.value)
 
 
 def test_router_rbac_is_minimal() -> None:

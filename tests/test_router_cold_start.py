@@ -23,14 +23,15 @@ from tensorfleet.router.discovery import SliceEndpoints, slice_endpoints
 from tensorfleet.router.dispatch import Dispatcher, Unavailable
 from tensorfleet.router.strategies import RequestInfo, RoundRobin
 from tensorfleet.testing.loopback import (
+    Reply,
     chat,
     eventually,
     free_port,
     metric_value,
+    post_chat,
     router,
     sim,
-    spawn_sim,
-    wait_healthy,
+    sim_process,
 )
 
 QUEUE_TIMEOUT = 30.0
@@ -44,18 +45,18 @@ SERVICE = contract.engine_service_name("llama")
 PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
 
 
-async def ask(client: aiohttp.ClientSession, url: str, content: str = "x") -> tuple[int, dict[str, str], dict[str, Any]]:
-    async with client.post(url + "/v1/chat/completions", json=chat(content, max_tokens=2)) as resp:
-        return resp.status, dict(resp.headers), await resp.json()
+async def ask(client: aiohttp.ClientSession, url: str, content: str = "x") -> Reply:
+    return await post_chat(client, url, chat(content, max_tokens=2))
 
 
-def refused_at_once(status: int, headers: dict[str, str], body: dict[str, Any], *, most: int) -> int:
+def refused_at_once(reply: Reply, *, most: int) -> int:
     """Assert an OpenAI-style 503 from the router saying no engine is available; its Retry-After."""
-    assert status == 503, body
-    assert body["error"]["type"] == "ServiceUnavailableError" and body["error"]["code"] == 503
-    assert "no engine is available" in body["error"]["message"]
-    assert "127.0.0.1" not in body["error"]["message"]
-    retry = int(headers["Retry-After"])
+    assert reply.status == 503, reply.body
+    error = reply.json()["error"]
+    assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+    assert "no engine is available" in error["message"]
+    assert "127.0.0.1" not in error["message"]
+    retry = int(reply.headers["Retry-After"])
     assert 1 <= retry <= most, retry
     return retry
 
@@ -69,11 +70,11 @@ async def test_an_engine_that_was_up_and_is_gone_gets_503_at_once_with_the_eject
         s = await engine.__aenter__()
         r = await stack.enter_async_context(router([s.url], queue_timeout=QUEUE_TIMEOUT, breaker=LONG_EJECTION))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
-        assert (await ask(client, r.url))[0] == 200
+        assert (await ask(client, r.url)).status == 200
         await engine.__aexit__(None, None, None)
         backend = r.router.pool.backends[s.url]
         await eventually(lambda: backend.state == OPEN)  # a health check found the port closed
-        refused_at_once(*await ask(client, r.url), most=5)
+        refused_at_once(await ask(client, r.url), most=5)
         assert r.router.dispatcher.pending == 0
         async with client.get(r.url + "/health") as resp:
             health = await resp.json()
@@ -85,27 +86,22 @@ async def test_an_engine_that_was_up_and_is_gone_gets_503_at_once_with_the_eject
 
 @pytest.mark.asyncio
 async def test_queued_requests_are_refused_the_moment_the_last_engine_is_ejected() -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with spawn_sim(port, "--time-scale", "0.2") as process:
-        await wait_healthy(url)
-        async with AsyncExitStack() as stack:
-            r = await stack.enter_async_context(router([url], queue_timeout=QUEUE_TIMEOUT, breaker=LONG_EJECTION,
-                                                       max_concurrency_per_backend=1, health_timeout=0.5))
-            client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
-            holder = await client.post(r.url + "/v1/chat/completions", json=chat("hold", max_tokens=2000, stream=True))
-            await holder.content.readany()
-            queued = asyncio.create_task(ask(client, r.url, "queued"))
-            await eventually(lambda: r.router.dispatcher.pending == 1)
-            process.send_signal(signal.SIGSTOP)  # hung: its next health check goes unanswered
-            try:
-                status, headers, body = await queued
-                # Ejected as unresponsive: back after the ejection and the health check that probes it.
-                refused_at_once(status, headers, body, most=6)
-                assert r.router.pool.backends[url].unresponsive
-            finally:
-                holder.close()
-                process.send_signal(signal.SIGCONT)
+    async with sim_process("--time-scale", "0.2") as (url, process), AsyncExitStack() as stack:
+        r = await stack.enter_async_context(router([url], queue_timeout=QUEUE_TIMEOUT, breaker=LONG_EJECTION,
+                                                   max_concurrency_per_backend=1, health_timeout=0.5))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
+        holder = await client.post(r.url + "/v1/chat/completions", json=chat("hold", max_tokens=2000, stream=True))
+        await holder.content.readany()
+        queued = asyncio.create_task(ask(client, r.url, "queued"))
+        await eventually(lambda: r.router.dispatcher.pending == 1)
+        process.send_signal(signal.SIGSTOP)  # hung: its next health check goes unanswered
+        try:
+            # Ejected as unresponsive: back after the ejection and the health check that probes it.
+            refused_at_once(await queued, most=6)
+            assert r.router.pool.backends[url].unresponsive
+        finally:
+            holder.close()
+            process.send_signal(signal.SIGCONT)
 
 
 @pytest.mark.asyncio
@@ -121,10 +117,10 @@ async def test_a_request_that_failed_on_one_engine_with_no_other_available_says_
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
         r.router.pool.record_failure(r.router.pool.backends[gone.url], fatal=True)  # ejected earlier
         await doomed_context.__aexit__(None, None, None)
-        status, headers, body = await ask(client, r.url)
+        reply = await ask(client, r.url)
         # Tried on the one engine left, which refused the connection; nothing else to wait for.
-        assert status == 502 and "1 tried" in body["error"]["message"]
-        assert 1 <= int(headers["Retry-After"]) <= 5
+        assert reply.status == 502 and "1 tried" in reply.json()["error"]["message"]
+        assert 1 <= int(reply.headers["Retry-After"]) <= 5
 
 
 # --- cold start: queue ---------------------------------------------------------------------------------------------
@@ -141,8 +137,8 @@ async def test_a_static_engine_still_loading_is_waited_for_not_forwarded_to() ->
             assert (await resp.json())["cold_start"] == "1 engine(s) not up yet"
         answer = asyncio.create_task(ask(client, r.url))
         await eventually(lambda: r.router.dispatcher.pending == 1)
-        status, _, body = await answer
-        assert status == 200, body
+        reply = await answer
+        assert reply.status == 200, reply.body
         assert backend.state == CLOSED and backend.ejections == 0
         async with client.get(r.url + "/health") as resp:
             assert (await resp.json())["cold_start"] is None
@@ -161,8 +157,8 @@ async def test_an_engine_not_listening_yet_is_not_ejected_over_and_over_and_is_t
         backend = r.router.pool.backends[url]
         assert backend.state == JOINING and backend.ejections == 0
         await stack.enter_async_context(sim(port=port))
-        status, _, body = await answer
-        assert status == 200, body
+        reply = await answer
+        assert reply.status == 200, reply.body
         async with client.get(r.url + "/metrics") as resp:
             text = await resp.text()
         assert metric_value(text, contract.ROUTER_METRIC_EJECTIONS + "_total", backend=url) is None
@@ -220,12 +216,12 @@ async def test_a_starting_pod_makes_requests_wait_and_none_left_makes_them_fail_
         waiting = asyncio.create_task(ask(client, r.url, "first"))
         await eventually(lambda: r.router.dispatcher.pending == 1)
         await endpoint({"ready": True})
-        status, headers, _ = await waiting
-        assert status == 200 and headers[contract.BACKEND_HEADER] == s.url
+        reply = await waiting
+        assert reply.status == 200 and reply.backend == s.url
         # Terminating, and nothing else: nothing to wait for.
         await endpoint({"ready": False, "serving": True, "terminating": True})
         await eventually(lambda: len(r.router.pool) == 0)
-        retry = refused_at_once(*await ask(client, r.url), most=NO_ENGINE_RETRY_SECONDS)
+        retry = refused_at_once(await ask(client, r.url), most=NO_ENGINE_RETRY_SECONDS)
         assert retry == NO_ENGINE_RETRY_SECONDS
         # A new pod starts; a request waits for it; the pod is deleted before it is ready: the wait ends at once.
         await endpoint({"ready": False})
@@ -233,7 +229,7 @@ async def test_a_starting_pod_makes_requests_wait_and_none_left_makes_them_fail_
         await eventually(lambda: r.router.dispatcher.pending == 1)
         async with kmock.delete(f"{PATH}/{name}") as resp:
             assert resp.status < 300
-        refused_at_once(*await waiting, most=NO_ENGINE_RETRY_SECONDS)
+        refused_at_once(await waiting, most=NO_ENGINE_RETRY_SECONDS)
 
 
 @pytest.mark.asyncio
@@ -250,8 +246,8 @@ async def test_a_ready_pod_the_router_cannot_reach_is_a_fault_not_a_start(kmock:
         await eventually(lambda: [b.checked for b in r.router.pool] == [True])
         assert r.router.cold_start() is None
         refused = await ask(client, r.url)
-        refused_at_once(*refused, most=1)  # its next health check is a health interval away
-        assert "1 ready but not answering the router's health checks" in refused[2]["error"]["message"]
+        refused_at_once(refused, most=1)  # its next health check is a health interval away
+        assert "1 ready but not answering the router's health checks" in refused.json()["error"]["message"]
 
 
 # --- the pieces, without sockets -------------------------------------------------------------------------------

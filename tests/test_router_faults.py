@@ -7,26 +7,26 @@ import json
 import signal
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.httpapi import start_site
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
+    engine_error,
     eventually,
+    fake_engine,
     free_port,
     metric_value,
+    post_chat,
     router,
     sim,
-    spawn_sim,
+    sim_process,
     sse_events,
-    wait_healthy,
 )
 
 pytestmark = pytest.mark.asyncio
@@ -42,44 +42,16 @@ class Clock:
         return self.now
 
 
-@asynccontextmanager
-async def broken_engine(mode: str) -> AsyncIterator[tuple[str, list[str]]]:
-    """An engine that fails in one way, and the paths it was asked for.
-
-    `500`: answers every request with an OpenAI-style 500.
-    `cut`: starts an SSE stream, sends one event, then drops the connection,
-    as a process killed mid-generation does.
-    """
-    calls: list[str] = []
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        calls.append(request.path)
-        if request.path in (contract.HEALTH_PATH, contract.METRICS_PATH):
-            return web.Response()  # healthy to its checks (an engine joins once they pass)
-        if mode == "500":
-            return web.json_response({"error": {"message": "CUDA error: an illegal memory access", "type":
-                                                "InternalServerError", "param": None, "code": 500}}, status=500)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b'data: {"choices":[{"index":0,"text":" first"}]}\n\ndata: {"choi')
-        await asyncio.sleep(0.05)
-        assert request.transport is not None
-        request.transport.abort()
-        return response
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = await start_site(app, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", calls
-    finally:
-        await runner.cleanup()
-
-
-async def post(client: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, str]:  # type: ignore[type-arg]  # any JSON body
-    async with client.post(url + "/v1/chat/completions", json=body) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get(contract.BACKEND_HEADER, "")
+async def cut_stream(request: web.Request) -> web.StreamResponse:
+    """A `fake_engine` handler: starts an SSE stream, sends one event and part of the next, then drops the
+    connection, as a process killed mid-generation does."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices":[{"index":0,"text":" first"}]}\n\ndata: {"choi')
+    await asyncio.sleep(0.05)
+    assert request.transport is not None
+    request.transport.abort()
+    return response
 
 
 async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> None:
@@ -92,15 +64,15 @@ async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> N
         r = await stack.enter_async_context(router([doomed.url, live.url], strategy="round-robin", health_interval=60))
         clock = r.router.pool.clock = Clock()
         client = await stack.enter_async_context(aiohttp.ClientSession())
-        assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
-        assert (await post(client, r.url, chat("warm", max_tokens=2)))[0] == 200
+        assert (await post_chat(client, r.url, chat("warm", max_tokens=2))).status == 200
+        assert (await post_chat(client, r.url, chat("warm", max_tokens=2))).status == 200
         backend = r.router.pool.backends[doomed.url]
         assert backend.healthy and doomed.engine.stats.prompt_tokens > 0
         await doomed_context.__aexit__(None, None, None)
         # It is gone: connection refused, nothing was sent, so the request is
         # retried on the live engine and the client never notices.
-        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(6)]
-        assert results == [(200, live.url)] * 6
+        results = [await post_chat(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(6)]
+        assert [(a.status, a.backend) for a in results] == [(200, live.url)] * 6
         assert not backend.healthy
         async with client.get(r.url + "/metrics") as resp:
             text = await resp.text()
@@ -111,9 +83,9 @@ async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> N
         # request probes it (half-open), succeeds, and the breaker closes.
         revived = await stack.enter_async_context(sim(port=port))
         clock.now = backend.open_until
-        results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
+        results = [await post_chat(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
         assert backend.healthy
-        assert Counter(url for _, url in results)[revived.url] >= 2
+        assert Counter(a.backend for a in results)[revived.url] >= 2
 
 
 async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -> None:
@@ -126,8 +98,8 @@ async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -
         client = await stack.enter_async_context(aiohttp.ClientSession())
         dead = r.router.pool.backends[dead_url]
         await eventually(lambda: not dead.healthy)
-        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(4)]
-        assert results == [(200, live.url)] * 4
+        results = [await post_chat(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(4)]
+        assert [(a.status, a.backend) for a in results] == [(200, live.url)] * 4
         revived = await stack.enter_async_context(sim(port=port))
 
         def recovered() -> bool:
@@ -135,26 +107,25 @@ async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -
             clock.now = max(clock.now, dead.open_until)
             return dead.healthy
         await eventually(recovered, timeout=5)
-        results = [await post(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
-        assert Counter(url for _, url in results) == {revived.url: 3, live.url: 3}
+        results = [await post_chat(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
+        assert Counter(a.backend for a in results) == {revived.url: 3, live.url: 3}
 
 
 async def test_5xx_is_retried_on_another_engine_then_ejected() -> None:
     async with AsyncExitStack() as stack:
-        bad_url, calls = await stack.enter_async_context(broken_engine("500"))
+        bad_url, calls = await stack.enter_async_context(fake_engine(engine_error))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([bad_url, live.url], strategy="round-robin", health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession())
-        results = [await post(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(8)]
-        assert results == [(200, live.url)] * 8
-        posts = [p for p in calls if p.startswith("/v1/")]
-        assert len(posts) == 3  # the threshold: then ejected, no more traffic
+        results = [await post_chat(client, r.url, chat(f"q{i}", max_tokens=2)) for i in range(8)]
+        assert [(a.status, a.backend) for a in results] == [(200, live.url)] * 8
+        assert calls == ["/v1/chat/completions"] * 3  # the threshold: then ejected, no more traffic
         assert not r.router.pool.backends[bad_url].healthy
 
 
 async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> None:
     async with AsyncExitStack() as stack:
-        bad_url, _ = await stack.enter_async_context(broken_engine("500"))
+        bad_url, _ = await stack.enter_async_context(fake_engine(engine_error))
         r = await stack.enter_async_context(router([bad_url], health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
@@ -164,7 +135,7 @@ async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> Non
 
 async def test_failure_after_the_first_byte_is_not_retried_and_ends_with_an_error_event() -> None:
     async with AsyncExitStack() as stack:
-        cut_url, _calls = await stack.enter_async_context(broken_engine("cut"))
+        cut_url, _calls = await stack.enter_async_context(fake_engine(cut_stream))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([cut_url, live.url], strategy="round-robin", health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession())
@@ -185,23 +156,20 @@ async def test_failure_after_the_first_byte_is_not_retried_and_ends_with_an_erro
 
 
 async def test_killed_engine_process_mid_stream_surfaces_an_error_and_the_next_request_succeeds() -> None:
-    port = free_port()
-    engine_url = f"http://127.0.0.1:{port}"
-    with spawn_sim(port, "--time-scale", "0.2") as process:
-        await wait_healthy(engine_url)
-        async with AsyncExitStack() as stack:
-            live = await stack.enter_async_context(sim())
-            r = await stack.enter_async_context(router([engine_url, live.url], strategy="round-robin"))
-            client = await stack.enter_async_context(aiohttp.ClientSession())
-            async with client.post(r.url + "/v1/chat/completions", json=chat("long", max_tokens=1000, stream=True)) as resp:
-                assert resp.headers[contract.BACKEND_HEADER] == engine_url
-                events = []
-                async for _, data in sse_events(resp):
-                    events.append(data)
-                    if len(events) == 3:
-                        process.send_signal(signal.SIGKILL)
-            assert "error" in json.loads(events[-1])
-            assert all("error" not in json.loads(e) for e in events[:3])
-            # Killed: the next requests go to the live engine, no client error.
-            for i in range(4):
-                assert await post(client, r.url, chat(f"after {i}", max_tokens=2)) == (200, live.url)
+    async with sim_process("--time-scale", "0.2") as (engine_url, process), AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim())
+        r = await stack.enter_async_context(router([engine_url, live.url], strategy="round-robin"))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        async with client.post(r.url + "/v1/chat/completions", json=chat("long", max_tokens=1000, stream=True)) as resp:
+            assert resp.headers[contract.BACKEND_HEADER] == engine_url
+            events = []
+            async for _, data in sse_events(resp):
+                events.append(data)
+                if len(events) == 3:
+                    process.send_signal(signal.SIGKILL)
+        assert "error" in json.loads(events[-1])
+        assert all("error" not in json.loads(e) for e in events[:3])
+        # Killed: the next requests go to the live engine, no client error.
+        for i in range(4):
+            answer = await post_chat(client, r.url, chat(f"after {i}", max_tokens=2))
+            assert (answer.status, answer.backend) == (200, live.url)

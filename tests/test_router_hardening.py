@@ -10,8 +10,7 @@ import json
 import logging
 import signal
 import zlib
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import aiohttp
@@ -19,19 +18,22 @@ import pytest
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.httpapi import RateLimitedLog, start_site
+from tensorfleet.httpapi import RateLimitedLog
 from tensorfleet.router.app import CLIENT_LOG
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
+    engine_error,
     eventually,
+    fake_engine,
     free_port,
     metric_value,
+    post_chat,
     raw_exchange,
     router,
     sim,
+    sim_process,
     spawn_router,
-    spawn_sim,
     sse_events,
     wait_healthy,
 )
@@ -41,53 +43,26 @@ pytestmark = pytest.mark.asyncio
 CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=20)  # only ever reached when a test fails
 
 
-@asynccontextmanager
-async def fake_engine(mode: str) -> AsyncIterator[tuple[str, list[str]]]:
-    """An engine whose /health (and /metrics) answer 200 and whose inference fails in one way, and a log of its requests.
-
-    `500`: an OpenAI-style 500 to every request. `silent`: takes the request and never answers. `reset`: drops
-    the connection of every request.
-    `stall`: starts an SSE stream, sends one event, then nothing more.
-    The log gets the path of each request, and "closed" when the router hung up on one.
-    """
-    calls: list[str] = []
-
-    async def handle(request: web.Request) -> web.StreamResponse:
-        if request.path in (contract.HEALTH_PATH, contract.METRICS_PATH):
-            return web.Response()
-        calls.append(request.path)
-        try:
-            if mode == "500":
-                return web.json_response({"error": {"message": "CUDA error: an illegal memory access",
-                                                    "type": "InternalServerError", "param": None, "code": 500}},
-                                         status=500)
-            if mode == "reset":
-                assert request.transport is not None
-                request.transport.abort()
-            if mode in ("silent", "reset"):
-                await asyncio.sleep(3600)
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await response.prepare(request)
-            await response.write(b'data: {"choices":[{"index":0,"text":" first"}]}\n\n')
-            await asyncio.sleep(3600)
-            return response
-        except asyncio.CancelledError:
-            calls.append("closed")
-            raise
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = await start_site(app, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}", calls
-    finally:
-        await runner.cleanup()
+async def never_answer(_: web.Request) -> web.StreamResponse:
+    """A `fake_engine` handler: takes the request and never answers."""
+    await asyncio.sleep(3600)
+    return web.Response()
 
 
-async def post(client: aiohttp.ClientSession, url: str, body: dict, **headers: str) -> tuple[int, str]:  # type: ignore[type-arg]  # any JSON body
-    async with client.post(url + "/v1/chat/completions", json=body, headers=headers, timeout=CLIENT_TIMEOUT) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get(contract.BACKEND_HEADER, "")
+async def drop_connection(request: web.Request) -> web.StreamResponse:
+    """A `fake_engine` handler: drops the connection."""
+    assert request.transport is not None
+    request.transport.abort()
+    return await never_answer(request)
+
+
+async def stall_stream(request: web.Request) -> web.StreamResponse:
+    """A `fake_engine` handler: starts an SSE stream, sends one event, then nothing more."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices":[{"index":0,"text":" first"}]}\n\n')
+    await asyncio.sleep(3600)
+    return response
 
 
 def raw_post(body: bytes, *, target: str = "/v1/chat/completions", extra: bytes = b"") -> bytes:
@@ -124,15 +99,15 @@ async def test_requests_the_router_can_refuse_never_count_against_engines() -> N
                     error = (await resp.json())["error"]
                     assert resp.status == status and error["code"] == status, (method, path)
             # The engine's own 4xx: the client's mistake, passed through, neutral for the engine.
-            assert (await post(client, r.url, {"model": MODEL, "messages": []}))[0] == 400
+            assert (await post_chat(client, r.url, {"model": MODEL, "messages": []})).status == 400
         assert [(b.state, b.failures) for b in r.router.pool] == [("closed", 0)] * 3
         assert sum(s.engine.stats.prompt_tokens for s in sims) > 0  # the absolute-form requests were served
-        assert {(await post(client, r.url, chat(f"after {i}", max_tokens=2)))[0] for i in range(3)} == {200}
+        assert {(await post_chat(client, r.url, chat(f"after {i}", max_tokens=2))).status for i in range(3)} == {200}
 
 
 async def test_a_request_that_fails_on_every_engine_counts_against_none_and_no_message_names_one() -> None:
     async with AsyncExitStack() as stack:
-        engines = [await stack.enter_async_context(fake_engine("500")) for _ in range(3)]
+        engines = [await stack.enter_async_context(fake_engine(engine_error)) for _ in range(3)]
         r = await stack.enter_async_context(router([url for url, _ in engines], strategy="round-robin",
                                                    health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
@@ -144,7 +119,7 @@ async def test_a_request_that_fails_on_every_engine_counts_against_none_and_no_m
         assert sum(len(calls) for _, calls in engines) == 9
         assert [(b.healthy, b.failures) for b in r.router.pool] == [(True, 0)] * 3
         # Engines that drop the connection: the router's 502 says what happened, not where.
-        resetting = [await stack.enter_async_context(fake_engine("reset")) for _ in range(2)]
+        resetting = [await stack.enter_async_context(fake_engine(drop_connection)) for _ in range(2)]
         broken = await stack.enter_async_context(router([url for url, _ in resetting], health_interval=60))
         async with client.post(broken.url + "/v1/chat/completions", json=chat("x")) as resp:
             message = (await resp.json())["error"]["message"]
@@ -155,46 +130,44 @@ async def test_a_request_that_fails_on_every_engine_counts_against_none_and_no_m
 # --- 2. timeouts the router owns ---------------------------------------------------------------------------------
 
 async def test_a_hung_engine_is_ejected_by_one_unanswered_health_check_and_its_waiting_request_moves() -> None:
-    port = free_port()
-    hung_url = f"http://127.0.0.1:{port}"
-    with spawn_sim(port, "--time-scale", "0.01") as process:
-        await wait_healthy(hung_url)
-        async with AsyncExitStack() as stack:
-            live = await stack.enter_async_context(sim())
-            # Health checks only at start-up, and a first-byte bound far away: the test runs the one check that
-            # finds the hang, and only that check can free the request stuck on it.
-            r = await stack.enter_async_context(router([hung_url, live.url], strategy="round-robin",
-                                                       health_interval=60, health_timeout=0.5,
-                                                       first_byte_timeout=60))
-            client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
-            assert [await post(client, r.url, chat(f"warm {i}", max_tokens=2)) for i in range(2)] == [
-                (200, hung_url), (200, live.url)]
-            hung = r.router.pool.backends[hung_url]
-            process.send_signal(signal.SIGSTOP)
-            try:
-                stuck = asyncio.create_task(post(client, r.url, chat("stuck", max_tokens=2)))
-                await eventually(lambda: hung.in_flight == 1)
-                await r.router.check(hung)
-                assert not hung.healthy and hung.unresponsive
-                assert await stuck == (200, live.url)
-                # Ejected as unresponsive: no client request is sent to probe it, only health checks may.
-                hung.open_until = 0.0
-                results = [await post(client, r.url, chat(f"after {i}", max_tokens=2)) for i in range(4)]
-                assert results == [(200, live.url)] * 4
-                text = await metrics_text(client, r.url)
-                assert metric_value(text, contract.ROUTER_METRIC_RETRIES + "_total", reason="unresponsive") == 1
-            finally:
-                process.send_signal(signal.SIGCONT)
+    async with sim_process("--time-scale", "0.01") as (hung_url, process), AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim())
+        # Health checks only at start-up, and a first-byte bound far away: the test runs the one check that
+        # finds the hang, and only that check can free the request stuck on it.
+        r = await stack.enter_async_context(router([hung_url, live.url], strategy="round-robin",
+                                                   health_interval=60, health_timeout=0.5,
+                                                   first_byte_timeout=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
+        warm = [await post_chat(client, r.url, chat(f"warm {i}", max_tokens=2)) for i in range(2)]
+        assert [(a.status, a.backend) for a in warm] == [(200, hung_url), (200, live.url)]
+        hung = r.router.pool.backends[hung_url]
+        process.send_signal(signal.SIGSTOP)
+        try:
+            stuck = asyncio.create_task(post_chat(client, r.url, chat("stuck", max_tokens=2)))
+            await eventually(lambda: hung.in_flight == 1)
+            await r.router.check(hung)
+            assert not hung.healthy and hung.unresponsive
+            moved = await stuck
+            assert (moved.status, moved.backend) == (200, live.url)
+            # Ejected as unresponsive: no client request is sent to probe it, only health checks may.
+            hung.open_until = 0.0
+            results = [await post_chat(client, r.url, chat(f"after {i}", max_tokens=2)) for i in range(4)]
+            assert [(a.status, a.backend) for a in results] == [(200, live.url)] * 4
+            text = await metrics_text(client, r.url)
+            assert metric_value(text, contract.ROUTER_METRIC_RETRIES + "_total", reason="unresponsive") == 1
+        finally:
+            process.send_signal(signal.SIGCONT)
 
 
 async def test_an_engine_that_sends_nothing_within_the_first_byte_bound_is_left_for_another() -> None:
     async with AsyncExitStack() as stack:
-        silent_url, calls = await stack.enter_async_context(fake_engine("silent"))
+        silent_url, calls = await stack.enter_async_context(fake_engine(never_answer))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([silent_url, live.url], strategy="round-robin", health_interval=60,
                                                    first_byte_timeout=1.0))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
-        assert await post(client, r.url, chat("q", max_tokens=2, stream=True)) == (200, live.url)
+        answer = await post_chat(client, r.url, chat("q", max_tokens=2, stream=True))
+        assert (answer.status, answer.backend) == (200, live.url)
         await eventually(lambda: calls == ["/v1/chat/completions", "closed"])  # the router hung up: it aborts
         silent = r.router.pool.backends[silent_url]
         assert silent.healthy and silent.failures == 0  # slow is not sick: its health checks say which
@@ -212,7 +185,7 @@ async def test_an_engine_that_sends_nothing_within_the_first_byte_bound_is_left_
 
 async def test_a_stream_that_stalls_ends_with_an_sse_error_event() -> None:
     async with AsyncExitStack() as stack:
-        stall_url, calls = await stack.enter_async_context(fake_engine("stall"))
+        stall_url, calls = await stack.enter_async_context(fake_engine(stall_stream))
         r = await stack.enter_async_context(router([stall_url], health_interval=60, stream_idle_timeout=0.3))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
         async with client.post(r.url + "/v1/completions",

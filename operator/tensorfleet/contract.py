@@ -260,9 +260,19 @@ ROUTER_METRIC_TTFT: Final = "tensorfleet_router_time_to_first_byte_seconds"    #
 ROUTER_METRIC_RETRIES: Final = "tensorfleet_router_retries"                # counter: reason
 ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # counter: backend
 ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
+# With API keys (spec.router.auth): per tenant, the tenants being the Secret's key names (never a key), so the
+# label's values are bounded by the Secret.
+ROUTER_METRIC_TENANT_REQUESTS: Final = "tensorfleet_router_tenant_requests"      # counter: tenant, code
+ROUTER_METRIC_TENANT_REJECTIONS: Final = "tensorfleet_router_tenant_rejections"  # counter: tenant, reason
+ROUTER_METRIC_TENANT_TOKENS: Final = "tensorfleet_router_tenant_tokens"          # counter: tenant (settled)
+ROUTER_METRIC_TENANT_PENDING: Final = "tensorfleet_router_tenant_pending_requests"  # gauge: tenant
+ROUTER_METRIC_AUTH_FAILURES: Final = "tensorfleet_router_auth_failures"          # counter: reason
+ROUTER_METRIC_API_KEYS: Final = "tensorfleet_router_api_keys"                    # gauge: keys in force
 HPA_METRIC_ROUTER_PENDING: Final = ROUTER_METRIC_PENDING
 ROUTER_LABEL_BACKEND: Final = "backend"
 ROUTER_LABEL_CODE: Final = "code"
+ROUTER_LABEL_TENANT: Final = "tenant"
+ROUTER_LABEL_REASON: Final = "reason"
 
 # --- Router ----------------------------------------------------------------
 # spec.router.strategy and `tensorfleet router --strategy`.
@@ -281,6 +291,10 @@ SESSION_HEADER: Final = "x-session-id"
 BACKEND_HEADER: Final = "x-tensorfleet-backend"
 # The label the EndpointSlice controller puts on every slice of a Service.
 ENDPOINTSLICE_SERVICE_LABEL: Final = "kubernetes.io/service-name"
+# spec.router.auth: the Secret of API keys, mounted read-only in the router pod (one file per tenant), and
+# `tensorfleet router --api-keys` pointing at it.
+ROUTER_API_KEYS_VOLUME: Final = "api-keys"
+ROUTER_API_KEYS_PATH: Final = "/etc/tensorfleet/api-keys"
 
 
 # --- Object names (DESIGN.md's naming contract) ----------------------------

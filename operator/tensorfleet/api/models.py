@@ -359,6 +359,36 @@ class AutoscalingSpec(ApiModel):
         return self
 
 
+class RouterAuthSpec(ApiModel):
+    """API keys the router requires, and what each key may use."""
+
+    secret_ref: LocalObjectReference = Field(
+        description=(
+            "Secret (in this namespace) of API keys: each data key is a tenant name (1-253 of -._a-zA-Z0-9, shown "
+            "in the router's metrics) and its value that tenant's key, e.g. `kubectl create secret generic llm-keys "
+            "--from-literal=team-a=KEY`. Mounted read-only in the router pods, which do not start without it; "
+            "changes reach running routers without a restart, within the kubelet's sync period (about a minute)."
+        ),
+    )
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, le=10_000_000,
+        description=(
+            "Requests each key may send per minute, per router pod (with N router replicas a key may reach N times "
+            "this). A token bucket: up to a minute's worth at once, refilled evenly; over it, 429 with Retry-After. "
+            "Default: no limit."
+        ),
+    )
+    tokens_per_minute: int | None = Field(
+        default=None, ge=1, le=1_000_000_000,
+        description=(
+            "Prompt and completion tokens each key may use per minute, per router pod. A request is admitted while "
+            "the key's bucket holds its estimate (its prompt's characters / 3, plus max_tokens times n, or 1024 "
+            "without max_tokens); the estimate is then settled to the usage the engine reports (a stream without "
+            "usage: one token per event streamed). Over it, 429 with Retry-After. Default: no limit."
+        ),
+    )
+
+
 class RouterSpec(ApiModel):
     replicas: int = Field(default=2, ge=1, le=100, description="Router pods. Default: 2.")
     strategy: contract.RouterStrategy = Field(
@@ -382,6 +412,14 @@ class RouterSpec(ApiModel):
         default=None, ge=1, le=3600, description="How long a request may wait at the router for an engine before 503. Default: 30.",
     )
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources. Default: 250m CPU, 256Mi memory.")
+    auth: RouterAuthSpec | None = Field(
+        default=None,
+        description=(
+            "Require an API key (`Authorization: Bearer KEY`) of every client request, except the router's /health "
+            "and /metrics, with per-key rate limits; a tenant's waiting requests queue apart from the others', so "
+            "none can starve them. Omit for none: anyone the NetworkPolicy admits may call the router."
+        ),
+    )
 
 
 class CacheSpec(ApiModel):

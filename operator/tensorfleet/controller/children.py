@@ -35,10 +35,15 @@ def controlled_by(obj: dict[str, Any], uid: str) -> bool:
                for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
 
 
+def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The ownerReference with controller: true, or None."""
+    return next((ref for ref in (obj.get("metadata") or {}).get("ownerReferences") or [] if ref.get("controller")),
+                None)
+
+
 def whose(obj: dict[str, Any]) -> str:
     """Who controls `obj`, for a person reading a conflict message."""
-    controller = next((ref for ref in (obj.get("metadata") or {}).get("ownerReferences") or []
-                       if ref.get("controller")), None)
+    controller = controller_of(obj)
     if controller is None:
         return "it was not created by this InferenceService"
     return f"it is controlled by {controller.get('kind')} {controller.get('name')} (uid {controller.get('uid')})"

@@ -26,7 +26,7 @@ from typing import Any
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.controller import metrics
-from tensorfleet.controller.children import ChildHandler, Context, controlled_by, uses, whose
+from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.observe import Observation, is_terminating, observe
 from tensorfleet.controller.policy import check_images
@@ -170,12 +170,18 @@ class Reconciler:
         return None
 
     def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-        """Engine pods from the cache that our StatefulSets control: a pod merely carrying our labels is never used."""
+        """Engine pods from the cache that our StatefulSets control, or that no controller holds yet.
+
+        A pod another controller holds is never used, even with our labels. An
+        orphan is one of ours between StatefulSets (an immutable-field recreate
+        releases the pods, the new StatefulSet adopts them): it still counts
+        for its group, but is never deleted until adopted (statefulsets.py).
+        """
         engine = engine_selector(name)
         ours = {s["metadata"].get("uid") for s in sts.values()} - {None}
         return [pod for pod in self.cache.owned(POD, namespace, name).values()
                 if all((pod["metadata"].get("labels") or {}).get(k) == v for k, v in engine.items())
-                and any(controlled_by(pod, uid) for uid in ours)]
+                and (any(controlled_by(pod, uid) for uid in ours) or controller_of(pod) is None)]
 
     def _rollout_mode(self, isvc: InferenceService, plan: Plan, status: dict[str, Any],
                       live: dict[str, dict[str, Any]], uid: str) -> Mode:

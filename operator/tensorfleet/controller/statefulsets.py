@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.controller.children import ChildHandler, Context
+from tensorfleet.controller.children import ChildHandler, Context, controller_of
 from tensorfleet.controller.observe import Observation
 from tensorfleet.controller.rollout import Mode, replacements
 from tensorfleet.kube.client import ApiError
@@ -91,7 +91,10 @@ async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
     Each stage's StatefulSet recreates the deleted pods, at its update revision.
     """
     pods = ChildHandler()
-    restart = obs.groups_to_restart()
+    # A group with a pod no StatefulSet holds yet (released by a recreate, not yet
+    # adopted) is left alone this time: only a controlled pod is ever deleted.
+    settled = {i for i, g in obs.groups.items() if all(controller_of(p) is not None for p in g.pods.values())}
+    restart = {i: why for i, why in obs.groups_to_restart().items() if i in settled}
     for index, reason in sorted(restart.items()):
         await _delete_group(ctx, pods, obs, index)
         log.info("restarting group %d of %s/%s: %s", index, ctx.namespace, ctx.name, reason)
@@ -99,7 +102,7 @@ async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
                                  f"restarting group {index} (all {obs.pipeline} stages): {reason}; "
                                  "vLLM cannot take a lost pipeline stage back")
     for index in replacements(obs, mode):
-        if index in restart:
+        if index in restart or index not in settled:
             continue
         await _delete_group(ctx, pods, obs, index)
         log.info("replacing group %d of %s/%s", index, ctx.namespace, ctx.name)

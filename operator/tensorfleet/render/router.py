@@ -2,7 +2,10 @@
 
 Its pod meets Pod Security `restricted`: a numeric non-root user, no
 privilege escalation, every capability dropped, RuntimeDefault seccomp, a
-read-only root filesystem and no volumes.
+read-only root filesystem, and no volumes but, with spec.router.auth, the
+Secret of API keys: mounted read-only (a file per tenant, mode 0440, group
+the pod's fsGroup, the router's own group), `optional: false`: a router
+never starts without its keys.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from tensorfleet.render.meta import Context, metadata, pod_labels, resources_blo
 CONTAINER_NAME = "router"
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
 DEFAULT_LIMITS = {"memory": "512Mi"}
+API_KEYS_MODE = 0o440  # readable by the owner (root) and the group (fsGroup: the router's)
 
 
 def _name(ctx: Context) -> str:
@@ -65,9 +69,20 @@ def _health() -> dict[str, Any]:
     return {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
 
 
+def _auth_args(ctx: Context) -> list[str]:
+    auth = ctx.spec.router.auth
+    if auth is None:
+        return []
+    return [
+        "--api-keys", contract.ROUTER_API_KEYS_PATH,
+        *(["--requests-per-minute", str(auth.requests_per_minute)] if auth.requests_per_minute else []),
+        *(["--tokens-per-minute", str(auth.tokens_per_minute)] if auth.tokens_per_minute else []),
+    ]
+
+
 def _container(ctx: Context) -> dict[str, Any]:
     router = ctx.spec.router
-    return {
+    container = {
         "name": CONTAINER_NAME,
         "image": router.image or ctx.images.control_plane,
         "command": list(contract.ROUTER_COMMAND),
@@ -84,6 +99,7 @@ def _container(ctx: Context) -> dict[str, Any]:
             "--shutdown-grace", str(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),
             *(["--max-queue", str(router.max_queue)] if router.max_queue else []),
             *(["--queue-timeout", str(router.queue_timeout_seconds)] if router.queue_timeout_seconds else []),
+            *_auth_args(ctx),
         ],
         "ports": [{"name": contract.PORT_NAME_HTTP, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {**_health(), "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
@@ -97,6 +113,10 @@ def _container(ctx: Context) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    if router.auth is not None:
+        container["volumeMounts"] = [
+            {"name": contract.ROUTER_API_KEYS_VOLUME, "mountPath": contract.ROUTER_API_KEYS_PATH, "readOnly": True}]
+    return container
 
 
 def deployment(ctx: Context) -> dict[str, Any]:
@@ -110,6 +130,8 @@ def deployment(ctx: Context) -> dict[str, Any]:
             "runAsNonRoot": True,
             "runAsUser": contract.CONTROL_PLANE_UID,
             "runAsGroup": contract.CONTROL_PLANE_UID,
+            # The API keys' files get this group (see API_KEYS_MODE).
+            **({"fsGroup": contract.CONTROL_PLANE_UID} if ctx.spec.router.auth is not None else {}),
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         # Two router pods on one node would fail together.
@@ -127,6 +149,10 @@ def deployment(ctx: Context) -> dict[str, Any]:
     }
     if ctx.spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": ref.name} for ref in ctx.spec.image_pull_secrets]
+    auth = ctx.spec.router.auth
+    if auth is not None:
+        pod["volumes"] = [{"name": contract.ROUTER_API_KEYS_VOLUME, "secret": {
+            "secretName": auth.secret_ref.name, "optional": False, "defaultMode": API_KEYS_MODE}}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -1,8 +1,9 @@
 """The OpenAI-compatible, load-aware router in front of an InferenceService's engines.
 
 `backends` (pool, circuit breakers, scraped load), `strategies` (which engine),
-`dispatch` (concurrency ceilings, the bounded queue, the request-body budget), `discovery`
-(EndpointSlices), `app` (the HTTP server), `metrics`, `cli`.
+`dispatch` (concurrency ceilings, the bounded queue shared fairly among tenants, the request-body
+budget), `tenants` (API keys, per-key rate limits), `discovery` (EndpointSlices), `app` (the HTTP
+server), `metrics`, `cli`.
 """
 
 # Retry-After (seconds) of the router's 503 when it knows no engine at all (none ready or starting, or discovery

@@ -24,7 +24,25 @@ absolute-form target (`POST http://host/v1/completions`, which HTTP/1.1 servers
 must accept) is served like the origin form, and the client's target string
 never reaches an engine. Of the client's headers only Authorization (vLLM's
 --api-key), X-Request-Id, traceparent and tracestate are forwarded, with
-Content-Type: application/json.
+Content-Type: application/json; with --api-keys, Authorization carries the
+client's key for the router and stays here too.
+
+API keys (--api-keys; router/tenants.py has the file format, the reload and
+the buckets): the forwarded endpoints and GET /v1/models need
+`Authorization: Bearer KEY` with a key in force, else 401 (`code`
+invalid_api_key, WWW-Authenticate: Bearer), answered before the body is read.
+GET /health and /metrics need none (the probes and Prometheus carry no key;
+/metrics names tenants, never keys), and the 404/405 of other paths say
+nothing a key would change.
+The key's tenant then pays, in this order: one request from its
+--requests-per-minute bucket (before the body is read), then the request's
+token estimate from its --tokens-per-minute bucket (once parsed); either
+refusal is 429 with `code` rate_limit_exceeded and Retry-After (the seconds
+until that bucket holds enough). The token charge is settled once the answer
+is done (tenants.UsageMeter). While waiting for an engine, a tenant's
+requests queue apart from other tenants' and slots go round them (see
+dispatch.py), so a tenant at its limits, or flooding within them, does not
+delay the others' requests behind its own.
 
 Refused by the router, never forwarded, never counted against an engine:
   415  a compressed body (Content-Encoding other than identity), unread. vLLM
@@ -150,6 +168,7 @@ from tensorfleet.router.dispatch import (
 )
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
 from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
+from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
 
 log = logging.getLogger("tensorfleet.router")
 CLIENT_LOG = "tensorfleet.router.clients"  # what clients can trigger at will: rate-limited, no tracebacks
@@ -195,6 +214,12 @@ class RouterConfig:
     drain_delay: float = 5.0
     shutdown_grace: float = 60.0
     backend_header: bool = False  # name the engine that answered (its URL) in contract.BACKEND_HEADER
+    # API keys (router/tenants.py): a directory of one file per tenant, or a file of tenant:key lines.
+    api_keys: str | None = None
+    api_keys_reload_interval: float = 5.0
+    requests_per_minute: int | None = None  # per tenant; None: no limit
+    tokens_per_minute: int | None = None
+    default_max_tokens: int = 1024  # charged at admission for a generation without max_tokens
     static_backends: tuple[str, ...] = ()
     service: str | None = None
     namespace: str | None = None
@@ -273,6 +298,8 @@ class _Call:
     first_byte_bound: float | None
     start: float
     suspects: list[Backend] = field(default_factory=list)  # engines that answered it 5xx, not yet charged
+    tenant: str | None = None  # whose API key it came with
+    meter: UsageMeter | None = None  # what it used, when tokens are limited
 
 
 @dataclass(eq=False)
@@ -349,7 +376,16 @@ class Router:
                                      max_queue=config.max_queue, queue_timeout=config.queue_timeout,
                                      unavailable=self._unavailable)
         self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
-        self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending)
+        # API keys: read now, so a path that cannot be read stops the router at start (KeysError).
+        self.keys = KeyRing(config.api_keys) if config.api_keys else None
+        if self.keys is not None:
+            self.keys.load()
+        self.key_limits = Limits(config.requests_per_minute, config.tokens_per_minute)
+        self._forwarded = tuple(h for h in _FORWARDED_HEADERS if self.keys is None or h != hdrs.AUTHORIZATION)
+        keys = self.keys
+        self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending,
+                                     tenants=self.dispatcher.pending_by_tenant if keys is not None else None,
+                                     keys=(lambda: len(keys.tenants)) if keys is not None else None)
         self.pool.on_removed.append(self.strategy.forget)
         self.pool.on_ejected.append(self._on_ejected)
         self.session: aiohttp.ClientSession | None = None
@@ -400,6 +436,8 @@ class Router:
         self._update_pool()
         tasks = [asyncio.create_task(self._health_loop(), name="router-health"),
                  asyncio.create_task(self._watchdog(), name="router-watchdog")]
+        if self.keys is not None:
+            tasks.append(asyncio.create_task(self._keys_loop(self.keys), name="router-api-keys"))
         if self.config.service:
             namespace = self.config.namespace or in_cluster_namespace() or "default"
             connection = self.config.kube or Connection.from_environment()
@@ -412,6 +450,15 @@ class Router:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.session.close()
+
+    async def _keys_loop(self, keys: KeyRing) -> None:
+        """Read the API keys again whenever their files changed (checked each reload interval), until cancelled."""
+        while True:
+            await asyncio.sleep(self.config.api_keys_reload_interval)
+            if keys.refresh():
+                self.key_limits.retain(keys.tenants)
+                self.dispatcher.forget(keys.tenants)
+                self.metrics.forget_tenants(keys.tenants)
 
     def _on_discovered(self, urls: list[str]) -> None:
         self._discovered = urls
@@ -576,8 +623,11 @@ class Router:
         """The router's Prometheus metrics."""
         return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def models(self, _: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.Response:
         """The union of the engines' model lists, each model once."""
+        refused = self._authenticate(request)
+        if isinstance(refused, web.Response):
+            return refused
         assert self.session is not None
         session = self.session
         backends = [b for b in self.pool if b.healthy] or list(self.pool)
@@ -635,10 +685,17 @@ class Router:
         drain; while draining, the answer closes its connection so the client reconnects to a router that stays."""
         start = self._now()
         code = CLIENT_CLOSED
+        tenant: str | None = None
+        response: web.StreamResponse
         self._active += 1
         self._idle.clear()
         try:
-            response = await self._inference(request, start)
+            who = self._authenticate(request)
+            if isinstance(who, web.Response):
+                response = who
+            else:
+                tenant = who
+                response = await self._inference(request, start, tenant)
             code = str(response.status)
         except _ClientGone as gone:
             return gone.response
@@ -649,6 +706,8 @@ class Router:
             response = error_response(500, "internal router error; the router's log has the details")
         finally:
             self.metrics.request_done(code, self._now() - start)
+            if tenant is not None and self.keys is not None and tenant in self.keys.tenants:  # still one
+                self.metrics.tenant_done(tenant, code)
             self._active -= 1
             if not self._active:
                 self._idle.set()
@@ -656,7 +715,51 @@ class Router:
             response.force_close()
         return response
 
-    async def _inference(self, request: web.Request, start: float) -> web.StreamResponse:
+    def _authenticate(self, request: web.Request) -> str | web.Response | None:
+        """The tenant whose API key the request carries; None without --api-keys; a 401 without a key in force
+        (the body left unread)."""
+        if self.keys is None:
+            return None
+        header = request.headers.get(hdrs.AUTHORIZATION)
+        tenant = self.keys.tenant(header)
+        if tenant is not None:
+            return tenant
+        reason = "invalid" if header else "missing"
+        self.metrics.auth_failed(reason)
+        self.clients_log.info("refused a request from %s: %s API key", request.remote, reason)
+        message = ("no API key: send one as `Authorization: Bearer KEY`" if reason == "missing"
+                   else "invalid API key: the Authorization header does not carry a key in force (`Bearer KEY`)")
+        return self._reject(401, message, type_="invalid_request_error", code="invalid_api_key",
+                            headers={"WWW-Authenticate": "Bearer"}, close=request.can_read_body)
+
+    def _over_limit(self, tenant: str, refusal: Refusal | None, *, close: bool = False) -> web.Response | None:
+        """The 429 for a tenant over one of its limits; None when it is not."""
+        if refusal is None:
+            return None
+        self.metrics.tenant_rejected(tenant, refusal.limit)
+        return self._reject(429, refusal.message, type_=refusal.limit, code="rate_limit_exceeded",
+                            headers={"Retry-After": str(refusal.retry_after)}, close=close)
+
+    def completion_estimate(self, path: str, body: Mapping[str, Any]) -> int:
+        """The most tokens a request may generate, as charged at admission: max_tokens (else
+        --default-max-tokens) for each of its `n` choices; 0 for what generates nothing."""
+        if path not in GENERATION_PATHS:
+            return 0
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = self.config.default_max_tokens
+        n = body.get("n")
+        return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)
+
+    def _settle(self, tenant: str, charged: int, meter: UsageMeter) -> None:
+        """Charge what the request used instead of its estimate."""
+        used = meter.used()
+        final = charged if used is None else used
+        self.key_limits.settle(tenant, charged, final)
+        if self.keys is not None and tenant in self.keys.tenants:
+            self.metrics.tenant_tokens(tenant, final)
+
+    async def _inference(self, request: web.Request, start: float, tenant: str | None) -> web.StreamResponse:
         cfg = self.config
         resource = request.match_info.route.resource
         assert resource is not None
@@ -669,7 +772,13 @@ class Router:
         if length is not None and length > cfg.max_body_bytes:
             return self._reject(413, f"request body exceeds the router's limit of {cfg.max_body_bytes} bytes",
                                 close=True)
+        if tenant is not None:
+            refused = self._over_limit(tenant, self.key_limits.admit_request(tenant), close=True)
+            if refused is not None:
+                return refused
         body = _Body(self.body_budget)
+        meter: UsageMeter | None = None
+        charged = 0
         try:
             refused = await self._read(request, body)
             if refused is not None:
@@ -681,14 +790,23 @@ class Router:
             if cfg.model and model is not None and model != cfg.model:
                 return self._reject(404, f"The model `{str(model)[:200]}` does not exist; this endpoint serves "
                                          f"`{cfg.model}`.", param="model")
-            headers = {name: request.headers[name] for name in _FORWARDED_HEADERS if name in request.headers}
+            if tenant is not None and self.key_limits.counts_tokens:
+                prompt = estimate_prompt_tokens(parsed)
+                estimate = prompt + self.completion_estimate(path, parsed)
+                refused = self._over_limit(tenant, self.key_limits.admit_tokens(tenant, estimate))
+                if refused is not None:
+                    return refused
+                meter, charged = UsageMeter(prompt), estimate
+            headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
             headers[hdrs.CONTENT_TYPE] = "application/json"
             call = _Call(path, body, headers, self._request_info(request, parsed), self.first_byte_bound(path, parsed),
-                         start)
+                         start, tenant=tenant, meter=meter)
             del parsed  # the bytes are what is forwarded; the parsed copy can go now
             return await self._dispatch(request, call)
         finally:
             body.release()
+            if meter is not None and tenant is not None:
+                self._settle(tenant, charged, meter)
 
     async def _read(self, request: web.Request, body: _Body) -> web.Response | None:
         """Read the body within the size limit, the in-flight budget and the body timeout; an answer if it can't."""
@@ -747,10 +865,17 @@ class Router:
         retry_after: dict[str, str] = {}
         for attempt in range(self.config.retries + 1):
             try:
-                backend = await self.dispatcher.acquire(call.info, frozenset(tried))
-            except QueueFull:
-                return self._reject(429, f"the router's queue is full ({self.dispatcher.max_queue} requests waiting "
-                                         "for an engine); retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
+                backend = await self.dispatcher.acquire(call.info, frozenset(tried), tenant=call.tenant)
+            except QueueFull as exc:
+                if call.tenant is not None:
+                    self.metrics.tenant_rejected(call.tenant, "queue")
+                if exc.displaced:
+                    message = ("the router's queue is full, and a request of an API key with fewer requests waiting "
+                               "took this one's place; retry later")
+                else:
+                    message = (f"the router's queue is full ({self.dispatcher.max_queue} requests waiting for an "
+                               "engine); retry later")
+                return self._reject(429, message, headers={"Retry-After": RETRY_AFTER_SECONDS})
             except QueueTimeout:
                 healthy = sum(1 for b in self.pool if b.healthy)
                 return self._reject(503, f"no engine could take the request within {self.config.queue_timeout:g}s "
@@ -803,12 +928,12 @@ class Router:
         return self._reject(status, f"no engine could serve the request ({len(failures)} tried: {reasons})",
                             headers=retry_after)
 
-    def _reject(self, status: int, message: str, *, param: str | None = None,
-                headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
+    def _reject(self, status: int, message: str, *, param: str | None = None, type_: str | None = None,
+                code: str | None = None, headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
         """An answer the router gives itself (counted against no engine); `close` for a request whose body
         was left unread, so the connection is not kept for more."""
         self.metrics.attempt_done(NO_BACKEND, str(status))
-        response = error_response(status, message, param=param, headers=headers)
+        response = error_response(status, message, type_=type_, param=param, code=code, headers=headers)
         if close:
             response.force_close()
         return response
@@ -845,6 +970,8 @@ class Router:
                     self.pool.record_neutral(backend)  # the client's doing, not the engine's
                 else:
                     self.pool.record_success(backend)
+                if call.meter is not None:
+                    call.meter.answer(upstream.status, payload)
                 return web.Response(body=payload, status=upstream.status, headers=self._relay_headers(upstream, backend))
             assert first is not None
             return await self._relay_stream(request, attempt, upstream, first, call)
@@ -902,6 +1029,7 @@ class Router:
             response.force_close()
         content = upstream.content
         loop_time = self._now
+        meter = call.meter
         attempt.client = request.transport
         attempt.streaming = attempt.writing = True
         attempt.last = loop_time()
@@ -909,6 +1037,8 @@ class Router:
             await response.prepare(request)
             await response.write(first)
             attempt.writing = False
+            if meter is not None:
+                meter.chunk(first)
             self.metrics.first_byte(loop_time() - call.start)
             tail = first[-2:]
             while True:
@@ -931,6 +1061,8 @@ class Router:
                 attempt.last = loop_time()
                 await response.write(chunk)
                 attempt.writing = False
+                if meter is not None:
+                    meter.chunk(chunk)
                 tail = chunk[-2:] if len(chunk) >= 2 else tail[-1:] + chunk
             self.pool.record_success(backend)
             await response.write_eof()

@@ -6,7 +6,9 @@ The operator renders it as
 (repeatable) replaces discovery with a fixed list. The timeout, limit and
 shutdown flags have defaults meant for production (router/app.py says what
 each bounds); the pod's terminationGracePeriodSeconds must exceed
---drain-delay + --shutdown-grace.
+--drain-delay + --shutdown-grace. With spec.router.auth it adds
+`--api-keys /etc/tensorfleet/api-keys` (the Secret, mounted) and the per-key
+limits (router/tenants.py).
 
 With no engine healthy the router answers 503 at once with Retry-After,
 unless a cold start is underway, when it queues (up to --queue-timeout); the
@@ -38,7 +40,13 @@ def register(subparsers: Any) -> None:
                "start is underway while --service's EndpointSlices have not been listed yet, while they list an "
                "endpoint that is neither ready nor terminating (a pod loading its model, its readiness probe not yet "
                "passed), or while an engine that joined has not yet answered a health check: for --backend engines "
-               "until one first does, for discovered ones until their first check completes.",
+               "until one first does, for discovered ones until their first check completes. "
+               "API keys: with --api-keys every request but GET /health and /metrics (left open for probes and "
+               "Prometheus; /metrics names tenants, never keys) needs `Authorization: Bearer KEY`, else 401 "
+               "(code invalid_api_key). A key over its per-minute limits gets 429 (code rate_limit_exceeded) with "
+               "Retry-After: the seconds until its bucket holds enough. Limits are per router process. While waiting "
+               "for an engine, each key's requests queue apart and free slots go round the keys; a full queue "
+               "refuses the newest request of the key with the most waiting, so no key can fill it for the others.",
     )
     where = p.add_argument_group("backends (at least one of --backend or --service)")
     where.add_argument("--backend", action="append", default=[], metavar="URL",
@@ -104,6 +112,26 @@ def register(subparsers: Any) -> None:
     clients.add_argument("--idle-timeout", type=argtypes.positive_float, default=75.0,
                          help="seconds an idle keep-alive connection is kept; longer than the 60 s idle timeout of "
                               "common proxies and load balancers, so they close first (default: 75)")
+    auth = p.add_argument_group("API keys and per-key limits (without --api-keys, anyone who reaches the router "
+                                "may call it)")
+    auth.add_argument("--api-keys", metavar="PATH",
+                      help="require `Authorization: Bearer KEY` with one of these keys: PATH is a directory with one "
+                           "file per tenant, the file's name the tenant and its content the key (a mounted Secret whose "
+                           "data keys are tenant names), or a file of `tenant:key` lines; keys are kept hashed, never "
+                           "logged, and read again when PATH changes, without a restart")
+    auth.add_argument("--api-keys-reload-interval", type=argtypes.positive_float, default=5.0, metavar="SECONDS",
+                      help="how often --api-keys is checked for changes (default: 5)")
+    auth.add_argument("--requests-per-minute", type=argtypes.positive_int, metavar="N",
+                      help="requests each key may send per minute: a token bucket holding a minute's worth, refilled "
+                           "evenly; over it, 429 with Retry-After (default: no limit)")
+    auth.add_argument("--tokens-per-minute", type=argtypes.positive_int, metavar="N",
+                      help="tokens each key may use per minute: a request is admitted while its key's bucket holds its "
+                           "estimate (prompt characters / 3, plus max_tokens times n for a generation; a full bucket for "
+                           "an estimate above N), which is settled to the usage its answer reports (a stream without "
+                           "usage: one token per event streamed); over it, 429 with Retry-After (default: no limit)")
+    auth.add_argument("--default-max-tokens", type=argtypes.positive_int, default=1024, metavar="N",
+                      help="completion tokens a generation without max_tokens is charged at admission, until its "
+                           "usage settles it (default: 1024)")
     stop = p.add_argument_group("shutdown (SIGTERM)")
     stop.add_argument("--drain-delay", type=argtypes.non_negative_float, default=float(contract.ROUTER_DRAIN_SECONDS),
                       help="seconds the router keeps accepting and serving after SIGTERM, while the pod leaves the "
@@ -124,12 +152,15 @@ def run(args: argparse.Namespace) -> int:
     from tensorfleet.httpapi import run_server, setup_logging
     from tensorfleet.kube.connection import Connection, NoConfiguration
     from tensorfleet.router.app import Router, RouterConfig
+    from tensorfleet.router.tenants import KeysError
 
     setup_logging(args.log_level)
     # `_created` samples double the series and no dashboard reads them.
     disable_created_metrics()
     if not args.backend and not args.service:
         raise SystemExit("error: --backend or --service: give static engine URLs or the engine Service to watch")
+    if (args.requests_per_minute or args.tokens_per_minute) and not args.api_keys:
+        raise SystemExit("error: --requests-per-minute and --tokens-per-minute are per API key: give --api-keys")
     kube = None
     if args.service:
         try:
@@ -159,13 +190,21 @@ def run(args: argparse.Namespace) -> int:
         drain_delay=args.drain_delay,
         shutdown_grace=args.shutdown_grace,
         backend_header=args.backend_header,
+        api_keys=args.api_keys,
+        api_keys_reload_interval=args.api_keys_reload_interval,
+        requests_per_minute=args.requests_per_minute,
+        tokens_per_minute=args.tokens_per_minute,
+        default_max_tokens=args.default_max_tokens,
         static_backends=tuple(args.backend),
         service=args.service,
         namespace=args.namespace,
         kube=kube,
     )
 
-    router = Router(config)
+    try:
+        router = Router(config)
+    except KeysError as exc:
+        raise SystemExit(f"error: --api-keys: {exc}") from None
 
     async def make_app() -> web.Application:
         return router.app()

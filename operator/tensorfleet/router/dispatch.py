@@ -1,4 +1,4 @@
-"""Admission: a per-engine concurrency ceiling and one bounded FIFO queue.
+"""Admission: a per-engine concurrency ceiling and one bounded queue, shared fairly among tenants.
 
 An engine batches at most max-num-seqs sequences; past that, requests only
 wait inside it, invisible to the router and impossible to move. So the router
@@ -8,6 +8,16 @@ bounded: when it is full a request is refused at once (429 with Retry-After)
 rather than piling up memory and latency, and a request that waits longer
 than the deadline gets 503. Waiters are served in arrival order; one that
 cannot use the free engine (it already failed there) lets the next one go.
+
+Tenants (API keys, router/tenants.py; without keys every request is the one
+tenant None, and the queue is the FIFO above): each tenant's waiters are kept
+in their own arrival order, and a free slot goes to the tenant served least
+recently, so a tenant with one request waiting gets one of the next slots
+whatever another has queued. When the queue is full, a request whose tenant
+has fewer waiters than the tenant with the most takes the place of that
+tenant's newest waiter, which gets the 429 instead: a flooding tenant fills
+the queue only while nobody else needs it. Requests already on engines are
+never interrupted: another tenant's request waits for the next slot to free.
 
 Queueing is for engines that will free a slot or come up soon. The router
 hands the dispatcher an `unavailable` check: when it says no engine can take
@@ -38,7 +48,12 @@ MIN_AUTO_QUEUE = 64
 
 
 class QueueFull(Exception):
-    """The router's queue is at its bound: answer 429."""
+    """The router's queue is at its bound: answer 429. `displaced`: the request had queued, and a tenant with
+    fewer waiters took its place."""
+
+    def __init__(self, displaced: bool = False) -> None:
+        super().__init__("displaced" if displaced else "full")
+        self.displaced = displaced
 
 
 class QueueTimeout(Exception):
@@ -66,6 +81,7 @@ class _Waiter:
     info: RequestInfo
     exclude: frozenset[str]
     future: asyncio.Future[Backend]
+    tenant: str | None = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -80,14 +96,40 @@ class Dispatcher:
         self.queue_timeout = queue_timeout
         # Given the engines a request already failed on: why it cannot wait for one (None: it may queue).
         self.unavailable = unavailable
-        self._waiters: OrderedDict[_Waiter, None] = OrderedDict()
+        # Each tenant's waiters in arrival order; a tenant has an entry only while it has waiters.
+        self._queues: dict[str | None, OrderedDict[_Waiter, None]] = {}
+        self._served: dict[str | None, int] = {}  # tenant -> the turn it last got a slot
+        self._turn = 0
         self.on_routed: Callable[[Backend], None] | None = None
         self.closed = False
         pool.on_routable.append(self.drain)
 
     @property
     def pending(self) -> int:
-        return len(self._waiters)
+        return sum(len(queue) for queue in self._queues.values())
+
+    def pending_by_tenant(self) -> dict[str | None, int]:
+        return {tenant: len(queue) for tenant, queue in self._queues.items()}
+
+    def _waiters(self) -> list[_Waiter]:
+        return [waiter for queue in self._queues.values() for waiter in queue]
+
+    def _remove(self, waiter: _Waiter) -> None:
+        queue = self._queues.get(waiter.tenant)
+        if queue is None:
+            return
+        queue.pop(waiter, None)
+        if not queue:
+            del self._queues[waiter.tenant]
+
+    def _granted(self, tenant: str | None) -> None:
+        self._turn += 1
+        self._served[tenant] = self._turn
+
+    def forget(self, keep: frozenset[str]) -> None:
+        """Forget the turns of tenants that are gone (and have nothing queued)."""
+        for tenant in [t for t in self._served if t is not None and t not in keep and t not in self._queues]:
+            del self._served[tenant]
 
     @property
     def max_queue(self) -> int:
@@ -117,13 +159,15 @@ class Dispatcher:
         ceiling = self.ceiling
         return any(b.in_flight < ceiling for b in self.pool.routable())
 
-    async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset()) -> Backend:
-        """An engine slot for this request: at once, or after queueing."""
+    async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *,
+                      tenant: str | None = None) -> Backend:
+        """An engine slot for TENANT's request: at once, or after queueing."""
         if self.closed:
             raise ShuttingDown()
-        if not self._waiters:
+        if not self._queues:
             backend = self._pick(info, exclude)
             if backend is not None:
+                self._granted(tenant)
                 return backend
         if exclude and all(b.url in exclude for b in self.pool):
             raise NoBackend()
@@ -131,12 +175,12 @@ class Dispatcher:
             refusal = self.unavailable(exclude)
             if refusal is not None:
                 raise refusal
-        if len(self._waiters) >= self.max_queue:
-            raise QueueFull()
+        if self.pending >= self.max_queue:
+            self._displace(tenant)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(info, exclude, loop.create_future())
+        waiter = _Waiter(info, exclude, loop.create_future(), tenant)
         waiter.timer = loop.call_later(self.queue_timeout, self._expire, waiter)
-        self._waiters[waiter] = None
+        self._queues.setdefault(tenant, OrderedDict())[waiter] = None
         try:
             return await waiter.future
         except BaseException:
@@ -147,33 +191,45 @@ class Dispatcher:
             raise
         finally:
             waiter.timer.cancel()
-            self._waiters.pop(waiter, None)
+            self._remove(waiter)
+
+    def _displace(self, tenant: str | None) -> None:
+        """The queue is full: make room for TENANT's request by refusing the newest waiter of the tenant with the
+        most, if that tenant has at least two more than TENANT; else QueueFull."""
+        mine = len(self._queues.get(tenant, ()))
+        most = max(self._queues, key=lambda t: len(self._queues[t]), default=None)
+        if most is None or most == tenant or len(self._queues[most]) < mine + 2:
+            raise QueueFull()
+        waiter = next(reversed(self._queues[most]))
+        self._remove(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(QueueFull(displaced=True))
 
     def close(self) -> None:
         """Refuse every waiter and every later request (ShuttingDown)."""
         self.closed = True
-        for waiter in list(self._waiters):
-            self._waiters.pop(waiter, None)
+        for waiter in self._waiters():
+            self._remove(waiter)
             if not waiter.future.done():
                 waiter.future.set_exception(ShuttingDown())
 
     def reevaluate(self) -> None:
         """Refuse the waiters that can no longer expect an engine (Unavailable), after the pool or the fleet
         changed."""
-        if self.unavailable is None or not self._waiters:
+        if self.unavailable is None or not self._queues:
             return
         verdicts: dict[frozenset[str], Unavailable | None] = {}
-        for waiter in list(self._waiters):
+        for waiter in self._waiters():
             if waiter.exclude not in verdicts:
                 verdicts[waiter.exclude] = self.unavailable(waiter.exclude)
             refusal = verdicts[waiter.exclude]
             if refusal is not None:
-                self._waiters.pop(waiter, None)
+                self._remove(waiter)
                 if not waiter.future.done():
                     waiter.future.set_exception(Unavailable(str(refusal), refusal.retry_after))
 
     def _expire(self, waiter: _Waiter) -> None:
-        self._waiters.pop(waiter, None)
+        self._remove(waiter)
         if not waiter.future.done():
             waiter.future.set_exception(QueueTimeout())
 
@@ -181,22 +237,38 @@ class Dispatcher:
         backend.in_flight -= 1
         if self.on_routed is not None:
             self.on_routed(backend)
-        if self._waiters:
+        if self._queues:
             self.drain()
 
     def drain(self) -> None:
-        """Hand free slots to waiters, oldest first."""
-        for waiter in list(self._waiters):
+        """Hand free slots to waiters: the tenant served least recently first, each tenant's oldest first."""
+        while self._queues:
+            for tenant in sorted(self._queues, key=lambda t: self._served.get(t, 0)):
+                served = self._serve(self._queues[tenant])
+                if served is None:
+                    return  # no engine has a free slot
+                if served:
+                    break  # the order changed: that tenant goes last
+            else:
+                return  # free slots only on engines the waiters already failed on
+
+    def _serve(self, queue: OrderedDict[_Waiter, None]) -> bool | None:
+        """Give a free slot to the oldest waiter of QUEUE that can use one: whether one got it, None when no
+        engine has a free slot."""
+        for waiter in list(queue):
             if waiter.future.done():
-                self._waiters.pop(waiter, None)
+                self._remove(waiter)
                 continue
             backend = self._pick(waiter.info, waiter.exclude)
             if backend is None:
                 if not waiter.exclude or not self._has_capacity():
-                    return
+                    return None
                 continue  # only engines this waiter already failed on are free
-            self._waiters.pop(waiter, None)
+            self._remove(waiter)
+            self._granted(waiter.tenant)
             waiter.future.set_result(backend)
+            return True
+        return False
 
 
 class BodyBudget:

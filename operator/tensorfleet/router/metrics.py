@@ -4,11 +4,16 @@ Per-engine gauges (in flight, healthy) are read from the pool at scrape time,
 so an engine that leaves the pool leaves /metrics too; the per-engine counters
 are removed with it. Pod IPs change on every restart, and series kept for
 every address ever seen would grow without bound.
+
+With API keys, the per-tenant series are labelled with tenant names from the
+keys' Secret only (never a key, never anything a client sent), and a tenant
+removed from the Secret leaves /metrics at the next reload (`forget_tenants`).
+Failed authentications are counted by reason alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,9 +30,12 @@ CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: BackendPool, pending: Callable[[], int]) -> None:
+    def __init__(self, pool: BackendPool, pending: Callable[[], int],
+                 tenants: Callable[[], Mapping[str | None, int]] | None, keys: Callable[[], int] | None) -> None:
         self.pool = pool
         self.pending = pending
+        self.tenants = tenants
+        self.keys = keys
 
     def collect(self) -> Iterator[Metric]:
         backend = contract.ROUTER_LABEL_BACKEND
@@ -35,6 +43,17 @@ class _PoolCollector(Collector):
                                     "Requests queued at the router waiting for a free engine slot.")
         pending.add_metric([], self.pending())
         yield pending
+        if self.tenants is not None:
+            by_tenant = GaugeMetricFamily(contract.ROUTER_METRIC_TENANT_PENDING,
+                                          "Requests queued at the router per tenant (API key).",
+                                          labels=[contract.ROUTER_LABEL_TENANT])
+            for tenant, count in sorted(self.tenants().items(), key=lambda item: item[0] or ""):
+                if tenant is not None:
+                    by_tenant.add_metric([tenant], count)
+            yield by_tenant
+        if self.keys is not None:
+            yield GaugeMetricFamily(contract.ROUTER_METRIC_API_KEYS, "API keys in force (tenants).",
+                                    value=self.keys())
         in_flight = GaugeMetricFamily(contract.ROUTER_METRIC_IN_FLIGHT, "Requests in flight per engine.",
                                       labels=[backend])
         healthy = GaugeMetricFamily(contract.ROUTER_METRIC_BACKEND_HEALTHY,
@@ -47,9 +66,12 @@ class _PoolCollector(Collector):
 
 
 class RouterMetrics:
-    def __init__(self, pool: BackendPool, pending: Callable[[], int]) -> None:
+    def __init__(self, pool: BackendPool, pending: Callable[[], int], *,
+                 tenants: Callable[[], Mapping[str | None, int]] | None = None,
+                 keys: Callable[[], int] | None = None) -> None:
+        """TENANTS (requests queued per tenant) and KEYS (keys in force) when the router has API keys."""
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        reg.register(_PoolCollector(pool, pending))
+        reg.register(_PoolCollector(pool, pending, tenants, keys))
         labels = [contract.ROUTER_LABEL_BACKEND, contract.ROUTER_LABEL_CODE]
         self._requests = Counter(contract.ROUTER_METRIC_REQUESTS, "Requests answered, by engine and HTTP status.",
                                  labels, registry=reg)
@@ -67,9 +89,24 @@ class RouterMetrics:
         self._stream_errors = Counter(contract.ROUTER_METRIC_STREAM_ERRORS,
                                       "Streams ended with an error event because the engine failed mid-stream.",
                                       [contract.ROUTER_LABEL_BACKEND], registry=reg)
+        tenant = contract.ROUTER_LABEL_TENANT
+        self._tenant_requests = Counter(contract.ROUTER_METRIC_TENANT_REQUESTS,
+                                        "Requests with a valid API key answered, by tenant and HTTP status.",
+                                        [tenant, contract.ROUTER_LABEL_CODE], registry=reg)
+        self._tenant_rejections = Counter(contract.ROUTER_METRIC_TENANT_REJECTIONS,
+                                          "Requests with a valid API key refused with 429, by tenant and reason: "
+                                          "requests or tokens (the key's per-minute limits), queue (the router's "
+                                          "queue full).", [tenant, contract.ROUTER_LABEL_REASON], registry=reg)
+        self._tenant_tokens = Counter(contract.ROUTER_METRIC_TENANT_TOKENS,
+                                      "Tokens charged to each tenant's limit, as settled after the answer (only with "
+                                      "a tokens-per-minute limit).", [tenant], registry=reg)
+        self._auth_failures = Counter(contract.ROUTER_METRIC_AUTH_FAILURES,
+                                      "Requests refused with 401, by reason: missing (no Bearer key) or invalid.",
+                                      [contract.ROUTER_LABEL_REASON], registry=reg)
         # labels() takes a lock and builds a tuple; requests reuse children.
         self._request_children: dict[tuple[str, str], Counter] = {}
         self._duration_children: dict[str, Histogram] = {}
+        self._tenant_children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
         pool.on_removed.append(self.forget)
         pool.on_ejected.append(lambda b: self._ejections.labels(b.url).inc())
 
@@ -96,6 +133,31 @@ class RouterMetrics:
 
     def stream_error(self, backend: Backend) -> None:
         self._stream_errors.labels(backend.url).inc()
+
+    def _tenant(self, metric: Counter, *labels: str) -> Counter:
+        key = (metric, labels)
+        child = self._tenant_children.get(key)
+        if child is None:
+            child = self._tenant_children[key] = metric.labels(*labels)
+        return child
+
+    def tenant_done(self, tenant: str, code: str) -> None:
+        self._tenant(self._tenant_requests, tenant, code).inc()
+
+    def tenant_rejected(self, tenant: str, reason: str) -> None:
+        self._tenant(self._tenant_rejections, tenant, reason).inc()
+
+    def tenant_tokens(self, tenant: str, tokens: int) -> None:
+        self._tenant(self._tenant_tokens, tenant).inc(tokens)
+
+    def auth_failed(self, reason: str) -> None:
+        self._auth_failures.labels(reason).inc()
+
+    def forget_tenants(self, keep: frozenset[str]) -> None:
+        """Drop the series of tenants no longer in the keys."""
+        for metric, labels in [key for key in self._tenant_children if key[1][0] not in keep]:
+            del self._tenant_children[metric, labels]
+            metric.remove(*labels)
 
     def forget(self, backend: Backend) -> None:
         for key in [k for k in self._request_children if k[0] == backend.url]:

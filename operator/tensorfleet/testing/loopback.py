@@ -7,21 +7,26 @@ starts with checked once), so which engine takes the first requests does not
 depend on which check happened to answer first; `first_round=False` hands it
 over at once.
 `spawn_sim` starts a separate `tensorfleet sim` process for tests that must
-kill or stop an engine the way a node failure would, `spawn_router` a router
+kill or stop an engine the way a node failure would (`sim_process`: on a free
+port, once healthy), `spawn_router` a router
 process for tests that signal it; `raw_exchange` sends bytes no HTTP client
 library would (malformed heads, absolute-form targets, slow senders).
+`fake_engine` serves an engine that misbehaves the way its handler says (with
+`engine_error`, the 500 of a CUDA fault), and `post_chat` sends a chat
+completion and reads the whole answer (a `Reply`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,7 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tensorfleet import promtext
+from tensorfleet import contract, promtext
 from tensorfleet.httpapi import start_site
 from tensorfleet.router.app import Router, RouterConfig
 from tensorfleet.router.backends import BreakerPolicy
@@ -103,6 +108,63 @@ async def router(backends: list[str], *, first_round: bool = True, **options: An
         await runner.cleanup()
 
 
+@asynccontextmanager
+async def fake_engine(handle: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> AsyncIterator[tuple[str, list[str]]]:
+    """An engine stand-in whose /health and /metrics answer 200 (so it joins a router's pool at its first check)
+    and whose other requests HANDLE answers: its URL, and a log with the path of each of those requests, and
+    "closed" after one whose connection was closed while HANDLE was still at it (the router hung up)."""
+    calls: list[str] = []
+
+    async def serve(request: web.Request) -> web.StreamResponse:
+        if request.path in (contract.HEALTH_PATH, contract.METRICS_PATH):
+            return web.Response()
+        calls.append(request.path)
+        try:
+            return await handle(request)
+        except asyncio.CancelledError:
+            calls.append("closed")
+            raise
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", serve)
+    runner = await start_site(app, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}", calls
+    finally:
+        await runner.cleanup()
+
+
+async def engine_error(_: web.Request) -> web.Response:
+    """A `fake_engine` handler: the OpenAI-style 500 vLLM answers after a CUDA fault."""
+    return web.json_response({"error": {"message": "CUDA error: an illegal memory access",
+                                        "type": "InternalServerError", "param": None, "code": 500}}, status=500)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole answer, as a test reads it."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def backend(self) -> str:
+        """The engine that answered (contract.BACKEND_HEADER); "" when the router answered itself."""
+        return self.headers.get(contract.BACKEND_HEADER, "")
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def post_chat(client: aiohttp.ClientSession, url: str, body: Mapping[str, Any], *,
+                    headers: Mapping[str, str] | None = None) -> Reply:
+    """POST BODY to URL's /v1/chat/completions, with HEADERS, and read the whole answer."""
+    async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
+        return Reply(resp.status, resp.headers.copy(), await resp.read())
+
+
 def chat(content: str, max_tokens: int = 8, stream: bool = False, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
             "stream": stream, **extra}
@@ -154,6 +216,16 @@ def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
         process.wait(timeout=10)
         if process.stderr:
             process.stderr.close()
+
+
+@asynccontextmanager
+async def sim_process(*args: str) -> AsyncIterator[tuple[str, subprocess.Popen[bytes]]]:
+    """`spawn_sim` on a free port with ARGS, handed over once it answers /health: its URL and its process."""
+    port = free_port()
+    with spawn_sim(port, *args) as process:
+        url = f"http://127.0.0.1:{port}"
+        await wait_healthy(url)
+        yield url, process
 
 
 @contextmanager

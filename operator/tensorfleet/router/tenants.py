@@ -1,0 +1,393 @@
+"""API keys and per-key limits at the router (spec.router.auth, `--api-keys`).
+
+Keys. `--api-keys PATH` is either a directory with one file per tenant, the
+file's name the tenant and its content the API key (what Kubernetes mounts for
+a Secret whose data keys are tenant names: `kubectl create secret generic
+llm-keys --from-literal=team-a=KEY --from-literal=team-b=KEY`), or a file of
+`tenant:key` lines (`#` comments and blank lines ignored). A tenant name is 1
+to 253 of `-._a-zA-Z0-9` (what a Secret's data keys may be; a directory's
+entries starting with a dot, a mounted Secret's own `..data` links, are not
+tenants); a key is its file or line with surrounding whitespace stripped, 1 to
+MAX_KEY_BYTES bytes. A key listed for two tenants names neither, so both are
+refused until it is fixed. Problems are logged naming the tenant or the line,
+never a key; what is valid loads. A tenant name reaches /metrics as a label,
+so the labels are bounded by the Secret.
+
+Keys are kept only as HMAC-SHA256 digests under a random per-process salt, and
+a presented key is checked by comparing its digest with every stored one with
+hmac.compare_digest, without stopping at a match: how long the check takes
+says nothing about which key, if any, matched.
+
+Reload. Every `--api-keys-reload-interval` seconds the router stats the path
+(each entry's name, inode, size and mtime; a Secret update replaces the
+mount's `..data` link, so the fingerprint always changes) and reads it again
+when anything changed. A read that fails keeps the keys in force and logs why;
+a read that succeeds is the new truth, so a key deleted from the Secret stops
+working at the next reload. The kubelet brings Secret changes to a mounted
+volume within its sync period (about a minute by default); no restart.
+
+Limits. Per tenant, per router process: a token bucket for requests and one
+for tokens, each holding at most a minute's worth (the burst) and refilled
+evenly. A request takes one request at once (before its body is read), and
+its token estimate once parsed: the prompt estimated from its characters plus,
+for a generation, max_tokens (or `--default-max-tokens` when unset) times `n`.
+It is admitted while the bucket holds the estimate, or a full minute's worth
+for an estimate larger than that, so every request can pass eventually. Once
+its answer is done the charge is settled to what it used: the engine's `usage`
+when the answer has one; for a stream without usage, the prompt estimate plus
+one token per streamed event; nothing for an answer that is an error. The
+bucket may go below zero (a debt the refill pays off first). A refusal says
+when the bucket will hold enough, as Retry-After.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import math
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("tensorfleet.router.auth")
+
+TENANT_PATTERN = re.compile(r"[-._a-zA-Z0-9]{1,253}")
+MAX_KEY_BYTES = 4096
+MAX_KEYS_FILE_BYTES = 4 * 1024 * 1024
+BEARER = "bearer"
+
+# Usage in an engine's answer: the last `"total_tokens": N` (a JSON key; the same characters inside a string
+# value would have their quotes escaped).
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_SSE_DATA = b"data:"
+_SSE_DONE = b"[DONE]"
+MAX_PENDING_EVENT_BYTES = 1024 * 1024  # a stream's unfinished event kept for its usage, at most
+
+
+class KeysError(Exception):
+    """The keys path cannot be read."""
+
+
+def read_keys(path: Path) -> tuple[dict[str, bytes], list[str]]:
+    """The tenants and keys at PATH (a directory or a `tenant:key` file), and what was wrong, in words that
+    never include a key. KeysError if PATH cannot be read at all."""
+    found: list[tuple[str, bytes, str]] = []  # tenant, key, where
+    problems: list[str] = []
+    try:
+        if path.is_dir():
+            with os.scandir(path) as entries:
+                names = sorted(e.name for e in entries if not e.name.startswith("."))
+            for name in names:
+                entry = path / name
+                if not entry.is_file():
+                    continue
+                with entry.open("rb") as handle:
+                    found.append((name, handle.read(MAX_KEY_BYTES + 1).strip(), f"file {name}"))
+        else:
+            with path.open("rb") as handle:
+                data = handle.read(MAX_KEYS_FILE_BYTES + 1)
+            if len(data) > MAX_KEYS_FILE_BYTES:
+                raise KeysError(f"{path} is larger than {MAX_KEYS_FILE_BYTES} bytes")
+            for number, raw in enumerate(data.splitlines(), 1):
+                text = raw.strip()
+                if not text or text.startswith(b"#"):
+                    continue
+                name_bytes, colon, value = text.partition(b":")
+                if not colon:
+                    problems.append(f"line {number}: not `tenant:key`")
+                    continue
+                found.append((name_bytes.strip().decode("utf-8", "replace"), value.strip(), f"line {number}"))
+    except OSError as exc:
+        raise KeysError(f"cannot read {path}: {exc.strerror or exc}") from None
+    keys: dict[str, bytes] = {}
+    owners: dict[bytes, list[str]] = {}
+    for tenant, key, where in found:
+        if not TENANT_PATTERN.fullmatch(tenant):
+            problems.append(f"{where}: tenant name {tenant[:80]!r} is not 1-253 of -._a-zA-Z0-9")
+        elif tenant in keys:
+            problems.append(f"{where}: tenant {tenant} is listed again; the first key counts")
+        elif not key:
+            problems.append(f"{where}: tenant {tenant} has an empty key")
+        elif len(key) > MAX_KEY_BYTES:
+            problems.append(f"{where}: tenant {tenant}'s key is longer than {MAX_KEY_BYTES} bytes")
+        else:
+            keys[tenant] = key
+            owners.setdefault(key, []).append(tenant)
+    for sharing in owners.values():
+        if len(sharing) > 1:
+            problems.append(f"tenants {', '.join(sharing)} have the same key: refused for all of them")
+            for name in sharing:
+                del keys[name]
+    return keys, problems
+
+
+def _fingerprint(path: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """What changes when PATH's content may have: its entries' names, inodes, sizes and mtimes (links
+    followed)."""
+    def one(name: str, target: Path) -> tuple[str, int, int, int]:
+        st = target.stat()
+        return name, st.st_ino, st.st_size, st.st_mtime_ns
+
+    top = path.stat()
+    if not stat.S_ISDIR(top.st_mode):
+        return (one("", path),)
+    with os.scandir(path) as entries:
+        names = sorted(e.name for e in entries)
+    out = [("", top.st_ino, top.st_size, top.st_mtime_ns)]
+    for name in names:
+        try:
+            out.append(one(name, path / name))
+        except OSError:
+            out.append((name, 0, 0, 0))  # a dangling link, or gone meanwhile
+    return tuple(out)
+
+
+class KeyRing:
+    """The API keys in force, as salted digests, and the tenant each belongs to."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._salt = secrets.token_bytes(32)
+        self._entries: tuple[tuple[bytes, str], ...] = ()
+        self._fingerprint: tuple[tuple[str, int, int, int], ...] | None = None
+        self._failing = False  # the last refresh could not read the path (said once, not every interval)
+        self.tenants: frozenset[str] = frozenset()
+
+    def _digest(self, key: bytes) -> bytes:
+        return hmac.new(self._salt, key, hashlib.sha256).digest()
+
+    def load(self) -> None:
+        """Read the keys now (KeysError if the path cannot be read: the keys in force stay)."""
+        try:
+            fingerprint = _fingerprint(self.path)
+        except OSError as exc:
+            raise KeysError(f"cannot read {self.path}: {exc.strerror or exc}") from None
+        keys, problems = read_keys(self.path)
+        for problem in problems:
+            log.warning("API keys %s: %s", self.path, problem)
+        self._entries = tuple((self._digest(key), tenant) for tenant, key in sorted(keys.items()))
+        self._fingerprint = fingerprint
+        self.tenants = frozenset(keys)
+        if not keys:
+            log.warning("API keys %s: no valid key; every request is refused (401)", self.path)
+
+    def refresh(self) -> bool:
+        """Read the keys again if the path changed; whether they were. A failure is logged (once while it
+        lasts); the keys in force stay."""
+        try:
+            unchanged = _fingerprint(self.path) == self._fingerprint
+            self._failing = False
+            if unchanged:
+                return False
+            before = self.tenants
+            self.load()
+        except (KeysError, OSError) as exc:
+            if not self._failing:
+                log.error("API keys: %s; the keys already loaded stay in force", exc)
+            self._failing = True
+            return False
+        log.info("API keys reloaded from %s: %d tenants (%d added, %d removed)", self.path, len(self.tenants),
+                 len(self.tenants - before), len(before - self.tenants))
+        return True
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant whose key an `Authorization: Bearer KEY` header carries; None for none."""
+        if not authorization:
+            return None
+        scheme, _, key = authorization.strip().partition(" ")
+        key = key.strip()
+        if scheme.lower() != BEARER or not key:
+            return None
+        digest = self._digest(key.encode("utf-8", "surrogateescape"))
+        matched: str | None = None
+        for stored, tenant in self._entries:  # every one, matched or not: the time says nothing
+            if hmac.compare_digest(stored, digest):
+                matched = tenant
+        return matched
+
+
+class TokenBucket:
+    """PER_MINUTE units a minute, refilled evenly, holding at most one minute's worth; it may go below zero."""
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.updated = now
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def wait(self, amount: float, now: float) -> float:
+        """Seconds until the bucket holds AMOUNT (a full bucket for more than it holds); 0 if it does."""
+        self._refill(now)
+        need = min(amount, self.capacity)
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
+
+    def take(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level -= amount
+
+    def give(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Over a limit: which one (`requests` or `tokens`), what to tell the client, and when to come back."""
+
+    limit: str
+    message: str
+    retry_after: int
+
+
+@dataclass
+class _Buckets:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+
+class Limits:
+    """Each tenant's buckets (created on first use), on CLOCK (a test may replace it)."""
+
+    def __init__(self, requests_per_minute: int | None, tokens_per_minute: int | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.requests_per_minute = requests_per_minute
+        self.tokens_per_minute = tokens_per_minute
+        self.clock = clock
+        self._tenants: dict[str, _Buckets] = {}
+
+    @property
+    def counts_tokens(self) -> bool:
+        return self.tokens_per_minute is not None
+
+    def _buckets(self, tenant: str) -> _Buckets:
+        buckets = self._tenants.get(tenant)
+        if buckets is None:
+            now = self.clock()
+            buckets = self._tenants[tenant] = _Buckets(
+                TokenBucket(self.requests_per_minute, now) if self.requests_per_minute else None,
+                TokenBucket(self.tokens_per_minute, now) if self.tokens_per_minute else None)
+        return buckets
+
+    def admit_request(self, tenant: str) -> Refusal | None:
+        """Take one request from TENANT's bucket, or say why not."""
+        bucket = self._buckets(tenant).requests
+        if bucket is None:
+            return None
+        now = self.clock()
+        wait = bucket.wait(1, now)
+        if wait:
+            retry = _seconds(wait)
+            return Refusal("requests", f"rate limit reached: this API key may send {self.requests_per_minute} "
+                                       f"requests per minute; retry in {retry}s", retry)
+        bucket.take(1, now)
+        return None
+
+    def admit_tokens(self, tenant: str, estimate: int) -> Refusal | None:
+        """Charge ESTIMATE tokens to TENANT, or say why not (nothing charged)."""
+        bucket = self._buckets(tenant).tokens
+        if bucket is None:
+            return None
+        now = self.clock()
+        wait = bucket.wait(estimate, now)
+        if wait:
+            retry = _seconds(wait)
+            return Refusal("tokens", f"rate limit reached: this API key may use {self.tokens_per_minute} tokens "
+                                     f"per minute, and this request may use up to {estimate} (its prompt, estimated, "
+                                     f"plus the most it may generate); retry in {retry}s", retry)
+        bucket.take(estimate, now)
+        return None
+
+    def settle(self, tenant: str, charged: int, used: int) -> None:
+        """The request charged CHARGED tokens and used USED: give back the difference, or take it. (A tenant
+        removed from the keys meanwhile is not brought back.)"""
+        buckets = self._tenants.get(tenant)
+        bucket = buckets.tokens if buckets is not None else None
+        if bucket is None or used == charged:
+            return
+        now = self.clock()
+        if used < charged:
+            bucket.give(charged - used, now)
+        else:
+            bucket.take(used - charged, now)
+
+    def tokens_left(self, tenant: str) -> float | None:
+        """What TENANT's token bucket holds now (None: tokens are not limited)."""
+        bucket = self._buckets(tenant).tokens
+        if bucket is None:
+            return None
+        bucket.wait(0, self.clock())  # refills
+        return bucket.level
+
+    def retain(self, tenants: frozenset[str]) -> None:
+        """Forget the buckets of tenants that are gone."""
+        for tenant in [t for t in self._tenants if t not in tenants]:
+            del self._tenants[tenant]
+
+
+def _seconds(wait: float) -> int:
+    return max(1, math.ceil(wait))
+
+
+@dataclass
+class UsageMeter:
+    """Tokens one request used, from its answer: the engine's `usage` (a whole answer's, or a stream's usage
+    event), else for a stream its prompt estimate plus one per event; `answered` once an engine answered
+    without an error."""
+
+    prompt: int
+    total: int | None = None
+    events: int = 0
+    streamed: bool = False
+    answered: bool = False
+    _pending: bytes = field(default=b"", repr=False)
+
+    def answer(self, status: int, payload: bytes) -> None:
+        """A whole answer."""
+        if status < 400:
+            self.answered = True
+            self.total = _usage_total(payload)
+
+    def chunk(self, data: bytes) -> None:
+        """A piece of a stream, as relayed."""
+        self.answered = self.streamed = True
+        *events, pending = (self._pending + data).split(b"\n\n")
+        self._pending = pending if len(pending) <= MAX_PENDING_EVENT_BYTES else b""
+        for event in events:
+            start = event.find(_SSE_DATA)
+            if start < 0:
+                continue
+            payload = event[start + len(_SSE_DATA):].strip()
+            if payload == _SSE_DONE:
+                continue
+            self.events += 1
+            if b'"usage"' in payload:
+                total = _usage_total(payload)
+                if total is not None:
+                    self.total = total
+
+    def used(self) -> int | None:
+        """Tokens to charge; None when an engine answered but said nothing of them (the estimate stands)."""
+        if self.total is not None:
+            return self.total
+        if self.streamed:
+            return self.prompt + self.events
+        return None if self.answered else 0
+
+
+def _usage_total(payload: bytes) -> int | None:
+    start = payload.rfind(b'"usage"')
+    if start < 0:
+        return None
+    found = _TOTAL_TOKENS.search(payload, start)
+    return int(found.group(1)) if found else None
