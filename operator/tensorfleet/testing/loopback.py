@@ -202,12 +202,9 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 
 
 @contextmanager
-def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """`tensorfleet sim` as its own process on PORT; killed on exit."""
-    command = [sys.executable, "-m", "tensorfleet.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", MODEL, *args]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _spawned(command: list[str], *, stdout: Any, stderr: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """COMMAND as its own process (unbuffered output); SIGKILLed on exit if still running."""
+    process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         yield process
     finally:
@@ -216,6 +213,15 @@ def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
         process.wait(timeout=10)
         if process.stderr:
             process.stderr.close()
+
+
+@contextmanager
+def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """`tensorfleet sim` as its own process on PORT; killed on exit."""
+    command = [sys.executable, "-m", "tensorfleet.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
+               "--served-model-name", MODEL, *args]
+    with _spawned(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
+        yield process
 
 
 @asynccontextmanager
@@ -235,13 +241,8 @@ def spawn_router(port: int, backends: list[str], *args: str, log: Any = subproce
     killed on exit. LOG: where its output goes (a file, or DEVNULL)."""
     command = [sys.executable, "-m", "tensorfleet.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                "--model", MODEL, "--backend-header", *(f"--backend={url}" for url in backends), *args]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
+    with _spawned(command, stdout=log, stderr=subprocess.STDOUT) as process:
         yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-        process.wait(timeout=10)
 
 
 async def raw_exchange(url: str, data: bytes, *, timeout: float = 10.0) -> bytes:
