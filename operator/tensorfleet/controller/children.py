@@ -29,16 +29,16 @@ from tensorfleet.kube.resources import Kind
 log = logging.getLogger(__name__)
 
 
-def controlled_by(obj: dict[str, Any], uid: str) -> bool:
-    """Whether `obj`'s controller (the ownerReference with controller: true) is the object with `uid`."""
-    return any(ref.get("uid") == uid and ref.get("controller")
-               for ref in (obj.get("metadata") or {}).get("ownerReferences") or [])
-
-
 def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
     """The ownerReference with controller: true, or None."""
     return next((ref for ref in (obj.get("metadata") or {}).get("ownerReferences") or [] if ref.get("controller")),
                 None)
+
+
+def controlled_by(obj: dict[str, Any], uid: str) -> bool:
+    """Whether `obj`'s controller (the ownerReference with controller: true) is the object with `uid`."""
+    controller = controller_of(obj)
+    return controller is not None and controller.get("uid") == uid
 
 
 def whose(obj: dict[str, Any]) -> str:

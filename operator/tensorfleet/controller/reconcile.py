@@ -72,9 +72,12 @@ CHILD_HANDLERS: dict[Kind, ChildHandler] = {STATEFUL_SET: StatefulSetHandler()}
 _DEFAULT_HANDLER = ChildHandler()
 
 
-def spec_warnings(body: dict[str, Any]) -> list[str]:
+def _handler(kind: Kind) -> ChildHandler:
+    return CHILD_HANDLERS.get(kind, _DEFAULT_HANDLER)
+
+
+def spec_warnings(isvc: InferenceService) -> list[str]:
     """What an accepted spec asks for that a person should know it asked for."""
-    isvc = load_inference_service({k: v for k, v in body.items() if k != "status"})
     accelerator = isvc.spec.accelerator
     if isvc.spec.engine.kind == "vllm" and accelerator.node_affinity == "none":
         pinned = ", ".join(f"{k}={v}" for k, v in sorted(accelerator.node_selector.items())) or "nothing"
@@ -162,7 +165,8 @@ class Reconciler:
         obs = observe(plan.pipeline, desired_replicas(isvc.spec), self._engine_pods(namespace, name, sts), sts, router,
                       surge=mode.surge)
         await roll_groups(ctx, obs, mode)
-        ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()))
+        ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
+                                   spec_warnings(isvc))
         counts: dict[str, int] = {}
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
@@ -192,7 +196,7 @@ class Reconciler:
         wanted = desired_replicas(isvc.spec)
         before = observe(plan.pipeline, wanted, self._engine_pods(isvc.metadata.namespace or "", name, sts), sts, None)
         running = max([int((s.get("spec") or {}).get("replicas") or 0) for s in sts.values()], default=wanted)
-        previous = next((c.get("reason") for c in status.get("conditions") or [] if c.get("type") == PROGRESSING), None)
+        previous = condition_status(status.get("conditions") or [], PROGRESSING, "reason")
         return decide(before, isvc.spec.rollout, running_surge=max(0, running - wanted), previous_reason=previous)
 
     async def _claim(self, kind: Kind, obj: dict[str, Any], cached: dict[str, Any] | None, uid: str,
@@ -221,7 +225,7 @@ class Reconciler:
         """Apply one desired child unless the live one already matches; events for what a person should know."""
         if live is not None and not is_terminating(live) and contains(live, obj):
             return live
-        handler = CHILD_HANDLERS.get(kind, _DEFAULT_HANDLER)
+        handler = _handler(kind)
         applied = await handler.apply(ctx, kind, obj, live)
         name = obj["metadata"]["name"]
         if live is not None and applied["metadata"].get("uid") != live["metadata"].get("uid"):
@@ -249,17 +253,17 @@ class Reconciler:
                 owners = live["metadata"].get("ownerReferences") or []
                 if not any(ref.get("uid") == uid and ref.get("controller") for ref in owners):
                     continue  # carries our labels but is not ours: leave it alone
-                await CHILD_HANDLERS.get(kind, _DEFAULT_HANDLER).delete(ctx, kind, live)
+                await _handler(kind).delete(ctx, kind, live)
                 log.info("pruned %s %s/%s", kind.kind, ctx.namespace, name)
                 await self.events.normal(ctx.owner, "Pruned", f"deleted {kind.kind} {name}, no longer part of the spec")
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
-                      obs: Observation, mode: Mode, conflicts: list[str]) -> str:
+                      obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str]) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
-                             rollout=mode, conflicts=conflicts, warnings=spec_warnings(body))
+                             rollout=mode, conflicts=conflicts, warnings=warnings)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorfleet.api.models import RolloutSpec
-from tensorfleet.controller.observe import Observation, pod_unschedulable
+from tensorfleet.controller.observe import Group, Observation, pod_unschedulable
 
 # Progressing reasons this module sets, and reads back.
 SURGING, IN_PLACE, SURGE_UNSCHEDULABLE = "Surging", "ReplacingInPlace", "SurgeUnschedulable"
@@ -44,8 +44,9 @@ class Mode:
 STEADY = Mode(surge=0, in_place=False)
 
 
-def _outdated(obs: Observation) -> list[int]:
-    return [g.index for g in obs.current() if not g.updated(obs.revisions) and not g.terminating()]
+def _outdated(obs: Observation) -> list[Group]:
+    """Wanted groups running an old revision (and not already going away)."""
+    return [g for g in obs.current() if not g.updated(obs.revisions) and not g.terminating()]
 
 
 def decide(obs: Observation, rollout: RolloutSpec, *, running_surge: int, previous_reason: str | None) -> Mode:
@@ -77,7 +78,7 @@ def decide(obs: Observation, rollout: RolloutSpec, *, running_surge: int, previo
 
 def replacements(obs: Observation, mode: Mode) -> list[int]:
     """Groups to delete now: idle outdated ones at once; serving ones only as the mode's capacity allows."""
-    outdated = [g for g in obs.current() if g.index in set(_outdated(obs))]
+    outdated = _outdated(obs)
     idle = [g.index for g in outdated if not g.ready(obs.pipeline)]
     if idle:
         return idle

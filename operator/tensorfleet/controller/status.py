@@ -158,9 +158,9 @@ def set_condition(conditions: list[Condition], type_: str, status: ConditionStat
     return [entry if c is previous else c for c in conditions]
 
 
-def condition_status(conditions: list[dict[str, Any]], type_: str) -> str | None:
-    """The status of condition `type_` in conditions as read from the API, or None when it is absent."""
-    return next((c.get("status") for c in conditions if c.get("type") == type_), None)
+def condition_status(conditions: list[dict[str, Any]], type_: str, field: str = "status") -> str | None:
+    """A field (`status` unless told) of condition `type_` in conditions as read from the API; None when absent."""
+    return next((c.get(field) for c in conditions if c.get("type") == type_), None)
 
 
 def _conditions(previous: dict[str, Any]) -> list[Condition]:
