@@ -37,7 +37,9 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
     "webhook-off": {"webhook": {"enabled": False}},
     "monitoring-on": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}},
-                      "grafana": {"dashboard": {"enabled": True}}},
+                      "grafana": {"dashboard": {"enabled": True}},
+                      "monitoring": {"podMonitors": {"enabled": True, "labels": {"release": "prom"},
+                                                     "namespaces": ["ml"], "interval": "5s"}}},
     "cert-manager": {"webhook": {"certManager": {"enabled": True}, "failurePolicy": "Ignore"}},
     "cert-manager-cluster-issuer": {"webhook": {"certManager": {"enabled": True,
                                                                 "issuerRef": {"kind": "ClusterIssuer", "name": "ca"}}}},
@@ -463,7 +465,14 @@ def test_prometheus_adapter_rules_expose_the_hpa_metrics(chart: Any) -> None:
     maps = {c["metadata"]["name"]: c for c in by_kind(render(chart), "ConfigMap")}
     config = yaml.safe_load(maps[f"{RELEASE}-tensorfleet-adapter-rules"]["data"]["config.yaml"])
     rules = {r["name"]["as"]: r for r in config["rules"]}
-    assert set(rules) == {contract.HPA_METRIC_WAITING, contract.HPA_METRIC_ROUTER_PENDING}
+    assert set(rules) == {contract.HPA_METRIC_PENDING, contract.HPA_METRIC_WAITING, contract.HPA_METRIC_ROUTER_PENDING}
+    # The operator's HPAs: an Object metric per InferenceService, both queues summed.
+    pending = rules[contract.HPA_METRIC_PENDING]
+    assert pending["resources"]["overrides"] == {
+        "namespace": {"resource": "namespace"},
+        contract.METRIC_LABEL_INFERENCE_SERVICE: {"group": contract.GROUP, "resource": contract.PLURAL}}
+    assert contract.ROUTER_METRIC_PENDING in pending["metricsQuery"]
+    assert contract.VLLM_METRIC_WAITING in pending["metricsQuery"]
     waiting = rules[contract.HPA_METRIC_WAITING]
     assert waiting["seriesQuery"].startswith(contract.VLLM_METRIC_WAITING + "{")
     # Per pod (a Pods metric), not summed per namespace: two models in one namespace keep separate signals.
@@ -475,7 +484,7 @@ def test_prometheus_adapter_rules_expose_the_hpa_metrics(chart: Any) -> None:
 
 
 def test_hpa_the_operator_renders_uses_the_adapter_metric(chart: Any) -> None:
-    """The HPA the renderer writes asks the custom-metrics API for a Pods metric the chart's adapter rules serve."""
+    """The HPA the renderer writes asks the custom-metrics API for an Object metric the chart's adapter rules serve."""
     from tensorfleet.api import load_inference_service
     from tensorfleet.planner import make_plan
     from tensorfleet.render import render as render_isvc
@@ -488,16 +497,41 @@ def test_hpa_the_operator_renders_uses_the_adapter_metric(chart: Any) -> None:
     })
     (hpa,) = by_kind(render_isvc(isvc, make_plan(isvc.spec)), "HorizontalPodAutoscaler")
     (metric,) = hpa["spec"]["metrics"]
-    assert metric["type"] == "Pods"
-    name = metric["pods"]["metric"]["name"]
+    assert metric["type"] == "Object"
+    name = metric["object"]["metric"]["name"]
+    assert metric["object"]["describedObject"] == {"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+                                                   "name": "llama"}
 
     maps = {c["metadata"]["name"]: c for c in by_kind(render(chart), "ConfigMap")}
     rules = yaml.safe_load(maps[f"{RELEASE}-tensorfleet-adapter-rules"]["data"]["config.yaml"])["rules"]
     serving = [r for r in rules if r["name"]["as"] == name]
     assert len(serving) == 1, f"no prometheus-adapter rule exposes the HPA's metric {name!r}"
-    # A Pods metric: the adapter must tie each series to its pod (and the pod's namespace).
+    # An Object metric: the adapter must tie each series to the InferenceService (and its namespace).
     overrides = serving[0]["resources"]["overrides"]
-    assert overrides["pod"] == {"resource": "pod"} and overrides["namespace"] == {"resource": "namespace"}
+    assert overrides[contract.METRIC_LABEL_INFERENCE_SERVICE] == {"group": contract.GROUP, "resource": contract.PLURAL}
+    assert overrides["namespace"] == {"resource": "namespace"}
+
+
+def test_pod_monitors_label_every_series_with_its_inference_service(chart: Any) -> None:
+    assert not by_kind(render(chart), "PodMonitor")
+    monitors = by_kind(render(chart, VALUE_SETS["monitoring-on"]), "PodMonitor")
+    assert {m["spec"]["selector"]["matchLabels"][contract.LABEL_COMPONENT] for m in monitors} == {
+        contract.COMPONENT_ENGINE, contract.COMPONENT_ROUTER}
+    for monitor in monitors:
+        assert monitor["metadata"]["labels"]["release"] == "prom"
+        assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
+        assert monitor["spec"]["selector"]["matchLabels"][contract.LABEL_MANAGED_BY] == contract.APP_NAME
+        for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+            assert endpoint["interval"] == "5s" and endpoint["path"] == contract.METRICS_PATH
+            # The pod label tensorfleet.dev/inference-service, as Prometheus names its meta label.
+            source = "__meta_kubernetes_pod_label_" + contract.LABEL_INFERENCE_SERVICE.replace(".", "_").replace(
+                "/", "_").replace("-", "_")
+            assert {"sourceLabels": [source], "targetLabel": contract.METRIC_LABEL_INFERENCE_SERVICE,
+                    "action": "replace"} in endpoint["relabelings"]
+    ports = {m["spec"]["selector"]["matchLabels"][contract.LABEL_COMPONENT]:
+             [e["port"] for e in m["spec"]["podMetricsEndpoints"]] for m in monitors}
+    assert ports == {contract.COMPONENT_ENGINE: [contract.PORT_NAME_HTTP, contract.PORT_NAME_GPU_METRICS],
+                     contract.COMPONENT_ROUTER: [contract.PORT_NAME_HTTP]}
 
 
 def test_grafana_dashboard(chart: Any) -> None:

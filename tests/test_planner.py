@@ -203,6 +203,6 @@ def test_architecture_in_spec_serves_unknown_model() -> None:
 def test_plan_status_shape() -> None:
     status = plan_for({"parallelism": {"tensor": 1}}).to_status().model_dump(by_alias=True)
     assert set(status) == {"accelerator", "tensor", "pipeline", "gpusPerReplica", "maxModelLen", "weightsPerGpu",
-                           "kvCacheBytesPerToken", "kvCacheTokens", "maxConcurrentSequences", "modelSource"}
+                           "kvCacheBytesPerToken", "kvCacheTokens", "maxConcurrentSequences", "loadSeconds", "modelSource"}
     assert status["weightsPerGpu"].endswith("Gi")
     assert status["modelSource"] == "catalog"

@@ -581,15 +581,21 @@ def test_router() -> None:
     [container] = pod["containers"]
     assert container["image"] == contract.CONTROL_PLANE_IMAGE
     assert container["command"] == list(contract.ROUTER_COMMAND)
+    plan = make_plan(load_inference_service(PIPELINE_2).spec)
+    # What the KV cache holds at 2048 tokens a request, under max-num-seqs 1024.
+    concurrency = plan.kv_cache_tokens // 2048
+    assert 1 < concurrency < plan.max_num_seqs == 1024
     assert container["args"] == [
         "--service", "llama-engine",
         "--namespace", "ml",
         "--strategy", "least-pending",
         "--port", "8080",
-        "--max-concurrency-per-backend", "1024",
+        "--max-concurrency-per-backend", str(concurrency),
         "--model", "llama-70b",
         "--drain-delay", "5",
         "--shutdown-grace", "60",
+        # Twice the estimated load: 120 s engine start plus each GPU's weights at 500 MB/s.
+        "--cold-start-timeout", str(2 * (120 + -(-plan.weight_bytes_per_gpu // 500_000_000))),
     ]
     # SIGTERM drains: 5 s still serving while the endpoints update, 60 s for in-flight requests, 10 s margin.
     assert pod["terminationGracePeriodSeconds"] == 75
@@ -609,7 +615,7 @@ def test_router() -> None:
     custom = document(router={
         "replicas": 3, "strategy": "prefix-aware", "image": "example/router:2",
         "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}},
-        "maxConcurrencyPerEngine": 48, "maxQueue": 500, "queueTimeoutSeconds": 10,
+        "maxConcurrencyPerEngine": 48, "maxQueue": 500, "queueTimeoutSeconds": 10, "coldStartTimeoutSeconds": 90,
     })
     deployment = one(rendered(custom), "Deployment", "llama-router")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
@@ -617,7 +623,7 @@ def test_router() -> None:
     assert container["image"] == "example/router:2"
     assert container["args"][container["args"].index("--strategy") + 1] == "prefix-aware"
     assert container["args"][container["args"].index("--max-concurrency-per-backend") + 1] == "48"
-    assert container["args"][-4:] == ["--max-queue", "500", "--queue-timeout", "10"]
+    assert container["args"][-6:] == ["--max-queue", "500", "--queue-timeout", "10", "--cold-start-timeout", "90"]
     assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}
 
 
@@ -845,15 +851,21 @@ def test_hpa_shape_with_defaults() -> None:
         "scaleTargetRef": {"apiVersion": "tensorfleet.dev/v1alpha1", "kind": "InferenceService", "name": "llama"},
         "minReplicas": 2,
         "maxReplicas": 6,
+        # Every waiting request of the service (routers and engines), described on the InferenceService and
+        # divided by the replica count whether or not each is Ready.
         "metrics": [{
-            "type": "Pods",
-            "pods": {
-                "metric": {"name": contract.HPA_METRIC_WAITING},
+            "type": "Object",
+            "object": {
+                "describedObject": {"apiVersion": "tensorfleet.dev/v1alpha1", "kind": "InferenceService",
+                                    "name": "llama"},
+                "metric": {"name": contract.HPA_METRIC_PENDING},
                 "target": {"type": "AverageValue", "averageValue": "4"},
             },
         }],
         "behavior": {
-            "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 180}]},
+            "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max",
+                        "policies": [{"type": "Percent", "value": 100, "periodSeconds": 60},
+                                     {"type": "Pods", "value": 4, "periodSeconds": 60}]},
             "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
         },
     }
@@ -863,19 +875,20 @@ def test_hpa_behaviour_override_merges_field_by_field() -> None:
     doc = document(autoscaling={
         "minReplicas": 1, "maxReplicas": 4, "targetPendingRequests": 10,
         "behavior": {
-            "scaleUp": {"policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]},
+            "scaleUp": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": 180}]},
             "scaleDown": {"stabilizationWindowSeconds": 120},
         },
     })
     hpa = one(rendered(doc), "HorizontalPodAutoscaler", "llama")
-    assert hpa["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "10"
+    assert hpa["spec"]["metrics"][0]["object"]["target"]["averageValue"] == "10"
     assert hpa["spec"]["behavior"] == {
-        "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [{"type": "Percent", "value": 100, "periodSeconds": 60}]},
+        "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 180}]},
         "scaleDown": {"stabilizationWindowSeconds": 120, "selectPolicy": "Max", "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
     }
     # Defaults are not shared state: a second render still has them.
     again = one(rendered(PIPELINE_2), "HorizontalPodAutoscaler", "llama")
-    assert again["spec"]["behavior"]["scaleUp"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 180}]
+    assert again["spec"]["behavior"]["scaleUp"]["policies"] == [{"type": "Percent", "value": 100, "periodSeconds": 60},
+                                                                {"type": "Pods", "value": 4, "periodSeconds": 60}]
 
 
 def test_pdb() -> None:

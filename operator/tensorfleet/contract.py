@@ -224,9 +224,18 @@ ROUTER_COMMAND: Final = ("tensorfleet", "router")
 SIMULATOR_COMMAND: Final = ("tensorfleet", "sim")
 
 # --- Metrics ---------------------------------------------------------------
-# vLLM's own metric, and the name prometheus-adapter exposes it under.
+# vLLM's own metric, and the name prometheus-adapter exposes it under (a Pods
+# metric per engine leader pod, for HPAs of your own).
 VLLM_METRIC_WAITING: Final = "vllm:num_requests_waiting"
 HPA_METRIC_WAITING: Final = "vllm_num_requests_waiting"
+# The demand signal the operator's HPAs scale on: an Object metric on the
+# InferenceService, the sum of every request waiting for it, at its routers
+# (ROUTER_METRIC_PENDING) and inside its engines (VLLM_METRIC_WAITING).
+HPA_METRIC_PENDING: Final = "tensorfleet_pending_requests"
+# The series label naming a pod's InferenceService, which the chart's
+# PodMonitors copy from the pod label LABEL_INFERENCE_SERVICE (neither the
+# router nor vLLM knows it) and prometheus-adapter maps to the object.
+METRIC_LABEL_INFERENCE_SERVICE: Final = "inferenceservice"
 # The rest of vLLM's /metrics that the simulator serves and the router reads.
 # Counters are named without `_total`; prometheus-client appends it on the wire.
 VLLM_METRIC_RUNNING: Final = "vllm:num_requests_running"
@@ -320,6 +329,11 @@ def hpa_name(name: str) -> str:
 
 def pdb_name(name: str) -> str:
     return f"{name}-engine"
+
+
+def demand_lease_name(name: str) -> str:
+    """The Lease the routers renew on demand (autoscaling.minReplicas 0): the operator wakes the fleet from it."""
+    return f"{name}-demand"
 
 
 CACHE_VOLUME: Final = "model-cache"

@@ -336,7 +336,7 @@ class ScalingRules(ApiModel):
 class ScalingBehavior(ApiModel):
     scale_up: ScalingRules | None = Field(
         default=None,
-        description="Default: no stabilization window, at most 1 replica per 3 minutes (new replicas take minutes to load; faster steps overshoot).",
+        description="Default: no stabilization window, up to doubling or +4 replicas a minute, whichever is more (the target is absolute, so a queue that stays long while new replicas load does not ask for more again).",
     )
     scale_down: ScalingRules | None = Field(
         default=None, description="Default: 10-minute stabilization window, at most 1 replica per 5 minutes."
@@ -344,11 +344,31 @@ class ScalingBehavior(ApiModel):
 
 
 class AutoscalingSpec(ApiModel):
-    min_replicas: int = Field(default=1, ge=1, le=1000, description="Fewest model replicas. Default: 1.")
+    min_replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description=(
+            "Fewest model replicas. 0 lets the fleet go to zero after scaleToZeroAfterSeconds without a request; "
+            "the routers stay up, hold arriving requests and wake the fleet at once (the HPA itself never goes "
+            "below 1: the operator owns zero, the HPA owns 1..maxReplicas). Default: 1."
+        ),
+    )
     max_replicas: int = Field(ge=1, le=1000, description="Most model replicas.")
     target_pending_requests: int = Field(
         default=4, ge=1, le=100000,
-        description="Requests waiting in each replica's engine queue (vllm:num_requests_waiting) the HPA aims for. Default: 4.",
+        description=(
+            "Requests waiting per replica the HPA aims for, counting every queue: requests held at the routers "
+            f"({contract.ROUTER_METRIC_PENDING}) plus requests waiting inside the engines "
+            f"({contract.VLLM_METRIC_WAITING}), summed over the service and divided by its replicas (an Object "
+            f"metric `{contract.HPA_METRIC_PENDING}` on the InferenceService, so replicas still loading count "
+            "too). Default: 4."
+        ),
+    )
+    scale_to_zero_after_seconds: int = Field(
+        default=900, ge=30, le=604800,
+        description=(
+            "With minReplicas 0: seconds without a request at any router before the operator takes the fleet to "
+            "zero (the Scaled event and status.idleSince say when). Ignored otherwise. Default: 900."
+        ),
     )
     behavior: ScalingBehavior | None = Field(default=None, description="HPA scaling behaviour; fields left out keep Tensorfleet's defaults.")
 
@@ -357,6 +377,11 @@ class AutoscalingSpec(ApiModel):
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"minReplicas {self.min_replicas} is greater than maxReplicas {self.max_replicas}")
         return self
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """The operator, not the HPA, takes this fleet to zero when idle."""
+        return self.min_replicas == 0
 
 
 class RouterAuthSpec(ApiModel):
@@ -399,9 +424,24 @@ class RouterSpec(ApiModel):
     max_concurrency_per_engine: int | None = Field(
         default=None, ge=1, le=65536,
         description=(
-            "Requests in flight per engine before the router queues them itself. Lower it toward the requests "
-            "the KV cache holds at your typical length, so overload turns into fast 429s at the router instead of "
-            "a queue inside vLLM. Default: the engine's maxNumSeqs."
+            "Requests in flight per engine before the router queues them itself (the autoscaler counts that queue "
+            "too). Default: the requests the plan's KV cache holds at typicalRequestTokens each, at most the "
+            "engine's maxNumSeqs: beyond it vLLM would only queue or preempt."
+        ),
+    )
+    typical_request_tokens: int = Field(
+        default=2048, ge=16, le=10_000_000,
+        description=(
+            "Prompt plus output tokens of a typical request, which sizes the default maxConcurrencyPerEngine "
+            "(capped at the model's maxModelLen). Default: 2048."
+        ),
+    )
+    cold_start_timeout_seconds: int | None = Field(
+        default=None, ge=1, le=86400,
+        description=(
+            "How long a request that finds no engine ready during a cold start (the fleet waking from zero, engines "
+            "loading) may wait at the router before 503 with Retry-After. Default: twice the plan's estimated load "
+            "time (status.plan.loadSeconds), within 120-1800."
         ),
     )
     max_queue: int | None = Field(
@@ -598,6 +638,11 @@ class PlanStatus(ApiModel):
     kv_cache_bytes_per_token: int = Field(description="KV-cache bytes per token on one GPU of the largest stage.")
     kv_cache_tokens: int = Field(description="Tokens of KV cache per replica (what vLLM logs as `GPU KV cache size`).")
     max_concurrent_sequences: int = Field(description="Sequences of maxModelLen tokens that fit in the KV cache at once.")
+    load_seconds: int | None = Field(
+        default=None,
+        description="Estimated seconds from a replica's start to serving (engine start plus reading its weights), "
+                    "which sizes the router's default cold-start timeout.",
+    )
     model_source: Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"] | None = Field(
         default=None,
         description=(
@@ -614,6 +659,13 @@ class InferenceServiceStatus(ApiModel):
     observed_generation: int | None = Field(default=None, description="metadata.generation last reconciled.")
     conditions: list[Condition] = Field(default_factory=list, description="PlanValid, Progressing, Ready, Degraded.")
     replicas: int | None = Field(default=None, description="Model replicas (groups) that exist.")
+    idle_since: str | None = Field(
+        default=None,
+        description=(
+            "Set while the operator holds the fleet at zero (autoscaling.minReplicas 0, no request for "
+            "scaleToZeroAfterSeconds): when it went idle. The next request clears it."
+        ),
+    )
     ready_replicas: int | None = Field(default=None, description="Groups whose every stage pod is ready.")
     updated_replicas: int | None = Field(default=None, description="Groups running the current spec.")
     selector: str | None = Field(default=None, description="Label selector of the leader pods (for the scale subresource and HPA).")

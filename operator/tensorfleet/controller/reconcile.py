@@ -28,6 +28,8 @@ from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.controller import metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
 from tensorfleet.controller.diff import contains
+from tensorfleet.controller.idle import NOT_IDLE, Idle, parse_time
+from tensorfleet.controller.idle import decide as decide_idle
 from tensorfleet.controller.observe import Observation, is_terminating, observe
 from tensorfleet.controller.policy import check_images
 from tensorfleet.controller.rollout import Mode, decide
@@ -48,6 +50,7 @@ from tensorfleet.kube.resources import (
     CHILD_KINDS,
     DEPLOYMENT,
     INFERENCE_SERVICE,
+    LEASE,
     POD,
     STATEFUL_SET,
     Kind,
@@ -141,8 +144,10 @@ class Reconciler:
             await self.events.normal(body, "PlanAccepted", "the spec is valid again; rolling it out")
         ctx = Context(kube=self.kube, cache=self.cache, events=self.events, owner=body)
         children = {kind: self.cache.owned(kind, namespace, name) for kind in CHILD_KINDS}
-        mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"])
-        desired = render(isvc, plan, images=self.images, surge=mode.surge)
+        zero = decide_idle(isvc.spec, status, children[LEASE].get(contract.demand_lease_name(name)),
+                           meta.get("creationTimestamp"), parse_time(self.now()) or datetime.datetime.now(datetime.UTC))
+        mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"], idle=zero.idle)
+        desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle)
         first_time = status.get("observedGeneration") is None
         spec_unchanged = status.get("observedGeneration") == generation
         live_after: dict[tuple[str, str], dict[str, Any]] = {}
@@ -162,16 +167,18 @@ class Reconciler:
         sts = {k: live_after[key] for k in range(plan.pipeline)
                if (key := (STATEFUL_SET.kind, contract.stage_name(name, k))) in live_after}
         router = live_after.get((DEPLOYMENT.kind, contract.router_name(name)))
-        obs = observe(plan.pipeline, desired_replicas(isvc.spec), self._engine_pods(namespace, name, sts), sts, router,
-                      surge=mode.surge)
+        obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle),
+                      self._engine_pods(namespace, name, sts), sts, router, surge=mode.surge)
         await roll_groups(ctx, obs, mode)
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
-                                   spec_warnings(isvc))
+                                   spec_warnings(isvc), zero)
+        if zero.event is not None:
+            await self.events.normal(body, *zero.event)
         counts: dict[str, int] = {}
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
         self._record((namespace, name), (counts, ready))
-        return None
+        return zero.requeue
 
     def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         """Engine pods from the cache that our StatefulSets control, or that no controller holds yet.
@@ -188,12 +195,12 @@ class Reconciler:
                 and (any(controlled_by(pod, uid) for uid in ours) or controller_of(pod) is None)]
 
     def _rollout_mode(self, isvc: InferenceService, plan: Plan, status: dict[str, Any],
-                      live: dict[str, dict[str, Any]], uid: str) -> Mode:
+                      live: dict[str, dict[str, Any]], uid: str, *, idle: bool = False) -> Mode:
         """Decide the rollout's surge from the cluster as it is, before the StatefulSets are applied."""
         name = isvc.metadata.name
         sts = {k: live[n] for k in range(plan.pipeline)
                if (n := contract.stage_name(name, k)) in live and controlled_by(live[n], uid)}
-        wanted = desired_replicas(isvc.spec)
+        wanted = desired_replicas(isvc.spec, idle=idle)
         before = observe(plan.pipeline, wanted, self._engine_pods(isvc.metadata.namespace or "", name, sts), sts, None)
         running = max([int((s.get("spec") or {}).get("replicas") or 0) for s in sts.values()], default=wanted)
         previous = condition_status(status.get("conditions") or [], PROGRESSING, "reason")
@@ -258,12 +265,13 @@ class Reconciler:
                 await self.events.normal(ctx.owner, "Pruned", f"deleted {kind.kind} {name}, no longer part of the spec")
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
-                      obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str]) -> str:
+                      obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str],
+                      zero: Idle = NOT_IDLE) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
-                             rollout=mode, conflicts=conflicts, warnings=warnings)
+                             rollout=mode, conflicts=conflicts, warnings=warnings, idle_since=zero.since)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -67,8 +67,17 @@ def _progress(obs: Observation, rollout: Mode) -> tuple[ConditionStatus, str, st
     return "False", "Complete", f"all {desired} groups ready and updated"
 
 
-def _readiness(obs: Observation, cause: tuple[str, str] | None) -> tuple[ConditionStatus, str, str]:
-    """Ready, with the worst pod's cause as its reason when no group is ready (and in its message when some are not)."""
+def _readiness(obs: Observation, cause: tuple[str, str] | None,
+               idle_since: str | None = None) -> tuple[ConditionStatus, str, str]:
+    """Ready, with the worst pod's cause as its reason when no group is ready (and in its message when some are not).
+
+    A fleet the operator took to zero (IDLE_SINCE) is Ready while its routers are: they take requests and wake it.
+    """
+    if obs.desired == 0 and idle_since is not None:
+        if obs.router_available == 0:
+            return "False", "RouterUnavailable", f"scaled to zero since {idle_since}, and no router pod is available"
+        return "True", "ScaledToZero", (f"idle since {idle_since}: no engine runs; the routers hold the next request "
+                                        "and start the fleet")
     if obs.desired == 0:
         return "False", "ScaledToZero", "spec.replicas is 0"
     groups = f"{obs.ready_replicas} of {obs.desired} groups ready"
@@ -174,7 +183,8 @@ def _wire(status: InferenceServiceStatus) -> dict[str, Any]:
 
 def serving_status(previous: dict[str, Any], *, name: str, namespace: str, generation: int | None, plan: Plan,
                    obs: Observation, selector: str, now: str, rollout: Mode = STEADY,
-                   conflicts: Sequence[str] = (), warnings: Sequence[str] = ()) -> dict[str, Any]:
+                   conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
+                   idle_since: str | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
@@ -187,7 +197,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
     cause = _cause(obs, plan, _diagnoses(obs))
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs, rollout)), (READY, _readiness(obs, cause)), (DEGRADED, _degradation(cause, conflicts)),
+        (PROGRESSING, _progress(obs, rollout)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(
@@ -199,6 +209,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         selector=selector,
         endpoint=endpoint(name, namespace),
         plan=plan.to_status(),
+        **({"idle_since": idle_since} if idle_since is not None else {}),
     ))
 
 

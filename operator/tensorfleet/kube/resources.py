@@ -63,7 +63,8 @@ PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD
 # Pods are read for group readiness and deleted to roll multi-node groups.
 POD = Kind("", "v1", "pods", "Pod", ("list", "watch", "delete"))
 EVENT = Kind("", "v1", "events", "Event", ("create",))
-LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", ("get", "create", "update"))
+# The leader election's Lease (get, create, update), and each scale-to-zero service's demand Lease, a child.
+LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", (*_CHILD_VERBS, "update"))
 # The router Role grants read access to EndpointSlices; RBAC lets a subject
 # grant only what it holds itself, so the operator needs the same.
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", ("get", "list", "watch"))
@@ -75,8 +76,8 @@ CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomRes
 # What render() produces, in apply order; pruned children are found among these.
 # NetworkPolicies go before the workloads so that no pod starts unisolated.
 CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, NETWORK_POLICY, PDB, STATEFUL_SET,
-                                 DEPLOYMENT, HPA)
-ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, LEASE, ENDPOINT_SLICE, NAMESPACE, CRD)
+                                 LEASE, DEPLOYMENT, HPA)
+ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, ENDPOINT_SLICE, NAMESPACE, CRD)
 
 _BY_API_KIND = {(k.api_version, k.kind): k for k in ALL_KINDS}
 

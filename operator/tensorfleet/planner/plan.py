@@ -18,6 +18,7 @@ then add nodes as pipeline stages, with tensor = GPUs per node.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from tensorfleet import vllm_defaults
@@ -30,6 +31,10 @@ from tensorfleet.planner import memory
 from tensorfleet.planner.memory import GiB
 
 MAX_PIPELINE = 64
+# Plan.load_seconds: vLLM's own start (CUDA init, profiling, graph capture) is one to two minutes on an
+# H100; weights stream from the model cache volume at a conservative 500 MB/s per GPU.
+ENGINE_START_SECONDS = 120
+WEIGHT_LOAD_BYTES_PER_SECOND = 500_000_000
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,19 @@ class Plan:
     def fits(self) -> bool:
         return self.kv_cache_tokens >= self.max_model_len
 
+    def engine_concurrency(self, typical_request_tokens: int) -> int:
+        """Requests one replica's engine holds at once without running out of KV cache: its KV tokens over
+        a typical request's (prompt + output, capped at max_model_len), within [1, max_num_seqs]. Beyond it
+        vLLM only queues or preempts, so the router keeps the rest (and the autoscaler sees them)."""
+        typical = max(1, min(typical_request_tokens, self.max_model_len))
+        return max(1, min(self.max_num_seqs, self.kv_cache_tokens // typical))
+
+    @property
+    def load_seconds(self) -> int:
+        """A generous estimate of a replica's start: the engine's own (CUDA, graph capture) plus reading each
+        GPU's weights from the model cache. Sizes the router's default cold-start timeout."""
+        return ENGINE_START_SECONDS + math.ceil(self.weight_bytes_per_gpu / WEIGHT_LOAD_BYTES_PER_SECOND)
+
     def to_status(self) -> PlanStatus:
         return PlanStatus(
             accelerator=self.accelerator,
@@ -107,6 +125,7 @@ class Plan:
             kv_cache_bytes_per_token=self.kv_bytes_per_token_per_gpu,
             kv_cache_tokens=self.kv_cache_tokens,
             max_concurrent_sequences=self.max_concurrent_sequences,
+            load_seconds=self.load_seconds,
             model_source=self.model_source,
         )
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from tensorfleet.api.models import InferenceService
 from tensorfleet.planner import Plan
-from tensorfleet.render.autoscaling import hpa, pdb
+from tensorfleet.render.autoscaling import demand_lease, hpa, pdb
 from tensorfleet.render.engine import desired_replicas, statefulsets
 from tensorfleet.render.meta import (
     DEFAULT_IMAGES,
@@ -48,6 +48,7 @@ def render(
     standalone: bool = False,
     images: Images = DEFAULT_IMAGES,
     surge: int = 0,
+    idle: bool = False,
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 
@@ -57,6 +58,8 @@ def render(
     images: the default worker and control-plane images.
     surge: extra groups the StatefulSets run during a rollout (the operator's
     decision; 0 for a printed render).
+    idle: the fleet is at zero (minReplicas 0 and no demand for the idle
+    period; the operator's decision, controller/idle.py).
     """
     ctx = Context(
         isvc=isvc,
@@ -65,6 +68,7 @@ def render(
         standalone=standalone,
         images=images,
         surge=surge,
+        idle=idle,
     )
     # Dependencies first: identities and RBAC before the pods using them,
     # Services before the pods that resolve them, the NetworkPolicies and the
@@ -78,8 +82,11 @@ def render(
         *network_policies(ctx),
         pdb(ctx),
         *statefulsets(ctx),
-        deployment(ctx),
     ]
+    lease = demand_lease(ctx)
+    if lease is not None:
+        objects.append(lease)  # before the routers that renew it
+    objects.append(deployment(ctx))
     autoscaler = hpa(ctx)
     if autoscaler is not None:
         objects.append(autoscaler)

@@ -1,4 +1,19 @@
-"""HorizontalPodAutoscaler on pending requests, and the engine PodDisruptionBudget."""
+"""HorizontalPodAutoscaler on pending requests, and the engine PodDisruptionBudget.
+
+The HPA scales the InferenceService through its /scale subresource on one
+Object metric, contract.HPA_METRIC_PENDING: every request waiting for the
+service, at its routers and inside its engines, summed by prometheus-adapter
+(the chart's rules) and described on the InferenceService itself. With an
+AverageValue target the HPA divides that sum by the replica count, whether
+or not every replica is Ready, so replicas still loading do not skew it, and
+a queue that moved from the engines into the routers (a low
+router.maxConcurrencyPerEngine) is still seen.
+
+The HPA owns spec.replicas within [max(1, minReplicas), maxReplicas]. Zero
+is the operator's (minReplicas 0, controller/idle.py): it records the fleet
+idle in status and renders no groups, leaving spec.replicas to the HPA, so
+the two never write the same field.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +21,18 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api.models import ScalingRules
-from tensorfleet.render.meta import Context, engine_selector, metadata
+from tensorfleet.render.meta import Context, engine_selector, metadata, scales_to_zero
 
-# A new replica takes minutes to load, and until then the queue it is meant
-# to drain stays long: faster steps would keep adding replicas that are not
-# serving yet. Scale-down waits out bursts before giving back GPUs.
+# The target is absolute (replicas = waiting / target), so a queue that stays
+# long while new replicas load asks for the same count again rather than
+# more: scale-up can be fast, doubling (or 4 replicas) a minute, where one
+# replica at a time would take hours from 0 to a large fleet. Scale-down waits
+# out bursts before giving back GPUs, one replica per 5 minutes.
 DEFAULT_SCALE_UP: dict[str, Any] = {
     "stabilizationWindowSeconds": 0,
     "selectPolicy": "Max",
-    "policies": [{"type": "Pods", "value": 1, "periodSeconds": 180}],
+    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 60},
+                 {"type": "Pods", "value": 4, "periodSeconds": 60}],
 }
 DEFAULT_SCALE_DOWN: dict[str, Any] = {
     "stabilizationWindowSeconds": 600,
@@ -43,12 +61,14 @@ def hpa(ctx: Context) -> dict[str, Any] | None:
             # Through the InferenceService's /scale, so every stage moves
             # together and the HPA counts each group once (its leader).
             "scaleTargetRef": {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": ctx.name},
-            "minReplicas": auto.min_replicas,
+            # The HPA never goes below 1 (zero is the operator's, see above).
+            "minReplicas": max(1, auto.min_replicas),
             "maxReplicas": auto.max_replicas,
             "metrics": [{
-                "type": "Pods",
-                "pods": {
-                    "metric": {"name": contract.HPA_METRIC_WAITING},
+                "type": "Object",
+                "object": {
+                    "describedObject": {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": ctx.name},
+                    "metric": {"name": contract.HPA_METRIC_PENDING},
                     "target": {"type": "AverageValue", "averageValue": str(auto.target_pending_requests)},
                 },
             }],
@@ -57,6 +77,18 @@ def hpa(ctx: Context) -> dict[str, Any] | None:
                 "scaleDown": _rules(DEFAULT_SCALE_DOWN, behavior.scale_down if behavior else None),
             },
         },
+    }
+
+
+def demand_lease(ctx: Context) -> dict[str, Any] | None:
+    """With minReplicas 0: the Lease the routers renew on demand (router/demand.py). The operator owns its
+    metadata; the routers own spec.renewTime and spec.holderIdentity, which are therefore not rendered."""
+    if not scales_to_zero(ctx):
+        return None
+    return {
+        "apiVersion": "coordination.k8s.io/v1",
+        "kind": "Lease",
+        "metadata": metadata(ctx, contract.demand_lease_name(ctx.name), contract.COMPONENT_ROUTER),
     }
 
 

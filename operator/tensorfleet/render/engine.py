@@ -52,17 +52,23 @@ LAUNCHER_LIMITS = {"memory": "128Mi"}
 LAUNCHER_VOLUME_SIZE = "64Mi"
 
 
-def desired_replicas(spec: InferenceServiceSpec) -> int:
+def desired_replicas(spec: InferenceServiceSpec, *, idle: bool = False) -> int:
     """Model replicas (groups): what every stage StatefulSet runs.
 
     Under autoscaling the HPA's bounds apply at once: the API server defaults
     spec.replicas to 1 before the HPA first writes it, and the HPA would clamp
-    any value outside [minReplicas, maxReplicas] on its next sync anyway.
+    any value outside [minReplicas, maxReplicas] on its next sync anyway (its
+    floor is 1 even with minReplicas 0). IDLE: the operator took the fleet to
+    zero (minReplicas 0, no request for scaleToZeroAfterSeconds); only it
+    decides that, and spec.replicas stays the HPA's.
     """
     if spec.autoscaling is not None:
         bounds = spec.autoscaling
-        wanted = spec.replicas if spec.replicas is not None else bounds.min_replicas
-        return min(max(wanted, bounds.min_replicas), bounds.max_replicas)
+        if idle and bounds.scales_to_zero:
+            return 0
+        floor = max(1, bounds.min_replicas)
+        wanted = spec.replicas if spec.replicas is not None else floor
+        return min(max(wanted, floor), bounds.max_replicas)
     return spec.replicas if spec.replicas is not None else 1
 
 
@@ -89,7 +95,7 @@ def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
     # StatefulSet controller would roll each stage on its own, mixing versions
     # inside a group, and take a pod down before its replacement has loaded.
     body: dict[str, Any] = {
-        "replicas": desired_replicas(spec) + ctx.surge,
+        "replicas": desired_replicas(spec, idle=ctx.idle) + ctx.surge,
         "serviceName": contract.workers_service_name(ctx.name),
         # Groups load for minutes; ordered start-up would serialise that.
         "podManagementPolicy": "Parallel",

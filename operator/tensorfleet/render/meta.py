@@ -38,6 +38,7 @@ class Context:
     standalone: bool
     images: Images = DEFAULT_IMAGES
     surge: int = 0  # groups beyond spec.replicas during a rollout (the operator decides; see controller/rollout.py)
+    idle: bool = False  # the fleet is at zero (minReplicas 0; the operator decides, see controller/idle.py)
 
     @property
     def name(self) -> str:
@@ -50,6 +51,12 @@ class Context:
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.spec.model.name
+
+
+def scales_to_zero(ctx: Context) -> bool:
+    """autoscaling.minReplicas is 0: the routers renew a demand Lease and the operator may idle the fleet."""
+    auto = ctx.spec.autoscaling
+    return auto is not None and auto.scales_to_zero
 
 
 def pod_labels(name: str, component: str) -> dict[str, str]:

@@ -13,12 +13,23 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.render.meta import Context, metadata, pod_labels, resources_block, router_selector
+from tensorfleet.render.meta import (
+    Context,
+    metadata,
+    pod_labels,
+    resources_block,
+    router_selector,
+    scales_to_zero,
+)
 
 CONTAINER_NAME = "router"
 DEFAULT_REQUESTS = {"cpu": "250m", "memory": "256Mi"}
 DEFAULT_LIMITS = {"memory": "512Mi"}
 API_KEYS_MODE = 0o440  # readable by the owner (root) and the group (fsGroup: the router's)
+# The default cold-start timeout's bounds: long enough for any engine to load, short enough that a client
+# (most time out after minutes) still gets the router's 503 rather than its own timeout.
+COLD_START_MIN_SECONDS = 120
+COLD_START_MAX_SECONDS = 1800
 
 
 def _name(ctx: Context) -> str:
@@ -36,16 +47,34 @@ def service_account(ctx: Context) -> dict[str, Any]:
 def role(ctx: Context) -> dict[str, Any]:
     # EndpointSlice names are generated, so resourceNames cannot narrow
     # this further; the router filters by the engine Service's label.
+    rules: list[dict[str, Any]] = [{
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }]
+    if scales_to_zero(ctx):
+        # Renewing the demand Lease (router/demand.py) by server-side apply: that one Lease, which the
+        # operator creates, and nothing else (create cannot be narrowed by name, and is not needed).
+        rules.append({
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": [contract.demand_lease_name(ctx.name)],
+            "verbs": ["get", "patch"],
+        })
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": metadata(ctx, _name(ctx), contract.COMPONENT_ROUTER),
-        "rules": [{
-            "apiGroups": ["discovery.k8s.io"],
-            "resources": ["endpointslices"],
-            "verbs": ["get", "list", "watch"],
-        }],
+        "rules": rules,
     }
+
+
+def cold_start_timeout(ctx: Context) -> int:
+    """spec.router.coldStartTimeoutSeconds, or twice the plan's estimated load time within [120, 1800]."""
+    given = ctx.spec.router.cold_start_timeout_seconds
+    if given is not None:
+        return given
+    return min(COLD_START_MAX_SECONDS, max(COLD_START_MIN_SECONDS, 2 * ctx.plan.load_seconds))
 
 
 def role_binding(ctx: Context) -> dict[str, Any]:
@@ -91,14 +120,18 @@ def _container(ctx: Context) -> dict[str, Any]:
             "--namespace", ctx.namespace,
             "--strategy", router.strategy,
             "--port", str(contract.ROUTER_PORT),
-            # A leader never batches more than the engine's max-num-seqs;
-            # beyond that requests only queue inside the engine.
-            "--max-concurrency-per-backend", str(router.max_concurrency_per_engine or ctx.plan.max_num_seqs),
+            # Beyond what the KV cache holds at a typical request size (and
+            # max-num-seqs) requests only queue or preempt inside the engine;
+            # held at the router they are counted by the autoscaler too.
+            "--max-concurrency-per-backend",
+            str(router.max_concurrency_per_engine or ctx.plan.engine_concurrency(router.typical_request_tokens)),
             "--model", ctx.served_name,
             "--drain-delay", str(contract.ROUTER_DRAIN_SECONDS),
             "--shutdown-grace", str(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),
             *(["--max-queue", str(router.max_queue)] if router.max_queue else []),
             *(["--queue-timeout", str(router.queue_timeout_seconds)] if router.queue_timeout_seconds else []),
+            "--cold-start-timeout", str(cold_start_timeout(ctx)),
+            *(["--demand-lease", contract.demand_lease_name(ctx.name)] if scales_to_zero(ctx) else []),
             *_auth_args(ctx),
         ],
         "ports": [{"name": contract.PORT_NAME_HTTP, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],

@@ -156,6 +156,8 @@ from tensorfleet.router.backends import (
     BreakerPolicy,
     parse_engine_metrics,
 )
+from tensorfleet.router.demand import REFRESH_SECONDS as DEMAND_REFRESH_SECONDS
+from tensorfleet.router.demand import DemandLease
 from tensorfleet.router.discovery import EndpointSliceWatcher
 from tensorfleet.router.dispatch import (
     BodyBudget,
@@ -224,6 +226,10 @@ class RouterConfig:
     service: str | None = None
     namespace: str | None = None
     kube: Connection | None = None  # the API server that lists `service`'s EndpointSlices
+    # Scale from zero (router/demand.py): the Lease this router renews on demand, and how long a request that
+    # found no engine at all may wait for the fleet to wake before 503.
+    demand_lease: str | None = None
+    cold_start_timeout: float = 600.0
     breaker: BreakerPolicy | None = None
 
 
@@ -395,6 +401,7 @@ class Router:
         self._static_urls = {url.rstrip("/") for url in self._static}
         self._discovered: list[str] = []
         self._watcher: EndpointSliceWatcher | None = None
+        self.demand: DemandLease | None = None
         self._health_wake = asyncio.Event()  # set when engines join: check them now, not an interval later
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attempts: set[_Attempt] = set()
@@ -445,10 +452,15 @@ class Router:
                                            on_update=self.dispatcher.reevaluate)
             self._watcher = watcher
             tasks.append(asyncio.create_task(watcher.run(), name="router-discovery"))
+            if self.config.demand_lease:
+                self.demand = DemandLease(self.config.demand_lease, namespace, connection)
+                tasks.append(asyncio.create_task(self._demand_loop(self.demand), name="router-demand"))
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.demand is not None:
+            await self.demand.close()
         await self.session.close()
 
     async def _keys_loop(self, keys: KeyRing) -> None:
@@ -459,6 +471,13 @@ class Router:
                 self.key_limits.retain(keys.tenants)
                 self.dispatcher.forget(keys.tenants)
                 self.metrics.forget_tenants(keys.tenants)
+
+    async def _demand_loop(self, demand: DemandLease) -> None:
+        """Keep renewing the demand Lease while requests are being handled (a long stream is demand too)."""
+        while True:
+            await asyncio.sleep(DEMAND_REFRESH_SECONDS)
+            if self._active:
+                demand.touch()
 
     def _on_discovered(self, urls: list[str]) -> None:
         self._discovered = urls
@@ -578,6 +597,8 @@ class Router:
             starting = watcher.starting()
             if starting:
                 return f"{len(starting)} engine pod(s) starting"
+            if self.demand is not None and not watcher.failing and not len(self.pool):
+                return "the fleet is scaled to zero; waking it"
         joining = sum(1 for b in self.pool if b.state == JOINING and (b.url in self._static_urls or not b.checked))
         if joining:
             return f"{joining} engine(s) not up yet"
@@ -863,9 +884,20 @@ class Router:
         tried: set[str] = set()
         failures: list[_Failed] = []
         retry_after: dict[str, str] = {}
+        # A request that finds no engine to serve it during a cold start (the fleet waking from zero, its
+        # engines loading) waits up to --cold-start-timeout, not --queue-timeout.
+        waiting = self.config.queue_timeout
+        if not self.pool.routable():
+            if self.demand is not None:
+                self.demand.touch(urgent=True)
+            if self.cold_start() is not None:
+                waiting = max(waiting, self.config.cold_start_timeout)
+        elif self.demand is not None:
+            self.demand.touch()
         for attempt in range(self.config.retries + 1):
             try:
-                backend = await self.dispatcher.acquire(call.info, frozenset(tried), tenant=call.tenant)
+                backend = await self.dispatcher.acquire(call.info, frozenset(tried), tenant=call.tenant,
+                                                        timeout=waiting)
             except QueueFull as exc:
                 if call.tenant is not None:
                     self.metrics.tenant_rejected(call.tenant, "queue")
@@ -878,7 +910,7 @@ class Router:
                 return self._reject(429, message, headers={"Retry-After": RETRY_AFTER_SECONDS})
             except QueueTimeout:
                 healthy = sum(1 for b in self.pool if b.healthy)
-                return self._reject(503, f"no engine could take the request within {self.config.queue_timeout:g}s "
+                return self._reject(503, f"no engine could take the request within {waiting:g}s "
                                          f"({len(self.pool)} engines, {healthy} healthy); the service is overloaded "
                                          "or starting, retry later", headers={"Retry-After": RETRY_AFTER_SECONDS})
             except ShuttingDown:

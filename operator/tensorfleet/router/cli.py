@@ -67,6 +67,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
                    help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
                         "before 503; with no engine healthy and none starting it gets 503 at once (default: 30)")
+    zero = p.add_argument_group("scale from zero (autoscaling.minReplicas 0; router/demand.py)")
+    zero.add_argument("--demand-lease", metavar="NAME",
+                      help="Lease (in --namespace) to renew when requests arrive, at once when one finds no engine: "
+                           "the operator wakes a fleet at zero from it and counts idle time from it. Needs --service")
+    zero.add_argument("--cold-start-timeout", type=argtypes.positive_float, default=600.0, metavar="SECONDS",
+                      help="seconds a request that found no engine ready during a cold start (the fleet waking from "
+                           "zero, its engines loading) may wait before 503 with Retry-After (default: 600)")
     p.add_argument("--retries", type=argtypes.non_negative_int, default=2,
                    help="other engines to try when one fails before any byte reached the client")
     p.add_argument("--health-interval", type=argtypes.positive_float, default=2.0,
@@ -162,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
     if (args.requests_per_minute or args.tokens_per_minute) and not args.api_keys:
         raise SystemExit("error: --requests-per-minute and --tokens-per-minute are per API key: give --api-keys")
     kube = None
+    if args.demand_lease and not args.service:
+        raise SystemExit("error: --demand-lease needs --service: the Lease lives with the engines' discovery")
     if args.service:
         try:
             kube = Connection.for_url(args.kube_api) if args.kube_api else Connection.from_environment()
@@ -199,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         service=args.service,
         namespace=args.namespace,
         kube=kube,
+        demand_lease=args.demand_lease,
+        cold_start_timeout=args.cold_start_timeout,
     )
 
     try:

@@ -160,8 +160,8 @@ class Dispatcher:
         return any(b.in_flight < ceiling for b in self.pool.routable())
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *,
-                      tenant: str | None = None) -> Backend:
-        """An engine slot for TENANT's request: at once, or after queueing."""
+                      tenant: str | None = None, timeout: float | None = None) -> Backend:
+        """An engine slot for TENANT's request: at once, or after queueing up to TIMEOUT (default queue_timeout)."""
         if self.closed:
             raise ShuttingDown()
         if not self._queues:
@@ -179,7 +179,7 @@ class Dispatcher:
             self._displace(tenant)
         loop = asyncio.get_running_loop()
         waiter = _Waiter(info, exclude, loop.create_future(), tenant)
-        waiter.timer = loop.call_later(self.queue_timeout, self._expire, waiter)
+        waiter.timer = loop.call_later(self.queue_timeout if timeout is None else timeout, self._expire, waiter)
         self._queues.setdefault(tenant, OrderedDict())[waiter] = None
         try:
             return await waiter.future
