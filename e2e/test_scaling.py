@@ -61,4 +61,4 @@ def test_the_hpa_controller_reads_scale_and_its_selector(namespace: str) -> None
     if "v1beta1.custom.metrics.k8s.io" not in services:
         active = eventually("the HPA ScalingActive condition", lambda: condition(
             get("horizontalpodautoscaler", contract.hpa_name(name), namespace), "ScalingActive"))
-        assert active["status"] == "False" and active["reason"] == "FailedGetPodsMetric", active
+        assert active["status"] == "False" and active["reason"] == "FailedGetObjectMetric", active
