@@ -19,13 +19,14 @@ run, router RSS under 200 MiB.
 
 Hang: 4 engines; 8 streaming and 8 non-streaming closed-loop clients; a third
 of the way in one engine gets SIGSTOP and stays stopped. Goals: no request
-fails before its first byte (those waiting on the stopped engine move to
-another), non-streamed requests see no failure at all, and no request waits
-more than 10 s beyond its normal latency for its first byte. A stream already
-flowing from the engine when it stopped cannot move (the client has part of
-an answer): it must end with an SSE error event, not hang.
+fails (those waiting on the stopped engine for their first byte move to
+another; a stream already flowing from it is resumed on another engine as a
+continuation, router/resume.py), and no request waits more than 10 s beyond
+its normal latency for its first byte. Every stream that completed is checked
+whole: its text is ANSWER_TOKENS tokens (the simulator's tokenizer) and its
+usage says so, so a resumption that repeated or lost text would show.
 
-    python benchmarks/bench_attack.py [--quick]
+    python benchmarks/bench_attack.py [--quick] [--scenario attack|hang]
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ from common import (
     wait_healthy,
     write_results,
 )
+
+from tensorfleet.sim.tokenizer import count_tokens
 
 TIME_SCALE = 0.1
 ANSWER_TOKENS = 32
@@ -355,7 +358,10 @@ def hang_test(seconds: float) -> dict[str, Any]:
                            "router_retries": {reason: metric_sum(metrics, "tensorfleet_router_retries_total",
                                                                  reason=reason)
                                               for reason in ("unresponsive", "timeout", "connect", "upstream", "status")},
-                           "router_stream_errors": metric_sum(metrics, "tensorfleet_router_stream_errors_total")}
+                           "router_stream_errors": metric_sum(metrics, "tensorfleet_router_stream_errors_total"),
+                           "router_stream_resumptions": {
+                               reason: metric_sum(metrics, "tensorfleet_router_stream_resumptions_total", reason=reason)
+                               for reason in ("unresponsive", "stalled", "failed")}}
     for streaming in (True, False):
         results = [r for s, r in log if s == streaming]
         before = [r for r in results if r.sent_at + r.total < stopped and not failed(r)]
@@ -368,9 +374,16 @@ def hang_test(seconds: float) -> dict[str, Any]:
             "failed_before_first_byte": sum(1 for r in results if failed(r) and not r.started),
             "cut_mid_stream_with_error_event": sum(1 for r in results if r.started and r.error is not None),
             "silently_truncated": sum(1 for r in results if r.started and r.error is None and not r.done),
+            # A completed stream whose text or usage is not the whole answer: text lost or sent twice.
+            "wrong_length": sum(1 for r in results if streaming and not failed(r)
+                                and (count_tokens(r.text) != ANSWER_TOKENS or r.tokens != ANSWER_TOKENS)),
+            "failed": sum(1 for r in results if failed(r)),
             "normal_first_byte_p50_ms": normal * 1e3,
             "affected_requests": len(affected),
             "max_first_byte_excess_s": max(excess, default=0.0),
+            # The whole answer: for a resumed stream, the pause between the engine stopping and the continuation.
+            "max_e2e_excess_s": max((r.total - percentile([b.total for b in before], 50) for r in affected
+                                     if not failed(r)), default=0.0),
             "first_byte_excess_over_10s": sum(1 for e in excess if e > 10.0),
         }
     return out
@@ -379,6 +392,7 @@ def hang_test(seconds: float) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--scenario", choices=("attack", "hang"), help="run only this scenario (default: both)")
     parser.add_argument("--attacker", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=ATTACK_RPS, help=argparse.SUPPRESS)
     parser.add_argument("--seconds", type=float, default=30.0, help=argparse.SUPPRESS)
@@ -386,45 +400,53 @@ def main() -> None:
     if args.attacker:
         print(json.dumps(asyncio.run(attacker(args.attacker, args.rate, args.seconds))), flush=True)
         return
-    seconds = 10.0 if args.quick else 30.0
-    print(f"attack: {seconds:g}s without, then {seconds:g}s with {ATTACK_RPS:g} hostile requests/s...", flush=True)
-    attack = attack_test(seconds)
-    print(json.dumps(attack, indent=2), flush=True)
-    hang_seconds = 15.0 if args.quick else 45.0
-    print(f"hang: {hang_seconds:g}s, one of four engines stopped after {hang_seconds / 3:g}s...", flush=True)
-    hang = hang_test(hang_seconds)
-    print(json.dumps(hang, indent=2), flush=True)
-    base, under = attack["attack_free"], attack["under_attack"]
-    print()
-    print(table(["legitimate clients", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms", "e2e p99 ms"],
-                [[name, r["requests"], r["failed"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["e2e_p50_ms"], r["e2e_p99_ms"]]
-                 for name, r in (("attack-free", base), ("under attack", under))]))
-    print()
-    print(table(["hang", "requests", "failed before 1st byte", "cut mid-stream (error event)", "silently truncated",
-                 "max first-byte excess s", "ejected after s"],
-                [[name, hang[key]["requests"], hang[key]["failed_before_first_byte"],
-                  hang[key]["cut_mid_stream_with_error_event"], hang[key]["silently_truncated"],
-                  hang[key]["max_first_byte_excess_s"], hang["ejected_after_stop_s"]]
-                 for name, key in (("streaming", "streaming"), ("non-streaming", "non_streaming"))]))
-    ratio = under["e2e_p99_ms"] / base["e2e_p99_ms"]
-    goals = {
-        "attack_legit_failed": under["failed"],
-        "attack_e2e_p99_ratio": ratio,
-        "attack_router_peak_rss_mib": attack["router_rss_mib"]["peak_under_attack"],
-        "attack_goal_met": under["failed"] == 0 and ratio <= 2.0 and attack["router_rss_mib"]["peak_under_attack"] < 200,
-        "hang_failed_before_first_byte": (hang["streaming"]["failed_before_first_byte"]
-                                          + hang["non_streaming"]["failed_before_first_byte"]),
-        "hang_non_streaming_failed": hang["non_streaming"]["failed_before_first_byte"],
-        "hang_max_first_byte_excess_s": max(hang["streaming"]["max_first_byte_excess_s"],
-                                            hang["non_streaming"]["max_first_byte_excess_s"]),
-    }
-    goals["hang_goal_met"] = (goals["hang_failed_before_first_byte"] == 0 and hang["streaming"]["silently_truncated"] == 0
-                              and goals["hang_max_first_byte_excess_s"] <= 10.0)
+    goals: dict[str, Any] = {}
+    payload: dict[str, Any] = {"quick": args.quick, "time_scale": TIME_SCALE}
+    if args.scenario in (None, "attack"):
+        seconds = 10.0 if args.quick else 30.0
+        print(f"attack: {seconds:g}s without, then {seconds:g}s with {ATTACK_RPS:g} hostile requests/s...", flush=True)
+        attack = attack_test(seconds)
+        print(json.dumps(attack, indent=2), flush=True)
+        base, under = attack["attack_free"], attack["under_attack"]
+        print()
+        print(table(["legitimate clients", "requests", "failed", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms",
+                     "e2e p99 ms"],
+                    [[name, r["requests"], r["failed"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["e2e_p50_ms"],
+                      r["e2e_p99_ms"]] for name, r in (("attack-free", base), ("under attack", under))]))
+        print()
+        ratio = under["e2e_p99_ms"] / base["e2e_p99_ms"]
+        peak = attack["router_rss_mib"]["peak_under_attack"]
+        goals.update({"attack_legit_failed": under["failed"], "attack_e2e_p99_ratio": ratio,
+                      "attack_router_peak_rss_mib": peak,
+                      "attack_goal_met": under["failed"] == 0 and ratio <= 2.0 and peak < 200})
+        payload.update({"attack_rps": ATTACK_RPS, "attack": attack})
+    if args.scenario in (None, "hang"):
+        hang_seconds = 15.0 if args.quick else 45.0
+        print(f"hang: {hang_seconds:g}s, one of four engines stopped after {hang_seconds / 3:g}s...", flush=True)
+        hang = hang_test(hang_seconds)
+        print(json.dumps(hang, indent=2), flush=True)
+        print()
+        print(table(["hang", "requests", "failed", "failed before 1st byte", "cut mid-stream (error event)",
+                     "silently truncated", "wrong length", "max first-byte excess s", "ejected after s"],
+                    [[name, hang[key]["requests"], hang[key]["failed"], hang[key]["failed_before_first_byte"],
+                      hang[key]["cut_mid_stream_with_error_event"], hang[key]["silently_truncated"],
+                      hang[key]["wrong_length"], hang[key]["max_first_byte_excess_s"], hang["ejected_after_stop_s"]]
+                     for name, key in (("streaming", "streaming"), ("non-streaming", "non_streaming"))]))
+        streaming, plain = hang["streaming"], hang["non_streaming"]
+        goals.update({
+            "hang_failed": streaming["failed"] + plain["failed"],
+            "hang_wrong_length": streaming["wrong_length"],
+            "hang_max_first_byte_excess_s": max(streaming["max_first_byte_excess_s"],
+                                                plain["max_first_byte_excess_s"]),
+            "hang_stream_resumptions": sum(hang["router_stream_resumptions"].values()),
+        })
+        goals["hang_goal_met"] = (goals["hang_failed"] == 0 and goals["hang_wrong_length"] == 0
+                                  and streaming["silently_truncated"] == 0
+                                  and goals["hang_max_first_byte_excess_s"] <= 10.0)
+        payload["hang"] = hang
     print(json.dumps(goals, indent=2))
-    path = write_results("attack", {"quick": args.quick, "time_scale": TIME_SCALE, "attack_rps": ATTACK_RPS,
-                                    "attack": attack, "hang": hang, "goals": goals})
+    path = write_results("attack" if args.scenario is None else f"attack-{args.scenario}", {**payload, "goals": goals})
     print(f"wrote {path}")
-
 
 if __name__ == "__main__":
     main()

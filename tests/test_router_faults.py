@@ -133,14 +133,16 @@ async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> Non
             assert "CUDA error" in (await resp.json())["error"]["message"]
 
 
-async def test_failure_after_the_first_byte_is_not_retried_and_ends_with_an_error_event() -> None:
+async def test_failure_after_the_first_byte_of_a_stream_that_cannot_resume_ends_with_an_error_event() -> None:
     async with AsyncExitStack() as stack:
         cut_url, _calls = await stack.enter_async_context(fake_engine(cut_stream))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([cut_url, live.url], strategy="round-robin", health_interval=60))
         client = await stack.enter_async_context(aiohttp.ClientSession())
-        async with client.post(r.url + "/v1/completions",
-                               json={"model": MODEL, "prompt": "x", "max_tokens": 5, "stream": True}) as resp:
+        # With logprobs a continuation could not give the client the tokens' logprobs it already has: not
+        # resumable (test_router_resume.py has the streams that are).
+        async with client.post(r.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5,
+                                                                "logprobs": 1, "stream": True}) as resp:
             assert resp.status == 200 and resp.headers[contract.BACKEND_HEADER] == cut_url
             events = [data async for _, data in sse_events(resp)]
         assert json.loads(events[0])["choices"][0]["text"] == " first"
@@ -160,7 +162,9 @@ async def test_killed_engine_process_mid_stream_surfaces_an_error_and_the_next_r
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([engine_url, live.url], strategy="round-robin"))
         client = await stack.enter_async_context(aiohttp.ClientSession())
-        async with client.post(r.url + "/v1/chat/completions", json=chat("long", max_tokens=1000, stream=True)) as resp:
+        # n=2: not resumable (test_router_resume.py resumes the streams that are).
+        async with client.post(r.url + "/v1/chat/completions",
+                               json=chat("long", max_tokens=1000, stream=True, n=2)) as resp:
             assert resp.headers[contract.BACKEND_HEADER] == engine_url
             events = []
             async for _, data in sse_events(resp):

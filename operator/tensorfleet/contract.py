@@ -53,6 +53,14 @@ LABEL_ROLE: Final = f"{GROUP}/role"
 # Set by the StatefulSet controller on every pod since Kubernetes 1.28.
 LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"
 
+# --- Annotations -------------------------------------------------------------
+# On an InferenceService, set by its user: a new value makes the operator read the
+# model's facts again (config.json from the Hub), replacing those pinned in status.
+ANNOTATION_MODEL_FACTS_REFRESH: Final = f"{GROUP}/model-facts-refresh"
+# On an engine StatefulSet, set by the operator: the groups the spec wants, without
+# a rollout's surge groups (which its replicas include).
+ANNOTATION_WANTED_GROUPS: Final = f"{GROUP}/wanted-groups"
+
 APP_NAME: Final = "tensorfleet"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_ROUTER: Final = "router"
@@ -269,6 +277,7 @@ ROUTER_METRIC_TTFT: Final = "tensorfleet_router_time_to_first_byte_seconds"    #
 ROUTER_METRIC_RETRIES: Final = "tensorfleet_router_retries"                # counter: reason
 ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # counter: backend
 ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
+ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions"  # counter: reason
 # With API keys (spec.router.auth): per tenant, the tenants being the Secret's key names (never a key), so the
 # label's values are bounded by the Secret.
 ROUTER_METRIC_TENANT_REQUESTS: Final = "tensorfleet_router_tenant_requests"      # counter: tenant, code

@@ -6,10 +6,21 @@ engine slot from the dispatcher (maybe queueing), forward the bytes unchanged,
 relay the answer. Streams are relayed chunk by chunk as the engine writes
 them; the client's headers are sent only once the engine's first byte is in
 hand, so until then a failed engine can be replaced by another one without the
-client noticing. After that, an engine failure ends the client's stream with
-an explicit SSE error event: never a silent truncation. A client that
-disconnects cancels its handler (see httpapi.start_site), which closes the
-engine connection, which aborts the request in the engine.
+client noticing. After that, a generation's stream whose engine stalls, stops
+answering or breaks is resumed: re-issued to another engine as a continuation
+of the answer already sent (prompt + text, or the chat's assistant message
+with continue_final_message; max_tokens less the tokens sent), whose events are
+relayed rewritten to the first stream's id, created and model, without a
+second role delta, usage counting the original prompt and every token sent; the
+client sees one uninterrupted stream. At most --stream-resumptions times per
+stream, never on an engine it broke on, and only where a continuation is the
+same answer (router/resume.py lists what is not: n > 1, logprobs, echo, guided
+decoding, tool calls or reasoning already sent, ...; counted in
+ROUTER_METRIC_STREAM_RESUMPTIONS). Any other engine failure after the first
+byte ends the client's stream with an explicit SSE error event: never a silent
+truncation. A client that disconnects cancels its handler (see
+httpapi.start_site), which closes the engine connection, which aborts the
+request in the engine.
 
 Endpoints (an allow-list): POST /v1/chat/completions, /v1/completions,
 /v1/embeddings, /tokenize and /detokenize are forwarded; GET /v1/models is the
@@ -107,11 +118,13 @@ Timeouts the router owns:
                checks answer for its health.
   health       a health check unanswered within --health-timeout ejects the
                engine at once as unresponsive; requests waiting for its first
-               byte move to other engines then, and its streams that have been
-               quiet as long end with an error event.
+               byte move to other engines then, and its streams are resumed
+               elsewhere (or end with an error event) once they have been quiet
+               as long.
   stall        a stream that gets nothing from its engine for
-               --stream-idle-timeout ends with an SSE error event; a client that
-               reads nothing for as long is disconnected.
+               --stream-idle-timeout is resumed on another engine, or ends with
+               an SSE error event when it cannot be; a client that reads
+               nothing for as long is disconnected.
   clients      request heads (--header-timeout), bodies (--body-timeout) and
                idle keep-alive connections (--idle-timeout); see ServerLimits.
 
@@ -169,6 +182,7 @@ from tensorfleet.router.dispatch import (
     Unavailable,
 )
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
+from tensorfleet.router.resume import StreamState, resumable
 from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
 
@@ -204,6 +218,7 @@ class RouterConfig:
     prefill_tokens_per_second: float = 1000.0
     decode_tokens_per_second: float = 5.0
     stream_idle_timeout: float = 30.0
+    stream_resumptions: int = 2  # times one broken stream may be continued on another engine (router/resume.py)
     # Clients.
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -271,6 +286,18 @@ class _Interrupted(Exception):
         self.reason = reason
 
 
+class _Resume(Exception):
+    """A resumable stream broke after bytes reached its client: continue it on another engine (Router._resume).
+    STATUS and MESSAGE make the error event that ends it if it cannot be."""
+
+    def __init__(self, backend: Backend, reason: str, status: int, message: str) -> None:
+        super().__init__(message)
+        self.backend = backend
+        self.reason = reason
+        self.status = status
+        self.message = message
+
+
 class _Body:
     """One request's body as it arrives, its bytes charged to the router's BodyBudget until released."""
 
@@ -306,6 +333,9 @@ class _Call:
     suspects: list[Backend] = field(default_factory=list)  # engines that answered it 5xx, not yet charged
     tenant: str | None = None  # whose API key it came with
     meter: UsageMeter | None = None  # what it used, when tokens are limited
+    resumable: bool = False  # a stream that may be continued elsewhere should it break (router/resume.py)
+    stream: StreamState | None = None  # once it streams (resumable): what was sent; set on its continuations too
+    response: web.StreamResponse | None = None  # the client's stream, for a continuation to write on
 
 
 @dataclass(eq=False)
@@ -579,13 +609,21 @@ class Router:
                 attempt.interrupt("unresponsive")
 
     async def _watchdog(self) -> None:
-        """End streams that stalled: the engine sent nothing, or the client took nothing, for the idle timeout."""
+        """End streams that stalled: the engine sent nothing, or the client took nothing, for the idle timeout;
+        and streams of an engine ejected as unresponsive that have been quiet as long as its health check (it
+        was ejected after they last heard from it)."""
         limit = self.config.stream_idle_timeout
+        hung = self.config.health_timeout
         while True:
             await asyncio.sleep(min(1.0, limit / 4))
             now = self._now()
-            for attempt in [a for a in self._attempts if a.streaming and now - a.last > limit]:
-                attempt.interrupt("stalled")
+            for attempt in [a for a in self._attempts if a.streaming]:
+                quiet = now - attempt.last
+                if quiet > limit:
+                    attempt.interrupt("stalled")
+                elif (quiet >= hung and not attempt.writing and attempt.backend.unresponsive
+                      and not attempt.backend.healthy):
+                    attempt.interrupt("unresponsive")
 
     # --- availability ---------------------------------------------------------------------
     def cold_start(self) -> str | None:
@@ -821,7 +859,8 @@ class Router:
             headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
             headers[hdrs.CONTENT_TYPE] = "application/json"
             call = _Call(path, body, headers, self._request_info(request, parsed), self.first_byte_bound(path, parsed),
-                         start, tenant=tenant, meter=meter)
+                         start, tenant=tenant, meter=meter,
+                         resumable=cfg.stream_resumptions > 0 and resumable(path, parsed, len(body.data)))
             del parsed  # the bytes are what is forwarded; the parsed copy can go now
             return await self._dispatch(request, call)
         finally:
@@ -924,10 +963,14 @@ class Router:
                 break
             tried.add(backend.url)
             code = CLIENT_CLOSED
+            broken: _Resume | None = None
             try:
                 response = await self._attempt(request, backend, call)
                 code = str(response.status)
                 return response
+            except _Resume as exc:
+                code = "200"  # its answer began as one; the rest comes from elsewhere
+                broken = exc
             except _Failed as exc:
                 failures.append(exc)
                 code = str(exc.final.status) if exc.final is not None else "502"
@@ -952,6 +995,8 @@ class Router:
             finally:
                 self.dispatcher.release(backend)
                 self.metrics.attempt_done(backend.url, code)
+            if broken is not None:
+                return await self._resume(request, call, broken)
         final = next((f.final for f in reversed(failures) if f.final is not None), None)
         if final is not None:
             return final
@@ -998,6 +1043,9 @@ class Router:
             upstream = attempt.upstream
             assert upstream is not None
             if payload is not None:
+                if call.stream is not None:  # a continuation answered whole: an error (a stream was asked for)
+                    raise _Failed("status", f"an engine answered HTTP {upstream.status}: {payload[:300]!r}", fault=None,
+                                  final=web.Response(body=payload, status=upstream.status))
                 if upstream.status >= 400:
                     self.pool.record_neutral(backend)  # the client's doing, not the engine's
                 else:
@@ -1052,13 +1100,21 @@ class Router:
 
     async def _relay_stream(self, request: web.Request, attempt: _Attempt, upstream: aiohttp.ClientResponse,
                             first: bytes, call: _Call) -> web.StreamResponse:
-        """Relay the engine's stream to the client as it comes; an interruption ends it with an error event."""
+        """Relay the engine's stream to the client as it comes (a continuation's onto the client's stream, its
+        events rewritten). An interruption ends it with an error event, or raises _Resume for a resumable one."""
         backend = attempt.backend
-        call.body.release()  # nothing can be retried from here on
-        response = web.StreamResponse(status=upstream.status, headers={
-            **self._relay_headers(upstream, backend), "Cache-Control": "no-cache"})
-        if self.draining:
-            response.force_close()
+        stream = call.stream
+        continuing = call.response is not None
+        if call.response is None:
+            if call.resumable:  # its body stays for a continuation (resume.MAX_BODY_BYTES at most)
+                stream = call.stream = StreamState.start(call.path, call.body.data)
+            call.body.release()  # no retry can need it from here on
+            response = call.response = web.StreamResponse(status=upstream.status, headers={
+                **self._relay_headers(upstream, backend), "Cache-Control": "no-cache"})
+            if self.draining:
+                response.force_close()
+        else:
+            response = call.response
         content = upstream.content
         loop_time = self._now
         meter = call.meter
@@ -1066,37 +1122,50 @@ class Router:
         attempt.streaming = attempt.writing = True
         attempt.last = loop_time()
         try:
-            await response.prepare(request)
-            await response.write(first)
+            if not continuing:
+                await response.prepare(request)
+            out = first if stream is None else stream.feed(first)
+            if out:
+                await response.write(out)
+                if meter is not None:
+                    meter.chunk(out)
             attempt.writing = False
-            if meter is not None:
-                meter.chunk(first)
-            self.metrics.first_byte(loop_time() - call.start)
-            tail = first[-2:]
+            if not continuing:
+                self.metrics.first_byte(loop_time() - call.start)
+            tail = out[-2:]
             while True:
                 attempt.last = loop_time()
                 try:
                     chunk = await content.readany()
                 except _Interrupted as exc:
+                    if stream is not None and exc.reason != "shutdown":
+                        status, message = self._breakage(backend, exc.reason)
+                        raise _Resume(backend, exc.reason, status, message) from None
                     await self._end_interrupted(response, tail, backend, exc.reason)
                     return response
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self.pool.record_failure(backend, fatal=True)
+                    status, message = self._breakage(backend, "failed", exc)
+                    if stream is not None:
+                        raise _Resume(backend, "failed", status, message) from None
                     self.metrics.stream_error(backend)
-                    log.warning("engine %s failed mid-stream: %r", backend.url, exc)
-                    await self._stream_error(response, tail, 502, "the engine serving this request failed mid-stream "
-                                                                  f"({exc.__class__.__name__}); the answer is incomplete")
+                    await self._stream_error(response, tail, status, message)
                     return response
                 if not chunk:
                     break
+                out = chunk if stream is None else stream.feed(chunk)
+                if not out:
+                    continue
                 attempt.writing = True
                 attempt.last = loop_time()
-                await response.write(chunk)
+                await response.write(out)
                 attempt.writing = False
                 if meter is not None:
-                    meter.chunk(chunk)
-                tail = chunk[-2:] if len(chunk) >= 2 else tail[-1:] + chunk
+                    meter.chunk(out)
+                tail = out[-2:] if len(out) >= 2 else tail[-1:] + out
             self.pool.record_success(backend)
+            if stream is not None and (rest := stream.leftover()):
+                await response.write(rest)
             await response.write_eof()
         except (ConnectionError, aiohttp.ClientConnectionResetError):
             # The client went away between two chunks (a write failed rather
@@ -1106,20 +1175,104 @@ class Router:
             attempt.streaming = False
         return response
 
+    def _breakage(self, backend: Backend, reason: str, exc: BaseException | None = None) -> tuple[int, str]:
+        """Log how an engine's stream broke (`unresponsive`, `stalled` or `failed` with EXC); the status and
+        message of the error event that ends the client's stream if it cannot go on."""
+        if reason == "unresponsive":
+            log.warning("engine %s stopped answering health checks mid-stream", backend.url)
+            return 504, "the engine serving this request stopped responding mid-stream; the answer is incomplete"
+        if reason == "stalled":
+            log.warning("engine %s sent nothing for %gs mid-stream", backend.url, self.config.stream_idle_timeout)
+            return 504, (f"the engine serving this request sent nothing for {self.config.stream_idle_timeout:g}s "
+                         "mid-stream; the answer is incomplete")
+        log.warning("engine %s failed mid-stream: %r", backend.url, exc)
+        name = exc.__class__.__name__ if exc is not None else "error"
+        return 502, f"the engine serving this request failed mid-stream ({name}); the answer is incomplete"
+
     async def _end_interrupted(self, response: web.StreamResponse, tail: bytes, backend: Backend, reason: str) -> None:
         if reason == "shutdown":
             await self._stream_error(response, tail, 503, "the router is shutting down; the answer is incomplete, "
                                                           "retry the request", type_="ServiceUnavailableError")
             return
         self.metrics.stream_error(backend)
-        if reason == "unresponsive":
-            log.warning("engine %s stopped answering health checks mid-stream", backend.url)
-            message = "the engine serving this request stopped responding mid-stream; the answer is incomplete"
-        else:
-            log.warning("engine %s sent nothing for %gs mid-stream", backend.url, self.config.stream_idle_timeout)
-            message = (f"the engine serving this request sent nothing for {self.config.stream_idle_timeout:g}s "
-                       "mid-stream; the answer is incomplete")
-        await self._stream_error(response, tail, 504, message)
+        status, message = self._breakage(backend, reason)
+        await self._stream_error(response, tail, status, message)
+
+    async def _resume(self, request: web.Request, call: _Call, broken: _Resume) -> web.StreamResponse:
+        """Continue a stream that broke mid-way as a continuation on another engine (never one it broke on), at
+        most --stream-resumptions times; a stream that cannot be continued ends with its error event."""
+        stream, response = call.stream, call.response
+        assert stream is not None and response is not None
+        while True:
+            stream.failed.add(broken.backend.url)
+            body = stream.continuation_body() if not stream.complete and stream.blocked is None else None
+            if stream.complete or (stream.blocked is None and body is None):
+                # All of the answer was sent (the engine broke before its last events): end the stream.
+                await self._finish(response, stream.ending())
+                return response
+            why = stream.blocked
+            if why is None and stream.resumptions >= self.config.stream_resumptions:
+                why = f"it was resumed {stream.resumptions} times already"
+            backend = None
+            if why is None:
+                try:
+                    backend = await self.dispatcher.acquire(call.info, frozenset(stream.failed), tenant=call.tenant)
+                except (QueueFull, QueueTimeout, ShuttingDown, Unavailable, NoBackend) as exc:
+                    why = f"no other engine could take it ({exc.__class__.__name__})"
+            if why is not None or backend is None or body is None:
+                log.warning("a stream broken on engine %s ends with an error event: %s", broken.backend.url, why)
+                self.metrics.stream_error(broken.backend)
+                await self._stream_error(response, b"\n\n", broken.status, broken.message)
+                return response
+            stream.resumptions += 1
+            self.metrics.stream_resumed(broken.reason)
+            log.info("resuming a stream broken on engine %s on engine %s (%d token(s) sent; resumption %d of %d)",
+                     broken.backend.url, backend.url, stream.tokens, stream.resumptions, self.config.stream_resumptions)
+            data = _Body(self.body_budget)
+            data.data = bytearray(json.dumps(body, ensure_ascii=False).encode())  # not charged: the stream's own
+            continuation = _Call(call.path, data, call.headers, call.info, self.first_byte_bound(call.path, body),
+                                 self._now(), tenant=call.tenant, meter=call.meter, stream=stream, response=response)
+            stream.begin_continuation()
+            code = CLIENT_CLOSED
+            try:
+                await self._attempt(request, backend, continuation)
+                code = "200"
+                return response
+            except _Resume as exc:
+                code = "200"
+                broken = exc
+            except _Failed as exc:
+                code = str(exc.final.status) if exc.final is not None else "502"
+                if exc.fault == FATAL:
+                    self.pool.record_failure(backend, fatal=True)
+                elif exc.fault == COUNTED:
+                    self.pool.record_failure(backend)
+                else:
+                    self.pool.record_neutral(backend)
+                log.info("engine %s: %s before the continuation's first byte", backend.url, exc)
+                if exc.final is not None and exc.final.status < 500:
+                    # Refused (4xx): any engine would refuse it. The stream ends as it would have without it.
+                    self.metrics.stream_error(broken.backend)
+                    await self._stream_error(response, b"\n\n", broken.status, broken.message)
+                    return response
+                broken = _Resume(backend, exc.reason, broken.status, broken.message)
+            except _Stopped:
+                code = "503"
+                await self._stream_error(response, b"\n\n", 503, "the router is shutting down; the answer is "
+                                         "incomplete, retry the request", type_="ServiceUnavailableError")
+                return response
+            finally:
+                self.dispatcher.release(backend)
+                self.metrics.attempt_done(backend.url, code)
+
+    async def _finish(self, response: web.StreamResponse, data: bytes) -> None:
+        """Write the last bytes of a stream and end it (a client gone by then is no matter)."""
+        try:
+            if data:
+                await response.write(data)
+            await response.write_eof()
+        except (ConnectionError, aiohttp.ClientConnectionResetError):
+            pass
 
     async def _stream_error(self, response: web.StreamResponse, tail: bytes, status: int, message: str, *,
                             type_: str = "upstream_error") -> None:

@@ -96,8 +96,12 @@ def register(subparsers: Any) -> None:
                         help="a conservative per-request decode rate: an answer that is not streamed adds "
                              "max_tokens/RATE seconds to its bound, and has none without max_tokens (default: 5)")
     engine.add_argument("--stream-idle-timeout", type=argtypes.positive_float, default=30.0,
-                        help="seconds a stream may go without a byte from its engine before it ends with an SSE "
-                             "error event (and a client that reads nothing for as long is disconnected) (default: 30)")
+                        help="seconds a stream may go without a byte from its engine before it is resumed on another "
+                             "engine, or ends with an SSE error event when it cannot be (and a client that reads "
+                             "nothing for as long is disconnected) (default: 30)")
+    engine.add_argument("--stream-resumptions", type=argtypes.non_negative_int, default=2,
+                        help="times one stream whose engine stalls or fails mid-way may be continued on another "
+                             "engine; 0 ends every such stream with an SSE error event (default: 2)")
     clients = p.add_argument_group("client limits")
     clients.add_argument("--max-body-bytes", type=argtypes.positive_int, default=16 * MIB,
                          help="largest request body; larger ones get 413 (default: 16 MiB)")
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_tokens_per_second=args.prefill_tokens_per_second,
         decode_tokens_per_second=args.decode_tokens_per_second,
         stream_idle_timeout=args.stream_idle_timeout,
+        stream_resumptions=args.stream_resumptions,
         header_timeout=args.header_timeout,
         body_timeout=args.body_timeout,
         idle_timeout=args.idle_timeout,

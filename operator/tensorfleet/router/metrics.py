@@ -89,6 +89,11 @@ class RouterMetrics:
         self._stream_errors = Counter(contract.ROUTER_METRIC_STREAM_ERRORS,
                                       "Streams ended with an error event because the engine failed mid-stream.",
                                       [contract.ROUTER_LABEL_BACKEND], registry=reg)
+        self._stream_resumptions = Counter(contract.ROUTER_METRIC_STREAM_RESUMPTIONS,
+                                           "Continuations sent for streams whose engine broke mid-stream, by why: "
+                                           "stalled, unresponsive, failed, or the retry reason (timeout, connect, "
+                                           "...) of a previous continuation that failed before its first byte.",
+                                           [contract.ROUTER_LABEL_REASON], registry=reg)
         tenant = contract.ROUTER_LABEL_TENANT
         self._tenant_requests = Counter(contract.ROUTER_METRIC_TENANT_REQUESTS,
                                         "Requests with a valid API key answered, by tenant and HTTP status.",
@@ -133,6 +138,9 @@ class RouterMetrics:
 
     def stream_error(self, backend: Backend) -> None:
         self._stream_errors.labels(backend.url).inc()
+
+    def stream_resumed(self, reason: str) -> None:
+        self._stream_resumptions.labels(reason).inc()
 
     def _tenant(self, metric: Counter, *labels: str) -> Counter:
         key = (metric, labels)

@@ -27,9 +27,15 @@ token), so a fully cached prompt hits on all whole blocks before it. Blocks
 filled by generated tokens are cached too, so the next turn of a conversation,
 which re-sends the answer, hits on it.
 
-A request's answer is drawn when it is submitted, from a generator seeded by
-its prompt and seed (the same request, the same answer): words, or the text
-the server asks for (structured output), cut at max_tokens. Each of a
+A request's answer is drawn when it is submitted (the same request, the same
+answer): words, or the text the server asks for (structured output), cut at
+max_tokens. Words are picked as a greedy model picks tokens: each one is a
+function of the seed and of all the text before it, prompt and answer so far
+(a running CRC over them). So a request whose prompt is another's plus the
+first k words of its answer is answered with the rest of that answer, as a
+model at temperature 0 continues its own text: a router that resumes a broken
+stream on another engine (prompt + text sent, or the chat's assistant message
+with `continue_final_message`) yields exactly the uninterrupted answer. Each of a
 request's `n` choices is its own engine request (as vLLM's parallel sampling
 makes child requests): its own batch slot and KV blocks, sharing the prompt's
 blocks through the prefix cache, seeded with seed + its index. Stop strings are
@@ -62,6 +68,22 @@ WORDS = tuple(
 )
 # Answer length when a request sets no max_tokens: a model stopping at EOS.
 _DEFAULT_MIN_TOKENS, _DEFAULT_MEAN_TOKENS = 16, 128
+
+
+_WORD_BYTES = {w: w.encode() for w in WORDS}
+
+
+def greedy_words(context: str, seed: int, count: int) -> list[str]:
+    """COUNT words continuing CONTEXT, each picked from the seed and every character before it (a running CRC-32
+    of the context, then of each word as it is added): what comes after a text depends on nothing else, so the
+    words after CONTEXT + the first k of them are the rest of them."""
+    h = zlib.crc32(context.encode(), seed & 0xFFFFFFFF)
+    words: list[str] = []
+    for _ in range(count):
+        word = WORDS[(((h * 0x9E3779B1) & 0xFFFFFFFF) >> 16) % len(WORDS)]
+        words.append(word)
+        h = zlib.crc32(_WORD_BYTES[word], h)
+    return words
 
 
 class RequestRejected(ValueError):
@@ -315,7 +337,7 @@ class Engine:
                 reason = "stop"
             else:
                 target, reason = max_tokens, "length"
-            words = [WORDS[rng.randrange(len(WORDS))] for _ in range(target)]
+            words = greedy_words("".join(prompt_tokens), (self.seed if seed is None else seed) + index, target)
         request = SimRequest(
             request_id=request_id or f"{next(self._ids):x}",
             prompt_tokens=prompt_tokens,

@@ -34,7 +34,15 @@ ignored; params.py checks them and lists the refusals:
                     logprobs (the first one null); `max_tokens: 0` gives the
                     prompt alone (vLLM still samples, and counts, one token).
                     Chat (vLLM's extension): the last message's content before
-                    the answer when that message is the assistant's.
+                    the answer when that message is in the answer's role.
+  add_generation_prompt, continue_final_message
+                    chat (vLLM's extensions; `chat_prompt`): the assistant
+                    header after the messages (default), none (the answer in
+                    the last message's role), or the last message, the
+                    assistant's, left open and continued (a prefill; what the
+                    router sends to resume a broken stream). Both true, or
+                    continuing a message that is not the assistant's: 400, as
+                    vLLM answers.
   response_format   `json_object`: a small JSON object; `json_schema`: an
                     instance of the schema, for the schemas structured.py can
                     generate (others get 400); vLLM's `guided_json` and
@@ -62,7 +70,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_event
-from tensorfleet.prompts import content_text, render_chat
+from tensorfleet.prompts import ROLE_CLOSE, ROLE_OPEN, content_text, render_chat
 from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.params import Sampling, parse
@@ -73,6 +81,7 @@ log = logging.getLogger("tensorfleet.sim")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine", Engine)
+GENERATION_HEADER = f"{ROLE_OPEN}assistant\n"  # what render_chat ends with: the generation prompt
 
 
 @dataclass
@@ -175,13 +184,14 @@ class SimServer:
             return error_response(400, "messages must be a non-empty list of message objects", param="messages")
         try:
             sampling = parse(body, chat=True)
+            prompt, role = chat_prompt(body, messages)
         except RequestRejected as exc:
             return error_response(400, str(exc), param=exc.param)
-        # vLLM's chat `echo`: the last message's content goes before the answer when it is the assistant's own.
+        # vLLM's chat `echo`: the last message's content goes before the answer when it is in the answer's role.
         last = messages[-1]
-        echo = content_text(last.get("content")) if sampling.echo and last.get("role") == "assistant" else ""
-        return await self._generate(request, body, tokenize(render_chat(messages)), sampling,
-                                    _Answer(chat=True, sampling=sampling, echo_text=echo))
+        echo = content_text(last.get("content")) if sampling.echo and last.get("role") == role else ""
+        return await self._generate(request, body, tokenize(prompt), sampling,
+                                    _Answer(chat=True, sampling=sampling, echo_text=echo, role=role))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -259,7 +269,7 @@ class SimServer:
             text = answer.echo_text + ("" if answer.sampling.prompt_only else sim.text)
             choice: dict[str, Any] = {"index": index}
             if answer.chat:
-                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                choice["message"] = {"role": answer.role, "content": text, "tool_calls": []}
             else:
                 choice["text"] = text
             choice["logprobs"] = answer.logprobs(sim, 0, sim.generated, first=True)
@@ -304,6 +314,34 @@ class SimServer:
         return response
 
 
+def chat_prompt(body: Mapping[str, Any], messages: list[Mapping[str, Any]]) -> tuple[str, str]:
+    """The prompt a chat request's messages render to, and the role its answer is in, as vLLM builds them from
+    `add_generation_prompt` (default true: the assistant header after the messages, the answer the assistant's)
+    and `continue_final_message` (the last message left open, the answer continuing it; that message must be
+    the assistant's). RequestRejected (400) for what vLLM refuses."""
+    flags = {}
+    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        value = body.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestRejected(f"{name} must be a boolean", name)
+        flags[name] = default if value is None else value
+    # vLLM checks what was sent: continue_final_message with add_generation_prompt left out is accepted.
+    if body.get("continue_final_message") is True and body.get("add_generation_prompt") is True:
+        raise RequestRejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                              "continue_final_message")
+    text = render_chat(messages).removesuffix(GENERATION_HEADER)
+    if flags["continue_final_message"]:
+        if messages[-1].get("role") != "assistant":
+            raise RequestRejected("Cannot set `continue_final_message` to True when the last message is not from "
+                                  "the assistant.", "continue_final_message")
+        return text.removesuffix(f"{ROLE_CLOSE}\n"), "assistant"
+    if flags["add_generation_prompt"]:
+        return text + GENERATION_HEADER, "assistant"
+    # No generation prompt: vLLM answers in the last message's role.
+    role = messages[-1].get("role")
+    return text, role if isinstance(role, str) else "assistant"
+
+
 _TAIL = b',"finish_reason":null,"stop_reason":null}]}\n\n'
 
 
@@ -342,7 +380,8 @@ class _ChoiceStream:
                 delta = ""
             if k == 0 and answer.chat:
                 # vLLM sends the role with the first token, not before it; then what `echo` repeats.
-                pieces.append(self.head + b'"delta":{"role":"assistant","content":""},"logprobs":null' + _TAIL)
+                pieces.append(self.head + b'"delta":{"role":' + json.dumps(answer.role).encode()
+                              + b',"content":""},"logprobs":null' + _TAIL)
                 if answer.echo_text:
                     pieces.append(self.head + b'"delta":{"content":' + json.dumps(answer.echo_text).encode()
                                   + b'},"logprobs":null' + _TAIL)
@@ -388,6 +427,7 @@ class _Answer:
     sampling: Sampling
     echo_text: str = ""                    # before the answer (completions: the prompt; chat: vLLM's echo)
     echo_tokens: list[str] = field(default_factory=list)  # completions: the prompt's tokens, for their logprobs
+    role: str = "assistant"                # chat: the answer's role (the last message's without a generation prompt)
     id: str = ""
     model: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
