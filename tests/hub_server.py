@@ -9,12 +9,15 @@ repository `401` + `X-Error-Code: RepoNotFound`, a gated one without the right
 `RevisionNotFound`, a missing file `404` + `EntryNotFound`. Each repository has
 one commit, `main`, whose hash is derived from the repository id. Every request
 is recorded (method, path, Authorization header) for tests to assert on.
+`fail_with` makes it answer every request with that status (a Hub that is
+down), `delay_seconds` makes it answer that late (one that hangs).
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ class FakeHub:
     gated: dict[str, str] = field(default_factory=dict)     # repo id -> the token that opens it
     requests: list[tuple[str, str, str | None]] = field(default_factory=list)
     fail_with: int | None = None                            # answer every request with this status
+    delay_seconds: float = 0.0                              # answer every request this late
     url: str = ""
 
     def repos(self) -> list[str]:
@@ -42,6 +46,8 @@ class FakeHub:
 
     def answer(self, method: str, path: str, authorization: str | None) -> tuple[int, dict[str, str], bytes]:
         self.requests.append((method, path, authorization))
+        if self.delay_seconds:
+            time.sleep(self.delay_seconds)
         if self.fail_with is not None:
             return self.fail_with, {}, b""
         parts = unquote(path.split("?", 1)[0]).strip("/").split("/")

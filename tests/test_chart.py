@@ -51,6 +51,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "outside-cluster-cert-manager": {"webhook": {"url": "https://host.docker.internal:9443/spec",
                                                  "certManager": {"enabled": True}}},
     "network-policy-off": {"networkPolicy": {"enabled": False}},
+    "hub-off": {"hub": {"enabled": False}},
+    "hub-token": {"hub": {"endpoint": "https://hf-mirror.example.com", "tokenSecret": {"name": "hf-token"}}},
     "network-policy-tight": {"networkPolicy": {"monitoringNamespaces": [], "webhookFrom": [{"ipBlock": {"cidr": "10.0.0.0/28"}}]},
                              "webhook": {"enabled": False}},
     "network-policy-loose": {"networkPolicy": {"monitoringNamespaces": ["monitoring", "prometheus"], "extraIngress": [
@@ -197,6 +199,20 @@ def test_operator_deployment_defaults(chart: Any) -> None:
     assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
     assert container["image"] == contract.CONTROL_PLANE_IMAGE
     assert one(objects, "PodDisruptionBudget")["spec"]["selector"] == deployment["spec"]["selector"]
+
+
+def test_the_hub_token_secret_reaches_the_operator_as_hf_token(chart: Any) -> None:
+    """The operator reads config.json with the release's own Secret, never with InferenceServices' Secrets."""
+    container = operator_container(render(chart, VALUE_SETS["hub-token"]))
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}
+    assert env["HF_ENDPOINT"]["value"] == "https://hf-mirror.example.com"
+    assert "--no-hub" not in container["args"]
+    default = operator_container(render(chart))
+    assert not {"HF_TOKEN", "HF_ENDPOINT"} & {e["name"] for e in default["env"]}
+    off = operator_container(render(chart, VALUE_SETS["hub-off"]))
+    assert config_from_args(build_parser().parse_args(off["args"])).model_facts.hub is False
+    assert not any(r["resources"] == ["secrets"] for r in one(render(chart), "ClusterRole")["rules"])
 
 
 def test_chart_defaults_are_the_operators_own(chart: Any) -> None:

@@ -237,3 +237,12 @@ def test_plan_reads_the_hub_in_a_fresh_process(hub: FakeHub, tmp_path: Path) -> 
                               "--offline"], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert offline.returncode == 0, offline.stderr
     assert json.loads(offline.stdout)["modelSource"] == "cache"
+
+
+@pytest.mark.parametrize(("name", "repo"), [
+    ("Qwen/Qwen3-8B", True), ("gpt2", True), ("/models/llama", False), ("./llama", False), ("~/llama", False),
+    ("a/b/c", False), ("../x", False),
+])
+def test_repository_ids_are_told_from_paths(name: str, repo: bool) -> None:
+    """The operator asks the Hub only for repository ids: a path would be one in the operator's own pod."""
+    assert modelinfo.is_repo_id(name) is repo

@@ -135,3 +135,52 @@ async def test_surge_or_replace_falls_back_to_replacing_in_place() -> None:
             gate.opened.add(pod["metadata"]["uid"])
         await _settled(c)
         assert sorted(_pods(c)) == ["demo-stage-0-0"]
+
+
+async def test_a_surge_is_no_scale_and_a_scale_is_one_scaled_event() -> None:
+    """A surge raises the StatefulSets' replicas with the wanted groups unchanged: no `Scaled` event for it."""
+    from tensorfleet import contract
+
+    gate = ReadyGate()
+    async with cluster() as c, c.workloads(gate), running_operator(c) as op:
+        await c.create(sim_doc(replicas=1))
+        await _settled(c)
+        gate.auto = False
+        await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
+        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 2, message="surge")
+        assert c.get(*STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "1"
+
+        def rolled() -> bool:
+            return _progressing(c).get("status") == "False" and c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 1
+
+        await _watch_capacity(c, 1, 1, rolled, gate)
+        await op.queue.wait_idle()
+        assert not [e["message"] for e in c.events("demo") if e["reason"] == "Scaled"]
+        gate.auto = True
+        await c.scale("demo", 2)
+        await eventually(lambda: [e["message"] for e in c.events("demo") if e["reason"] == "Scaled"]
+                         == ["replicas 1 -> 2"], message="one Scaled event")
+        assert c.get(*STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "2"
+
+
+async def test_an_upgrade_records_the_wanted_groups_without_a_revert_warning() -> None:
+    """StatefulSets an operator without the record made get it quietly: nobody changed them outside the operator."""
+    from tensorfleet import contract
+
+    async with cluster() as c, c.workloads(), running_operator(c) as op:
+        await c.create(sim_doc(replicas=2))
+        await _settled(c)
+        await op.queue.wait_idle()
+        sts = c.get(*STS, "demo-stage-0")
+        del sts["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS]
+        await c.upsert(*STS, sts)
+        await eventually(lambda: (c.get(*STS, "demo-stage-0")["metadata"].get("annotations") or {})
+                         .get(contract.ANNOTATION_WANTED_GROUPS) == "2", message="recorded again")
+        await op.queue.wait_idle()
+        reasons = [e["reason"] for e in c.events("demo")]
+        assert "ChildReverted" not in reasons and "Scaled" not in reasons, reasons
+        # A change someone else made is still reverted, and said so.
+        sts = c.get(*STS, "demo-stage-0")
+        sts["spec"]["replicas"] = 5
+        await c.upsert(*STS, sts)
+        await eventually(lambda: "ChildReverted" in [e["reason"] for e in c.events("demo")], message="reverted")

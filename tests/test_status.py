@@ -13,7 +13,10 @@ from conftest import strict_schema
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
 from tensorfleet.api.crd import crd
+from tensorfleet.catalog.models import catalog_facts
+from tensorfleet.controller.modelfacts import REFRESH_ANNOTATION, pin
 from tensorfleet.controller.observe import observe
+from tensorfleet.controller.reconcile import merge_patch
 from tensorfleet.controller.status import condition_status, pod_causes, rejected_status, serving_status
 from tensorfleet.planner import make_plan
 
@@ -118,13 +121,33 @@ def _written() -> dict[str, dict[str, Any]]:
     serving = _serving(_ready_pods())
     degraded = _serving([*_ready_pods(1), _pod(0, 1, 8, scheduled=False), _pod(1, 1, 8, scheduled=False)])
     failing = _serving([_failing(_pod(0, 0, 8, scheduled=True), "ImagePullBackOff", PULL)], desired=1)
+    pinned = serving_status(serving, name="m", namespace="ns", generation=1, plan=_plan(8, 2, "H100-80GB"),
+                            obs=observe(2, 2, _ready_pods(), {}, {"status": {"availableReplicas": 1}}), selector="a=b",
+                            now="2026-01-01T00:00:00Z", model_facts=_pin().pin, facts_note=_pin().note,
+                            warnings=[_pin().warning or ""])
     return {
         "serving": serving,
         "degraded": degraded,
         "failing": failing,
         "rejected-at-creation": _rejected({}),
         "rejected-while-serving": _rejected(serving),
+        "serving-with-pinned-facts": pinned,
+        "facts-unavailable": rejected_status({}, generation=1, field="spec.model.name", message="no facts",
+                                             now="t0", reason="ModelFactsUnavailable"),
     }
+
+
+def _pin() -> Any:
+    """The catalog's facts pinned after the Hub failed, as the reconciler pins them."""
+    isvc = load_inference_service({
+        "apiVersion": contract.API_VERSION, "kind": contract.KIND,
+        "metadata": {"name": "m", "namespace": "ns", "annotations": {REFRESH_ANNOTATION: "2"}},
+        "spec": {"model": {"name": "meta-llama/Llama-3.1-70B-Instruct", "revision": "main"},
+                 "accelerator": {"type": "H100-80GB"}},
+    })
+    facts = catalog_facts(isvc.spec.model.name)
+    assert facts is not None
+    return pin(isvc, facts, hub_error="config.json not read: the Hub answered 503")
 
 
 @pytest.mark.parametrize("case", list(_written()))
@@ -189,6 +212,33 @@ def test_rejected_spec_keeps_what_runs_and_says_why() -> None:
     assert {c["type"]: (c["status"], c["reason"]) for c in fresh["conditions"]} == {
         "PlanValid": ("False", "InvalidSpec"), "Progressing": ("False", "PlanInvalid"), "Ready": ("False", "PlanInvalid"),
     }
+
+
+def test_pinned_model_facts_are_written_and_kept_by_a_rejection() -> None:
+    status = _written()["serving-with-pinned-facts"]
+    pinned = status["modelFacts"]
+    assert {k: pinned[k] for k in ("model", "revision", "refresh", "source")} == \
+        {"model": "meta-llama/Llama-3.1-70B-Instruct", "revision": "main", "refresh": "2", "source": "catalog"}
+    assert "commit" not in pinned and pinned["hubError"].endswith("the Hub answered 503")
+    assert pinned["digest"].startswith("sha256:") and pinned["facts"]["encoding"] == 1
+    plan_valid = next(c for c in status["conditions"] if c["type"] == "PlanValid")
+    assert plan_valid["reason"] == "PlanAcceptedWithWarnings"
+    assert "; model facts: catalog; warning: model facts from the built-in catalog: config.json not read: the Hub " \
+        "answered 503; they stay pinned until spec.model changes or the tensorfleet.dev/model-facts-refresh " \
+        "annotation gets a new value" in plan_valid["message"]
+    # A rejection keeps the pin unless told; None removes it.
+    assert _rejected(status)["modelFacts"] == pinned
+    assert rejected_status(status, generation=2, field="f", message="m", now="t", model_facts=None)["modelFacts"] is None
+    unavailable = {c["type"]: c for c in _written()["facts-unavailable"]["conditions"]}["PlanValid"]
+    assert (unavailable["status"], unavailable["reason"]) == ("False", "ModelFactsUnavailable")
+
+
+def test_a_status_patch_removes_what_the_new_status_lacks_at_any_depth() -> None:
+    old = {"plan": {"tensor": 2}, "modelFacts": {"model": "a", "hubError": "503", "facts": {"x": 1}}, "idleSince": "t"}
+    new = {"plan": {"tensor": 2}, "modelFacts": {"model": "a", "facts": {"x": 1}}}
+    patch = merge_patch(old, new)
+    assert patch == {"idleSince": None, "plan": {"tensor": 2}, "modelFacts": {"hubError": None, "model": "a",
+                                                                                "facts": {"x": 1}}}
 
 
 def test_unknown_generation_is_left_out_of_the_conditions() -> None:
@@ -271,3 +321,17 @@ def test_a_surge_group_that_cannot_pull_its_new_image_degrades_a_serving_fleet()
     obs = observe(plan.pipeline, 1, [*_ready_pods(1), *waiting], {}, {"status": {"availableReplicas": 1}}, surge=1)
     status = serving_status({}, name="m", namespace="ns", generation=1, plan=plan, obs=obs, selector="s", now="t")
     assert _conditions(status)["Degraded"]["status"] == "False"
+
+
+def test_the_spec_is_loaded_without_a_status_it_cannot_read() -> None:
+    """The reconciler and the webhook load objects by their spec: a status they cannot parse does not stop them."""
+    from tensorfleet.api import SpecError
+
+    document = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m"},
+                "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "accelerator": {"type": "L4"}},
+                "status": {"conditions": "written by someone else"}}
+    with pytest.raises(SpecError):
+        load_inference_service(document)
+    loaded = load_inference_service(document, ignore_status=True)
+    assert loaded.status is None and loaded.spec.model.name == "meta-llama/Llama-3.1-8B-Instruct"
+    assert "status" in document, "the caller's document is left as it was"

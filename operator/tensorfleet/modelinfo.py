@@ -99,6 +99,11 @@ def hub_endpoint() -> str | None:
     return value or None
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether NAME reads as a Hugging Face repository id (`owner/name`), not a local path."""
+    return not name.startswith(("/", "./", "../", "~")) and bool(_REPO_ID.match(name))
+
+
 def resolve_model(
     name: str,
     revision: str | None = None,

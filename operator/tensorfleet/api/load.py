@@ -12,16 +12,23 @@ from tensorfleet.api.models import MAX_NAME_LENGTH, InferenceService
 from tensorfleet.api.strict import check_document
 
 
-def load_inference_service(document: Any, *, strict: bool = False) -> InferenceService:
+def load_inference_service(document: Any, *, strict: bool = False, ignore_status: bool = False) -> InferenceService:
     """Validate one document; raise SpecError naming the first bad field.
 
     strict: check it first as the API server would (`api/strict.py`: unknown
     fields, types, schema bounds), for input that has not been through one:
     `tensorfleet plan` and `render` read files with it. Documents the
     operator gets from the API server have been.
+
+    ignore_status: leave `status` out (the result's status is None). The
+    reconciler and the webhook judge objects read from the API server by
+    their spec alone: the status is the operator's own output, and one an
+    older operator wrote must not make a valid spec fail to load.
     """
     if not isinstance(document, dict):
         raise SpecError("(document)", f"expected a mapping (an InferenceService object), got {type(document).__name__}")
+    if ignore_status and "status" in document:
+        document = {k: v for k, v in document.items() if k != "status"}
     api_version = document.get("apiVersion")
     kind = document.get("kind")
     if kind != contract.KIND or api_version != contract.API_VERSION:

@@ -628,6 +628,10 @@ class Condition(ApiModel):
     observed_generation: int | None = Field(default=None, description="metadata.generation this condition was computed for.")
 
 
+# Where a model's facts came from (catalog/facts.py MODEL_SOURCES says when each applies).
+ModelSourceName = Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"]
+
+
 class PlanStatus(ApiModel):
     accelerator: str = Field(description="GPU type planned for.")
     tensor: int = Field(description="Tensor-parallel size in use.")
@@ -643,13 +647,46 @@ class PlanStatus(ApiModel):
         description="Estimated seconds from a replica's start to serving (engine start plus reading its weights), "
                     "which sizes the router's default cold-start timeout.",
     )
-    model_source: Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"] | None = Field(
+    model_source: ModelSourceName | None = Field(
         default=None,
         description=(
             "Where the model's facts came from: its config.json on the Hugging Face Hub (hub), in a local cache "
             "(cache), or given as a file (file); spec.model.architecture (spec); the built-in catalog (catalog), "
             "with the weight format read from quantization markers in the model id (catalog+id-markers)."
         ),
+    )
+
+
+class ModelFactsStatus(ApiModel):
+    """The model facts the plan was made with, pinned (controller/modelfacts.py).
+
+    Later reconciles, and the webhook for updates, plan from them and never
+    read the Hugging Face Hub again while spec.model.name, spec.model.revision
+    and the tensorfleet.dev/model-facts-refresh annotation stay as they were:
+    a Hub that is down, or that answers differently later, cannot change a plan.
+    """
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    model: str = Field(description="spec.model.name the facts were read for.")
+    revision: str | None = Field(default=None, description="spec.model.revision they were read for (absent: the default branch).")
+    refresh: str | None = Field(
+        default=None,
+        description="The tensorfleet.dev/model-facts-refresh annotation's value when they were read; "
+                    "a new value makes the operator read them again.",
+    )
+    source: ModelSourceName = Field(description="Where they came from; status.plan.modelSource says the same.")
+    commit: str | None = Field(default=None, description="The commit config.json was read at (source hub or cache).")
+    hub_error: str | None = Field(
+        default=None,
+        description="Why they are not from the model's config.json: the Hub's error, when the operator asked it "
+                    "and fell back to the built-in catalog.",
+    )
+    digest: str = Field(description="sha256 of the facts below, as the operator encodes them.")
+    facts: dict[str, Any] = Field(
+        description="The facts themselves (catalog/facts.py facts_to_json): architecture, weight format, "
+                    "parameters per decoder layer.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
 
 
@@ -671,6 +708,9 @@ class InferenceServiceStatus(ApiModel):
     selector: str | None = Field(default=None, description="Label selector of the leader pods (for the scale subresource and HPA).")
     endpoint: str | None = Field(default=None, description="OpenAI base URL inside the cluster.")
     plan: PlanStatus | None = Field(default=None, description="The capacity plan in force.")
+    model_facts: ModelFactsStatus | None = Field(
+        default=None, description="The model facts the plan was made with, pinned until the model named changes.",
+    )
 
 
 class ObjectMeta(BaseModel):

@@ -19,12 +19,19 @@ some modules 16-bit. Facts read from a config.json count every parameter from
 the config's shapes (`catalog/modelconfig.py`); the catalog and the spec know
 only totals, so `from_architecture` spreads the non-embedding parameters evenly
 over the layers at the format's bits.
+
+`facts_to_json` / `facts_from_json` write facts as plain JSON and read them
+back exactly (the operator pins them in status.modelFacts, so a later
+reconcile plans from the very facts the first one used); `facts_digest` names
+them.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from tensorfleet.api.models import ArchitectureSpec
 from tensorfleet.catalog.formats import WeightFormat, standard
@@ -119,3 +126,90 @@ def from_architecture(
         name=name, arch=arch, weight_format=fmt, layers=(layer,) * arch.layers, embedding=embedding,
         head=embedding, source=source, notes=notes,
     )
+
+
+# --- as JSON (status.modelFacts.facts) ------------------------------------------------
+
+FACTS_ENCODING = 1
+
+
+class FactsEncodingError(ValueError):
+    """A JSON document that facts_to_json did not write (another encoding, or altered)."""
+
+
+def facts_to_json(facts: ModelFacts) -> dict[str, Any]:
+    """FACTS as JSON-able data; facts_from_json reads them back equal.
+
+    Numbers are written with their types fixed (floats stay floats), so the
+    same facts always give the same document and digest, whatever numbers
+    they were built from. The layers are run-length encoded, as
+    [count, linear, bits, other, replicated]: a checkpoint has few kinds of layer.
+    """
+    layers: list[list[float | int]] = []
+    for layer in facts.layers:
+        row: list[float | int] = [float(layer.linear), float(layer.bits), int(layer.other), int(layer.replicated)]
+        if layers and layers[-1][1:] == row:
+            layers[-1][0] += 1
+        else:
+            layers.append([1, *row])
+    return {
+        "encoding": FACTS_ENCODING,
+        "name": facts.name,
+        "source": facts.source,
+        "revision": facts.revision,
+        "dtype": facts.dtype,
+        "arch": facts.arch.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "weightFormat": {"name": facts.weight_format.name, "bits": float(facts.weight_format.bits),
+                         "detail": facts.weight_format.detail},
+        "layers": layers,
+        "embedding": int(facts.embedding),
+        "head": int(facts.head),
+        "headBits": float(facts.head_bits),
+        "final": int(facts.final),
+        "encoder": int(facts.encoder),
+        "notes": list(facts.notes),
+    }
+
+
+def facts_from_json(data: Any) -> ModelFacts:
+    """The facts facts_to_json wrote; FactsEncodingError for anything else."""
+    from pydantic import ValidationError
+
+    try:
+        if not isinstance(data, dict) or data.get("encoding") != FACTS_ENCODING:
+            raise FactsEncodingError(f"not facts of encoding {FACTS_ENCODING}")
+        source = data["source"]
+        if source not in MODEL_SOURCES:
+            raise FactsEncodingError(f"unknown source {source!r}")
+        layers: list[LayerWeights] = []
+        for count, linear, bits, other, replicated in data["layers"]:
+            if not isinstance(count, int) or count < 1:
+                raise FactsEncodingError(f"layer count {count!r}")
+            layers += [LayerWeights(linear=float(linear), bits=float(bits), other=int(other),
+                                    replicated=int(replicated))] * count
+        fmt = data["weightFormat"]
+        return ModelFacts(
+            name=str(data["name"]),
+            arch=ArchitectureSpec.model_validate(data["arch"]),
+            weight_format=WeightFormat(str(fmt["name"]), float(fmt["bits"]), str(fmt.get("detail") or "")),
+            layers=tuple(layers),
+            embedding=int(data["embedding"]),
+            head=int(data["head"]),
+            source=source,
+            head_bits=float(data["headBits"]),
+            final=int(data["final"]),
+            encoder=int(data["encoder"]),
+            revision=data.get("revision"),
+            dtype=data.get("dtype"),
+            notes=tuple(str(n) for n in data.get("notes") or ()),
+        )
+    except FactsEncodingError:
+        raise
+    except (KeyError, TypeError, ValueError, ValidationError) as exc:
+        raise FactsEncodingError(f"malformed facts: {type(exc).__name__}: {exc}") from None
+
+
+def facts_digest(facts: ModelFacts) -> str:
+    """`sha256:` and the hex digest of facts_to_json(FACTS), canonically serialized."""
+    text = json.dumps(facts_to_json(facts), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()

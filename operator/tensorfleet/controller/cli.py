@@ -36,6 +36,13 @@ def register(commands: Any) -> None:
     tuning.add_argument("--control-plane-image", default=os.environ.get(contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE) or None,
                         help=f"default router and simulator image (env {contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE}; "
                              "default: the control-plane image of this release)")
+    facts = run.add_argument_group("model facts (controller/modelfacts.py)")
+    facts.add_argument("--no-hub", action="store_true",
+                       help="plan from the built-in catalog (and spec.model.architecture) only; never read a model's "
+                            "config.json from the Hugging Face Hub. By default it is read once per model (HF_ENDPOINT, "
+                            "HF_HUB_OFFLINE and HF_TOKEN apply) and pinned in status.modelFacts")
+    facts.add_argument("--hub-timeout-seconds", type=argtypes.positive_float, default=5.0,
+                       help="longest a reconcile waits for the Hub (default 5; the webhook waits at most 2)")
     policy = run.add_argument_group("policy")
     policy.add_argument("--allowed-registry", dest="allowed_registries", action="append", default=None,
                         metavar="PREFIX",
@@ -129,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
 
     Raises ValueError for a combination of arguments the operator cannot run with.
     """
+    from tensorfleet.controller.modelfacts import ModelFactsConfig
     from tensorfleet.controller.operator import OperatorConfig, WebhookConfig
     from tensorfleet.render import Images
 
@@ -155,6 +163,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         webhook=webhook,
         images=Images(worker=args.worker_image or Images.worker,
                       control_plane=args.control_plane_image or Images.control_plane),
+        model_facts=ModelFactsConfig(hub=not args.no_hub, timeout_seconds=args.hub_timeout_seconds,
+                                     admission_timeout_seconds=min(2.0, args.hub_timeout_seconds)),
     )
 
 

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.controller import metrics, webhook
+from tensorfleet.controller.modelfacts import ModelFactsConfig
 from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Key, Reconciler
 from tensorfleet.controller.webhook import WebhookConfig
@@ -56,6 +57,8 @@ class OperatorConfig:
     images: Images = field(default_factory=Images)
     # Image prefixes InferenceServices may name (empty: any), enforced by webhook and reconciler alike.
     allowed_registries: tuple[str, ...] = ()
+    # How model facts are read (the Hub, bounds, retries), at reconcile and admission alike.
+    model_facts: ModelFactsConfig = field(default_factory=ModelFactsConfig)
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
@@ -100,7 +103,8 @@ class Operator:
         self.kube = Kube(connection, timeout=config.api_timeout_seconds, observe=_count_request)
         self.cache = Cache(INFERENCE_SERVICE, (*CHILD_KINDS, POD))
         self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), self.cache,
-                                     images=config.images, allowed_registries=config.allowed_registries)
+                                     images=config.images, allowed_registries=config.allowed_registries,
+                                     model_facts=config.model_facts)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
@@ -165,7 +169,7 @@ class Operator:
                         log.warning("admission: could not read InferenceService %s/%s: %s", namespace, name, exc)
                         return None
 
-                admission = await webhook.serve(self.config.webhook, lookup=lookup)
+                admission = await webhook.serve(self.config.webhook, lookup=lookup, model_facts=self.config.model_facts)
             async with self.kube:
                 elector = None
                 if self.config.leader_election:

@@ -1,6 +1,7 @@
 """One level-triggered, idempotent reconcile of one InferenceService.
 
-observe the InferenceService -> plan -> render -> apply what differs
+observe the InferenceService -> its model's facts (read once, then pinned
+in status: `modelfacts`) -> plan -> render -> apply what differs
 (server-side apply) -> prune what is no longer wanted -> roll multi-stage
 groups -> write status if it changed. Nothing is remembered between runs
 but what the cluster says: the InferenceService is read with a GET, its
@@ -30,11 +31,25 @@ from tensorfleet.controller.children import ChildHandler, Context, controlled_by
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.idle import NOT_IDLE, Idle, parse_time
 from tensorfleet.controller.idle import decide as decide_idle
+from tensorfleet.controller.modelfacts import (
+    DEFAULT_MODEL_FACTS,
+    NOT_PINNED,
+    FactsUnavailable,
+    ModelFactsConfig,
+    Resolved,
+)
+from tensorfleet.controller.modelfacts import resolve as resolve_facts
 from tensorfleet.controller.observe import Observation, is_terminating, observe
 from tensorfleet.controller.policy import check_images
 from tensorfleet.controller.rollout import Mode, decide
-from tensorfleet.controller.statefulsets import StatefulSetHandler, roll_groups
+from tensorfleet.controller.statefulsets import (
+    StatefulSetHandler,
+    annotate_wanted_groups,
+    records_wanted_groups_only,
+    roll_groups,
+)
 from tensorfleet.controller.status import (
+    KEEP,
     PLAN_VALID,
     PROGRESSING,
     READY,
@@ -89,6 +104,15 @@ def spec_warnings(isvc: InferenceService) -> list[str]:
     return []
 
 
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch (RFC 7386) taking OLD to NEW: NEW, with null for each key, at any depth, NEW lacks."""
+    patch: dict[str, Any] = {k: None for k in old if k not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        patch[key] = merge_patch(before, value) if isinstance(value, dict) and isinstance(before, dict) else value
+    return patch
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -97,8 +121,12 @@ class Reconciler:
     """Reconciles one InferenceService per call; children and pods are read from `cache`, never listed."""
 
     def __init__(self, kube: Kube, events: EventRecorder, cache: Cache, *, now: Callable[[], str] = utc_now,
-                 images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = ()) -> None:
+                 images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = (),
+                 model_facts: ModelFactsConfig = DEFAULT_MODEL_FACTS) -> None:
         self.kube = kube
+        self.model_facts = model_facts
+        # Per InferenceService: model-facts reads that failed in a row, for the retry backoff.
+        self._facts_failures: dict[Key, int] = {}
         self.allowed_registries = tuple(allowed_registries)
         self.cache = cache
         self.images = images
@@ -126,17 +154,23 @@ class Reconciler:
         if body is None or is_terminating(body):
             # Children carry ownerReferences: the garbage collector removes them.
             self._record((namespace, name), None)
+            self._facts_failures.pop((namespace, name), None)
             return None
         meta = body["metadata"]
         status = body.get("status") or {}
         generation = meta.get("generation")
+        facts: Resolved | None = None
         try:
-            isvc = load_inference_service({k: v for k, v in body.items() if k != "status"})
-            plan = make_plan(isvc.spec)
+            isvc = load_inference_service(body, ignore_status=True)
+            facts = await resolve_facts(isvc, status, self.model_facts)
+            plan = make_plan(isvc.spec, facts.facts)
             check_images(isvc, self.allowed_registries)
+        except FactsUnavailable as exc:
+            return await self._facts_unavailable(body, status, generation, exc)
         except SpecError as exc:
-            await self._reject(body, status, generation, exc)
+            await self._reject(body, status, generation, exc, facts)
             return None
+        self._facts_failures.pop((namespace, name), None)
         if not meta.get("uid"):
             raise RuntimeError(f"{namespace}/{name} has no metadata.uid; children could not be owned")
 
@@ -148,8 +182,11 @@ class Reconciler:
                            meta.get("creationTimestamp"), parse_time(self.now()) or datetime.datetime.now(datetime.UTC))
         mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"], idle=zero.idle)
         desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle)
+        annotate_wanted_groups(desired, desired_replicas(isvc.spec, idle=zero.idle))
         first_time = status.get("observedGeneration") is None
-        spec_unchanged = status.get("observedGeneration") == generation
+        # Going to zero or coming back changes the StatefulSets by the operator's own decision: not a revert.
+        idling = (status.get("idleSince") is not None) != (zero.since is not None)
+        spec_unchanged = status.get("observedGeneration") == generation and not idling
         live_after: dict[tuple[str, str], dict[str, Any]] = {}
         conflicts: dict[tuple[str, str], str] = {}
         for obj in desired:
@@ -171,7 +208,7 @@ class Reconciler:
                       self._engine_pods(namespace, name, sts), sts, router, surge=mode.surge)
         await roll_groups(ctx, obs, mode)
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
-                                   spec_warnings(isvc), zero)
+                                   spec_warnings(isvc), zero, facts)
         if zero.event is not None:
             await self.events.normal(body, *zero.event)
         counts: dict[str, int] = {}
@@ -240,7 +277,7 @@ class Reconciler:
         log.info("%s %s %s/%s", "created" if live is None else "updated", kind.kind, ctx.namespace, name)
         if live is None and not first_time:
             await self.events.warning(ctx.owner, "ChildRestored", f"{kind.kind} {name} was missing; recreated it")
-        elif live is not None and spec_unchanged:
+        elif live is not None and spec_unchanged and not records_wanted_groups_only(live, obj):
             await self.events.warning(ctx.owner, "ChildReverted",
                                       f"{kind.kind} {name} differed from the spec (changed outside the operator?); "
                                       "restored it")
@@ -266,12 +303,13 @@ class Reconciler:
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
                       obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str],
-                      zero: Idle = NOT_IDLE) -> str:
+                      zero: Idle = NOT_IDLE, facts: Resolved = NOT_PINNED) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
-                             rollout=mode, conflicts=conflicts, warnings=warnings, idle_since=zero.since)
+                             rollout=mode, conflicts=conflicts, warnings=[*filter(None, [facts.warning]), *warnings],
+                             idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]
@@ -283,20 +321,39 @@ class Reconciler:
             await self.events.warning(body, reason, message)
         return condition_status(after, READY) or "False"
 
-    async def _reject(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, exc: SpecError) -> None:
-        """Record an invalid spec: PlanValid=False naming the field, and a Warning event; children are left as they are."""
-        new = rejected_status(status, generation=generation, field=exc.field, message=exc.message, now=self.now())
+    async def _reject(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, exc: SpecError,
+                      facts: Resolved | None = None) -> None:
+        """Record an invalid spec: PlanValid=False naming the field, and a Warning event; children are left as they are.
+
+        Model facts read for it (FACTS) are pinned all the same: fixing another field must not read them again.
+        """
+        new = rejected_status(status, generation=generation, field=exc.field, message=exc.message, now=self.now(),
+                              model_facts=facts.pin if facts is not None else KEEP)
         changed = await self._write_status(body, status, new)
         if changed:
             log.info("plan rejected for %s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
         if changed or condition_status(status.get("conditions") or [], PLAN_VALID) != "False":
             await self.events.warning(body, "PlanRejected", str(exc))
 
+    async def _facts_unavailable(self, body: dict[str, Any], status: dict[str, Any], generation: int | None,
+                                 exc: FactsUnavailable) -> float:
+        """No facts for the model: PlanValid=False saying why, a Warning event, nothing rendered; retry with backoff."""
+        meta = body["metadata"]
+        key = (meta["namespace"], meta["name"])
+        new = rejected_status(status, generation=generation, field="spec.model.name", message=str(exc), now=self.now(),
+                              reason="ModelFactsUnavailable")
+        changed = await self._write_status(body, status, new)
+        if changed or condition_status(status.get("conditions") or [], PLAN_VALID) != "False":
+            log.info("no model facts for %s/%s: %s", *key, exc)
+            await self.events.warning(body, "ModelFactsUnavailable", str(exc))
+        failures = self._facts_failures[key] = self._facts_failures.get(key, 0) + 1
+        return self.model_facts.retry_after(failures)
+
     async def _write_status(self, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> bool:
         """Patch the status subresource when `new` differs from `old`; True when it wrote."""
         if {k: v for k, v in old.items() if v is not None} == {k: v for k, v in new.items() if v is not None}:
             return False
-        patch = {**{k: None for k in old if k not in new}, **new}
+        patch = merge_patch(old, new)
         meta = body["metadata"]
         await self.kube.patch_status(INFERENCE_SERVICE, meta["namespace"], meta["name"], patch)
         return True

@@ -25,6 +25,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.controller.children import ChildHandler, Context, controller_of
+from tensorfleet.controller.diff import contains
 from tensorfleet.controller.observe import Observation
 from tensorfleet.controller.rollout import Mode, replacements
 from tensorfleet.kube.client import ApiError
@@ -35,8 +36,42 @@ log = logging.getLogger(__name__)
 ORPHAN_DELETE_TIMEOUT_SECONDS = 30.0
 
 
+WANTED_GROUPS = contract.ANNOTATION_WANTED_GROUPS
+
+
+def annotate_wanted_groups(desired: list[dict[str, Any]], wanted: int) -> None:
+    """Record on each engine StatefulSet in DESIRED the groups the spec wants (WANTED).
+
+    Its replicas also count a rollout's surge groups, so they cannot say
+    whether the wanted count moved; `StatefulSetHandler.changed` reads this.
+    """
+    for obj in desired:
+        if obj.get("kind") == STATEFUL_SET.kind:
+            obj["metadata"].setdefault("annotations", {})[WANTED_GROUPS] = str(wanted)
+
+
+def wanted_groups(sts: dict[str, Any]) -> str | None:
+    """The groups a StatefulSet was applied for (annotate_wanted_groups); its replicas when it has no record."""
+    recorded = ((sts.get("metadata") or {}).get("annotations") or {}).get(WANTED_GROUPS)
+    if recorded is not None:
+        return str(recorded)
+    replicas = (sts.get("spec") or {}).get("replicas")
+    return None if replicas is None else str(replicas)
+
+
+def records_wanted_groups_only(live: dict[str, Any], obj: dict[str, Any]) -> bool:
+    """Whether applying OBJ over LIVE only adds the wanted-groups record: the first reconcile after an
+    upgrade from an operator that kept none, which is no change made outside the operator."""
+    recorded = (obj["metadata"].get("annotations") or {}).get(WANTED_GROUPS)
+    annotations = (live.get("metadata") or {}).get("annotations") or {}
+    if recorded is None or WANTED_GROUPS in annotations:
+        return False
+    with_record = {**live, "metadata": {**live["metadata"], "annotations": {**annotations, WANTED_GROUPS: recorded}}}
+    return contains(with_record, obj)
+
+
 class StatefulSetHandler(ChildHandler):
-    """Engine stages: recreate on an immutable-field change, and a Scaled event when stage 0's replicas move."""
+    """Engine stages: recreate on an immutable-field change, and a Scaled event when the wanted groups change."""
 
     async def apply(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any] | None) -> dict[str, Any]:
         """Apply; on 422 for an existing StatefulSet, recreate it keeping its pods."""
@@ -57,9 +92,12 @@ class StatefulSetHandler(ChildHandler):
             return applied
 
     async def changed(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any]) -> None:
-        """A Scaled event when the group count (stage 0's replicas) moved."""
-        before = (live.get("spec") or {}).get("replicas")
-        after = obj["spec"]["replicas"]
+        """A Scaled event when the groups the spec wants (stage 0's record of them) moved.
+
+        Not when only the replicas did: a rollout's surge groups come and go
+        with the wanted count unchanged.
+        """
+        before, after = wanted_groups(live), wanted_groups(obj)
         if before != after and obj["metadata"]["name"] == contract.stage_name(ctx.name, 0):
             await ctx.events.normal(ctx.owner, "Scaled", f"replicas {before} -> {after}")
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet.api.models import Condition, ConditionStatus, InferenceServiceStatus
+from tensorfleet.api.models import Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
 from tensorfleet.controller.diagnose import UNSCHEDULABLE, Diagnosis, causes, diagnose_all
 from tensorfleet.controller.observe import Observation, pod_gpus, pod_unschedulable
 from tensorfleet.controller.rollout import IN_PLACE, STEADY, SURGE_UNSCHEDULABLE, SURGING, Mode
@@ -32,6 +32,8 @@ from tensorfleet.planner import Plan
 
 PLAN_VALID, PROGRESSING, READY, DEGRADED = "PlanValid", "Progressing", "Ready", "Degraded"
 MAX_PROBLEMS_SHOWN = 3
+# rejected_status: leave status.modelFacts as it was.
+KEEP: Any = object()
 
 
 def endpoint(name: str, namespace: str) -> str:
@@ -184,16 +186,20 @@ def _wire(status: InferenceServiceStatus) -> dict[str, Any]:
 def serving_status(previous: dict[str, Any], *, name: str, namespace: str, generation: int | None, plan: Plan,
                    obs: Observation, selector: str, now: str, rollout: Mode = STEADY,
                    conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
-                   idle_since: str | None = None) -> dict[str, Any]:
+                   idle_since: str | None = None, model_facts: ModelFactsStatus | None = None,
+                   facts_note: str | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
     owner holds their names; they make Degraded True (reason ChildConflict).
     `warnings` are things about an accepted spec a person should know; they
-    follow the plan in PlanValid's message (reason PlanAcceptedWithWarnings).
+    follow the plan in PlanValid's message (reason PlanAcceptedWithWarnings),
+    after `facts_note` (where the model's facts came from). `model_facts` are
+    the facts pinned for the model (controller/modelfacts.py); None: none.
     """
     accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
-    message = "; ".join([plan_message(plan), *(f"warning: {w}" for w in warnings)])
+    message = "; ".join([plan_message(plan), *([facts_note] if facts_note else []),
+                         *(f"warning: {w}" for w in warnings)])
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
     cause = _cause(obs, plan, _diagnoses(obs))
     for type_, (status, reason, message) in (
@@ -210,14 +216,21 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         endpoint=endpoint(name, namespace),
         plan=plan.to_status(),
         **({"idle_since": idle_since} if idle_since is not None else {}),
+        **({"model_facts": model_facts} if model_facts is not None else {}),
     ))
 
 
-def rejected_status(previous: dict[str, Any], *, generation: int | None, field: str, message: str, now: str) -> dict[str, Any]:
-    """The spec cannot be served: say why. Whatever already runs keeps running (the rest of `previous` stays)."""
+def rejected_status(previous: dict[str, Any], *, generation: int | None, field: str, message: str, now: str,
+                    reason: str = "InvalidSpec", model_facts: ModelFactsStatus | None = KEEP) -> dict[str, Any]:
+    """The spec cannot be served: say why. Whatever already runs keeps running (the rest of `previous` stays).
+
+    `model_facts`: the facts pinned for the model now (None: none); KEEP leaves them as they were.
+    """
     status = InferenceServiceStatus.model_validate(previous)
-    conditions = set_condition(status.conditions, PLAN_VALID, "False", "InvalidSpec", f"{field}: {message}",
+    conditions = set_condition(status.conditions, PLAN_VALID, "False", reason, f"{field}: {message}",
                                generation, now)
+    if model_facts is not KEEP:
+        status.model_facts = model_facts
     conditions = set_condition(conditions, PROGRESSING, "False", "PlanInvalid",
                                "fix the spec; the last valid version (if any) keeps serving", generation, now)
     if not any(c.type == READY for c in conditions):

@@ -8,6 +8,14 @@ candidates are found by name arithmetic and looked up with a GET each, so
 every operator replica serves it, leader or standby, without a cache: the
 webhook Service can route to any ready pod.
 
+The model's facts (controller/modelfacts.py) never make it slow nor refuse
+because the Hub is: an update is planned from the facts pinned in the
+object's status; a new object or model from config.json read within a short
+bound (modelfacts.ModelFactsConfig.admission_timeout_seconds; the modelinfo
+cache answers at once for a model read recently), else the built-in catalog.
+A model none of them gives in time is admitted with a warning, unchecked, and
+the reconcile reports on it (PlanValid).
+
 Its port is reachable in the cluster, so it bounds what a caller can push:
 the body size, compressed bodies (refused: the API server never compresses
 AdmissionReviews), JSON nesting, and concurrent reviews (beyond which it
@@ -29,6 +37,8 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
+from tensorfleet.catalog.facts import ModelFacts
+from tensorfleet.controller.modelfacts import CATALOG_ONLY, ModelFactsConfig, for_admission, pinned
 from tensorfleet.controller.policy import check_images, colliding_owner_names
 from tensorfleet.planner import Plan, make_plan
 from tensorfleet.render import render
@@ -38,6 +48,8 @@ WEBHOOK_PATH = contract.WEBHOOK_PATH
 # An AdmissionReview carries the object and the old object, each at most etcd's 1.5 MiB.
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_CONCURRENT_REVIEWS = 8
+# The field the planner names when it has no facts for a model (not in the catalog, none given).
+MODEL_FACTS_FIELD = "spec.model.architecture"
 # (namespace, name) -> that InferenceService's body, or None.
 Lookup = Callable[[str, str], Awaitable[dict[str, Any] | None]]
 
@@ -54,13 +66,38 @@ class WebhookConfig:
     allowed_registries: Sequence[str] = field(default_factory=tuple)
 
 
-def validate_document(document: dict[str, Any], *,
-                      allowed_registries: Sequence[str] = ()) -> tuple[InferenceService, Plan]:
-    """What the reconciler checks too: parsing, planning, the registry policy."""
-    isvc = load_inference_service(document)
-    plan = make_plan(isvc.spec)
+def validate_document(document: dict[str, Any], *, allowed_registries: Sequence[str] = (),
+                      facts: ModelFacts | None = None) -> tuple[InferenceService, Plan]:
+    """What the reconciler checks too: parsing, planning (with the model's FACTS, else the catalog's), the registry policy."""
+    isvc = load_inference_service(document, ignore_status=True)
+    plan = make_plan(isvc.spec, facts)
     check_images(isvc, allowed_registries)
     return isvc, plan
+
+
+async def validate_request(request: dict[str, Any], *, allowed_registries: Sequence[str] = (),
+                           model_facts: ModelFactsConfig = CATALOG_ONLY) -> tuple[InferenceService, Plan | None, str | None]:
+    """validate_document for an AdmissionRequest: (the object, its plan, a warning).
+
+    The plan is None, with a warning saying why, when the model's facts could
+    not be had in time: the object is admitted and the reconcile plans it.
+    """
+    document = dict(request.get("object") or {})
+    if request.get("namespace") and isinstance(document.get("metadata"), dict):
+        document["metadata"] = {"namespace": request["namespace"], **document["metadata"]}
+    isvc = load_inference_service(document, ignore_status=True)
+    statuses = tuple((obj or {}).get("status") for obj in (request.get("object"), request.get("oldObject")))
+    facts, deferred = await for_admission(isvc, statuses, model_facts)
+    if deferred is not None:
+        try:
+            make_plan(isvc.spec)  # what needs no model facts: the GPU type
+        except SpecError as exc:
+            if exc.field != MODEL_FACTS_FIELD:
+                raise
+        check_images(isvc, allowed_registries)
+        return isvc, None, deferred
+    isvc, plan = validate_document(document, allowed_registries=allowed_registries, facts=facts)
+    return isvc, plan, None
 
 
 async def check_collisions(isvc: InferenceService, plan: Plan, lookup: Lookup) -> None:
@@ -72,8 +109,10 @@ async def check_collisions(isvc: InferenceService, plan: Plan, lookup: Lookup) -
         if other is None:
             continue
         try:
-            other_isvc = load_inference_service({k: v for k, v in other.items() if k != "status"})
-            theirs = {(obj["kind"], obj["metadata"]["name"]) for obj in render(other_isvc, make_plan(other_isvc.spec))}
+            other_isvc = load_inference_service(other, ignore_status=True)
+            their_facts = pinned(other_isvc, other.get("status"))
+            their_plan = make_plan(other_isvc.spec, their_facts.facts if their_facts is not None else None)
+            theirs = {(obj["kind"], obj["metadata"]["name"]) for obj in render(other_isvc, their_plan)}
         except SpecError:
             continue  # it serves nothing new; the reconciler reports any object it already holds
         shared = sorted(ours & theirs)
@@ -83,19 +122,20 @@ async def check_collisions(isvc: InferenceService, plan: Plan, lookup: Lookup) -
                                              f"{other_name} in {namespace}; choose another name")
 
 
-async def review(body: dict[str, Any], *, lookup: Lookup | None = None,
-                 allowed_registries: Sequence[str] = ()) -> dict[str, Any]:
+async def review(body: dict[str, Any], *, lookup: Lookup | None = None, allowed_registries: Sequence[str] = (),
+                 model_facts: ModelFactsConfig = CATALOG_ONLY) -> dict[str, Any]:
     """An admission.k8s.io/v1 AdmissionReview response for an AdmissionReview request."""
     request = body.get("request") or {}
     response: dict[str, Any] = {"uid": request.get("uid", ""), "allowed": True}
     # Deletes and status writes carry no new spec to judge.
     if request.get("operation") in ("CREATE", "UPDATE") and not request.get("subResource"):
-        document = dict(request.get("object") or {})
-        if request.get("namespace") and isinstance(document.get("metadata"), dict):
-            document["metadata"] = {"namespace": request["namespace"], **document["metadata"]}
         try:
-            isvc, plan = validate_document(document, allowed_registries=allowed_registries)
-            if lookup is not None:
+            isvc, plan, warning = await validate_request(request, allowed_registries=allowed_registries,
+                                                         model_facts=model_facts)
+            if warning is not None:
+                # Unplanned, its children's names are not known: the reconciler still takes nothing it does not own.
+                response["warnings"] = [warning]
+            elif lookup is not None and plan is not None:
                 await check_collisions(isvc, plan, lookup)
         except SpecError as exc:
             response = {**response, "allowed": False,
@@ -108,7 +148,8 @@ def _refuse(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def _handler(config: WebhookConfig, lookup: Lookup | None) -> Callable[[web.Request], Awaitable[web.Response]]:
+def _handler(config: WebhookConfig, lookup: Lookup | None,
+             model_facts: ModelFactsConfig) -> Callable[[web.Request], Awaitable[web.Response]]:
     slots = asyncio.Semaphore(MAX_CONCURRENT_REVIEWS)
 
     async def handle(request: web.Request) -> web.Response:
@@ -131,7 +172,7 @@ def _handler(config: WebhookConfig, lookup: Lookup | None) -> Callable[[web.Requ
             except (ValueError, RecursionError):  # RecursionError: nesting deeper than Python parses
                 return _refuse(400, "expected an AdmissionReview JSON body")
             result = await review(body if isinstance(body, dict) else {}, lookup=lookup,
-                                  allowed_registries=config.allowed_registries)
+                                  allowed_registries=config.allowed_registries, model_facts=model_facts)
         if not result["response"]["allowed"]:
             log.info("admission denied: %s", result["response"]["status"]["message"])
         return web.json_response(result)
@@ -139,10 +180,11 @@ def _handler(config: WebhookConfig, lookup: Lookup | None) -> Callable[[web.Requ
     return handle
 
 
-async def serve(config: WebhookConfig, *, lookup: Lookup | None = None) -> web.AppRunner:
+async def serve(config: WebhookConfig, *, lookup: Lookup | None = None,
+                model_facts: ModelFactsConfig = CATALOG_ONLY) -> web.AppRunner:
     """Start serving the webhook; `lookup` reads other InferenceServices for the collision check."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    app.router.add_post(WEBHOOK_PATH, _handler(config, lookup))
+    app.router.add_post(WEBHOOK_PATH, _handler(config, lookup, model_facts))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     context = None
