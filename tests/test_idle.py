@@ -72,3 +72,25 @@ def test_desired_replicas_idle_is_zero_otherwise_the_hpa_floor_of_one() -> None:
     assert desired_replicas(zero) == 1
     assert desired_replicas(zero, idle=True) == 0
     assert desired_replicas(spec(minReplicas=2), idle=True) == 2  # idle means nothing without minReplicas 0
+
+
+def test_at_zero_the_hpa_may_drop_to_its_floor_at_once_so_a_wake_starts_small() -> None:
+    from tensorfleet.api import load_inference_service
+    from tensorfleet.planner import make_plan
+    from tensorfleet.render import render
+    from tensorfleet.render.autoscaling import DEFAULT_SCALE_DOWN, IDLE_SCALE_DOWN
+
+    isvc = load_inference_service({
+        "apiVersion": "tensorfleet.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "m"},
+        "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "accelerator": {"type": "L4"},
+                 "autoscaling": {"minReplicas": 0, "maxReplicas": 8,
+                                 "behavior": {"scaleDown": {"stabilizationWindowSeconds": 60}}}},
+    })
+    plan = make_plan(isvc.spec)
+
+    def scale_down(idle: bool) -> dict[str, Any]:
+        [hpa] = [o for o in render(isvc, plan, idle=idle) if o["kind"] == "HorizontalPodAutoscaler"]
+        return dict(hpa["spec"]["behavior"]["scaleDown"])
+    serving = scale_down(False)
+    assert serving["stabilizationWindowSeconds"] == 60 and serving["policies"] == DEFAULT_SCALE_DOWN["policies"]
+    assert scale_down(True) == IDLE_SCALE_DOWN

@@ -15,6 +15,7 @@ from conftest import sim_doc
 
 from tensorfleet.controller.idle import parse_time
 from tensorfleet.kube.connection import Connection
+from tensorfleet.render.autoscaling import DEFAULT_SCALE_DOWN, IDLE_SCALE_DOWN
 from tensorfleet.router.demand import DemandLease
 from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
 
@@ -73,6 +74,9 @@ async def test_an_idle_multi_node_fleet_goes_to_zero_and_a_request_wakes_it() ->
         ready = next(x for x in status["conditions"] if x["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
         await eventually(lambda: "ScaledToZero" in _reasons(c), message="ScaledToZero event")
+        # At zero the HPA may bring spec.replicas to its floor at once, so a wake starts small.
+        await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]
+                         ["scaleDown"] == IDLE_SCALE_DOWN, message="idle scale-down")
         # The HPA's field was never written by the operator: spec.replicas is still the CRD default.
         assert c.isvc("demo")["spec"]["replicas"] == 1
         idle_since = parse_time(status["idleSince"])
@@ -91,6 +95,8 @@ async def test_an_idle_multi_node_fleet_goes_to_zero_and_a_request_wakes_it() ->
         await eventually(lambda: "idleSince" not in (c.isvc("demo").get("status") or {}), message="idleSince cleared")
         await eventually(lambda: "ScaledFromZero" in _reasons(c), message="ScaledFromZero event")
         await eventually(lambda: (c.condition("demo", "Ready") or {}).get("reason") == "Serving", message="serving")
+        assert c.get("autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]["scaleDown"][
+            "policies"] == DEFAULT_SCALE_DOWN["policies"]
         # Both transitions were the operator's own decisions, not drift it reverted.
         assert "ChildReverted" not in _reasons(c)
 

@@ -41,6 +41,19 @@ DEFAULT_SCALE_DOWN: dict[str, Any] = {
 }
 
 
+# While the fleet is at zero (the operator's decision) there is no capacity to
+# protect: the HPA may bring spec.replicas down to its floor within a sync or
+# two, so the next request wakes the fleet at the size demand then asks for,
+# not at what the HPA held when the traffic stopped (its usual scale-down
+# would take minutes per replica). The operator owns this object; the HPA
+# still owns spec.replicas.
+IDLE_SCALE_DOWN: dict[str, Any] = {
+    "stabilizationWindowSeconds": 0,
+    "selectPolicy": "Max",
+    "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+}
+
+
 def _rules(default: dict[str, Any], user: ScalingRules | None) -> dict[str, Any]:
     merged = {**default, "policies": [dict(p) for p in default["policies"]]}
     if user is not None:
@@ -74,7 +87,8 @@ def hpa(ctx: Context) -> dict[str, Any] | None:
             }],
             "behavior": {
                 "scaleUp": _rules(DEFAULT_SCALE_UP, behavior.scale_up if behavior else None),
-                "scaleDown": _rules(DEFAULT_SCALE_DOWN, behavior.scale_down if behavior else None),
+                "scaleDown": (_rules(IDLE_SCALE_DOWN, None) if ctx.idle and auto.scales_to_zero
+                              else _rules(DEFAULT_SCALE_DOWN, behavior.scale_down if behavior else None)),
             },
         },
     }
