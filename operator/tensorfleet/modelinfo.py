@@ -193,6 +193,18 @@ def _resolve(name: str, revision: str | None, *, token: str | None, cache_dir: s
     raise ModelInfoError(f"{name}: {CONFIG_FILE} not read: {why_not_hub}, and not in the local Hugging Face cache")
 
 
+def _timed_out(exc: BaseException) -> bool:
+    """Whether EXC, or what it wraps, is a timeout (the builtin's, or the HTTP client's own *Timeout* classes)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError) or "Timeout" in type(current).__name__:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class _Unreachable(Exception):
     """The Hub could not be asked (network, offline mode, server error): the cache may still answer."""
 
@@ -232,6 +244,8 @@ def _from_hub(name: str, revision: str | None, *, token: str | None, cache_dir: 
             raise ModelInfoError(f"{name}: the Hub answered {status} for {CONFIG_FILE}") from None
         raise _Unreachable(f"the Hub answered {status}") from None
     except Exception as exc:  # noqa: BLE001 - connection, DNS, TLS, timeout: whatever the HTTP client raises
+        if _timed_out(exc):
+            raise _Unreachable(f"the Hub did not answer within {timeout:g} s") from None
         raise _Unreachable(f"the Hub could not be reached ({type(exc).__name__}: {exc})") from None
     commit = metadata.commit_hash if metadata.commit_hash and _COMMIT.match(metadata.commit_hash) else wanted
 

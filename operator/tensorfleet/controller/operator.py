@@ -129,6 +129,8 @@ class Operator:
         @kopf.on.event(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural, registry=registry)
         # kopf types `namespace` as optional (for cluster-scoped kinds); every kind watched here is namespaced.
         async def inference_service_changed(namespace: str | None, name: str, **_: object) -> None:
+            """An InferenceService changed (or was listed at start): reconcile it."""
+            cache.mark_synced()
             if namespace is not None:
                 queue.add((namespace, name))
 
@@ -136,6 +138,7 @@ class Operator:
             async def handler(event: kopf.RawEvent, labels: Mapping[str, str], namespace: str | None,
                               **_: object) -> None:
                 """A child or engine pod changed: its index is current now; reconcile its InferenceService."""
+                cache.mark_synced()
                 cache.observed(kind, event["object"])
                 owner = labels.get(contract.LABEL_INSTANCE)
                 if owner and namespace is not None:
@@ -197,7 +200,9 @@ class Operator:
                 await health.cleanup()
 
     async def _lead(self, elector: LeaderElector | None) -> None:
-        self.queue = queue = WorkQueue(self.reconciler, workers=self.config.workers)
+        # Workers start once the cache is whole: a reconcile from half-filled
+        # indexes would report children missing (a restart flapping Ready).
+        self.queue = queue = WorkQueue(self.reconciler, workers=self.config.workers, gate=self.cache.synced)
         ours = {asyncio.create_task(queue.run()), asyncio.create_task(self._resync(queue))}
         if elector is not None:
             ours.add(asyncio.create_task(elector.hold()))
@@ -240,7 +245,7 @@ class Operator:
         """
         while True:
             await asyncio.sleep(self.config.resync_seconds)
-            if self.cache.ready:
+            if self.cache.synced.is_set():
                 for key in list(self.cache.owners()):
                     queue.add(key)
 

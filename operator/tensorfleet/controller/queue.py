@@ -27,8 +27,10 @@ Handler = Callable[[K], Awaitable[float | None]]
 
 
 class WorkQueue(Generic[K]):
-    def __init__(self, handler: Handler[K], *, workers: int = 4, base_backoff: float = 0.5, max_backoff: float = 300.0) -> None:
+    def __init__(self, handler: Handler[K], *, workers: int = 4, base_backoff: float = 0.5, max_backoff: float = 300.0,
+                 gate: asyncio.Event | None = None) -> None:
         self._handler = handler
+        self._gate = gate  # workers take no key until it is set (keys added before wait)
         self._workers = workers
         self._base = base_backoff
         self._max = max_backoff
@@ -65,6 +67,9 @@ class WorkQueue(Generic[K]):
         await self._idle.wait()
 
     async def run(self) -> None:
+        """Run the workers until cancelled (after the gate opens, when there is one)."""
+        if self._gate is not None:
+            await self._gate.wait()
         await asyncio.gather(*(self._worker() for _ in range(self._workers)))
 
     async def _next(self) -> K:

@@ -5,7 +5,9 @@ managed-by label on the server). `Cache.register` adds a `kopf.index` per kind,
 keyed by (namespace, owning InferenceService), so a reconcile reads its
 children from memory instead of listing them. kopf fills the indexes from its
 initial listings and holds every handler back until all of them are filled,
-so nothing is reconciled from a half-empty cache.
+so nothing is reconciled from a half-empty cache. Keys that reach the work queue
+another way (the periodic resync) wait for `synced`: set by the first handler
+kopf runs, which it runs only once every index is filled.
 
 An index lags the API server by one watch event: right after our own apply or
 delete it still shows the old object. Each write is therefore kept in an
@@ -19,6 +21,7 @@ event costs at most one stale read per object, never a permanent ghost.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -75,6 +78,11 @@ class Cache:
         self._indexes: dict[str, kopf.Index[Any, Any]] = {}
         self._written: dict[tuple[str, str, str], dict[str, _Write]] = {}  # (kind, namespace, owner) -> name -> write
         self._owner_of: dict[tuple[str, str, str], str] = {}  # (kind, namespace, name) -> owner
+        self.synced = asyncio.Event()  # every index filled from its initial listing
+
+    def mark_synced(self) -> None:
+        """A kopf handler ran: kopf holds them back until every index is filled, so the cache is complete."""
+        self.synced.set()
 
     def register(self, registry: kopf.OperatorRegistry) -> None:
         """Add the indexes to `registry`, and a startup handler that takes hold of them."""
@@ -89,10 +97,6 @@ class Cache:
             """kopf hands its indexes to handlers only; keep them for the reconciler."""
             for kind in (*self.kinds, owner):
                 self._indexes[kind.kind] = indexes[_index_id(kind)]
-
-    @property
-    def ready(self) -> bool:
-        return bool(self._indexes)
 
     # --- reads ---------------------------------------------------------------
     def owned(self, kind: Kind, namespace: str, owner: str) -> dict[str, dict[str, Any]]:
