@@ -26,6 +26,23 @@ def in_cluster_namespace() -> str | None:
         return None
 
 
+def bearer_token(cfg: Any) -> str | None:
+    """The bearer token a `kubernetes.client.Configuration` would send, without its scheme.
+
+    The key's name differs across client versions, its header does not; and
+    the scheme's case differs by loader (the in-cluster one writes `bearer `).
+    """
+    header = next((auth["value"] for auth in cfg.auth_settings().values()
+                   if isinstance(auth, dict) and auth.get("in") == "header"
+                   and auth.get("key", "").lower() == "authorization"), None)
+    if not header:
+        return None
+    scheme, _, token = str(header).strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise NoConfiguration(f"the Kubernetes configuration's Authorization is not a bearer token ({scheme!r})")
+    return token.strip()
+
+
 class NoConfiguration(Exception):
     """Neither an in-cluster service account nor a kubeconfig was found."""
 
@@ -73,11 +90,7 @@ class Connection:
         def refresh() -> None:
             if cfg.refresh_api_key_hook is not None:
                 cfg.refresh_api_key_hook(cfg)
-            # The key's name differs across client versions; its header does not.
-            header = next((auth["value"] for auth in cfg.auth_settings().values()
-                           if isinstance(auth, dict) and auth.get("in") == "header"
-                           and auth.get("key", "").lower() == "authorization"), None)
-            connection.token = header.removeprefix("Bearer ").strip() if header else None
+            connection.token = bearer_token(cfg)
 
         refresh()
         connection.refresh = refresh
