@@ -19,7 +19,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from kube import delete_namespace, new_namespace
+from kube import delete_namespace_later, new_namespace, wait_deleted
 
 HOW = "run `eval \"$(e2e/cluster up)\"` first (see e2e/README.md)"
 
@@ -59,10 +59,17 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 @pytest.fixture
 def namespace(request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace for one test, deleted (and waited for) afterwards."""
+    """A fresh namespace for one test, deleted afterwards (waited for by `wait_deleted`)."""
     prefix = re.sub(r"[^a-z0-9]+", "-", request.node.name.removeprefix("test_").lower())[:30].strip("-")
     name = new_namespace(prefix)
     try:
         yield name
     finally:
-        delete_namespace(name)
+        delete_namespace_later(name)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _namespaces_gone() -> Iterator[None]:
+    """Every test namespace gone before the session ends (so `e2e/cluster down` finds a quiet cluster)."""
+    yield
+    wait_deleted()

@@ -152,9 +152,38 @@ def new_namespace(prefix: str) -> str:
 
 
 def delete_namespace(name: str) -> None:
+    """Delete a namespace and wait until it is gone."""
     if os.environ.get("TF_E2E_KEEP"):
         return
+    # Workloads and pods first: pods that stop gracefully (the pod runner's, like a kubelet's) make the
+    # namespace controller look again only after half their longest grace period; with none left it is quick.
+    kubectl("delete", f"{contract.PLURAL},deployments,statefulsets,pods", "--all", "-n", name, "--wait=true",
+            f"--timeout={int(TIMEOUT)}s", check=False, timeout=TIMEOUT + 30)
     kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=true", f"--timeout={int(TIMEOUT)}s", check=False)
+
+
+_DELETING: set[str] = set()
+
+
+def delete_namespace_later(name: str) -> None:
+    """Start deleting a namespace and go on: its routers drain and its engines stop while the next test
+    runs. `wait_deleted` (before a test that reads operator-wide figures, and at the session's end)
+    waits for every such namespace to be gone."""
+    if os.environ.get("TF_E2E_KEEP"):
+        return
+    kubectl("delete", "namespace", name, "--ignore-not-found", "--wait=false", check=False)
+    _DELETING.add(name)
+
+
+def wait_deleted(timeout: float = TIMEOUT) -> None:
+    """Until every namespace `delete_namespace_later` deleted is gone (the cluster quiet again)."""
+    if not _DELETING:
+        return
+    names = [f"namespace/{name}" for name in sorted(_DELETING)]
+    done = kubectl_result("wait", "--for=delete", f"--timeout={int(timeout)}s", *names)
+    left = [n for n in _DELETING if get("namespace", n, None) is not None]
+    _DELETING.clear()
+    assert not left, f"namespaces still there after {timeout:.0f}s: {left}; {done.stderr.strip()}"
 
 
 def cluster_status() -> dict[str, Any] | None:
@@ -198,6 +227,7 @@ def operator_service_account() -> str:
 
 def kill_operator() -> None:
     """SIGKILL the operator: the local process, or the Lease holder's pod in a real cluster."""
+    wait_deleted()  # what the restarted operator finds is the test's own, not other tests' teardown
     if local_cluster():
         subprocess.run([str(CLUSTER_SCRIPT), "operator", "kill"], check=True, capture_output=True, timeout=60)
         return

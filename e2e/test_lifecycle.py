@@ -17,6 +17,7 @@ from kube import (
     kubectl,
     local_cluster,
     operator_metrics,
+    wait_deleted,
     wait_ready,
 )
 
@@ -84,6 +85,7 @@ def test_a_converged_inference_service_costs_no_writes_and_no_lists(namespace: s
     and its children are read from the cache, not listed."""
     if not local_cluster():
         pytest.skip("reads the local operator's metrics (e2e/cluster); in-cluster operators expose them on a Service")
+    wait_deleted()  # other tests' teardown would count as this operator's calls
     name, _ = deploy("simulator-cpu.yaml", namespace)
     eventually("Progressing=False", lambda: condition_status(isvc(name, namespace), "Progressing") == "False")
     time.sleep(2)
@@ -110,6 +112,7 @@ def test_an_immutable_statefulset_change_recreates_it_keeping_the_pods(namespace
     old = get("statefulset", stage0, namespace)
     assert old is not None
     pods_before = {p["metadata"]["uid"] for p in engine_pods(name, namespace)}
+    wait_deleted()  # a reconcile in another test's terminating namespace may fail; only this one's count
     failures_before = _failed_reconciles() if local_cluster() else None
     kubectl("patch", contract.PLURAL, name, "-n", namespace, "--type=merge", "-p",
             '{"spec": {"cache": {"size": "10Gi"}}}')

@@ -52,13 +52,22 @@ def test_the_hpa_controller_reads_scale_and_its_selector(namespace: str) -> None
         return hpa if found and found["status"] == "True" else None
     hpa = eventually("the HPA AbleToScale=True", able)
     able_to_scale = condition(hpa, "AbleToScale")
-    assert able_to_scale and able_to_scale["reason"] == "SucceededGetScale", able_to_scale
+    # The HPA controller's reasons for AbleToScale=True, all of which follow a successful read of /scale
+    # (once it has a metric, a stabilisation window or a recent rescale replaces SucceededGetScale).
+    assert able_to_scale and able_to_scale["reason"] in {
+        "SucceededGetScale", "ReadyForNewScale", "ScaleDownStabilized", "ScaleUpStabilized", "SucceededRescale",
+    }, able_to_scale
     assert hpa["status"].get("currentReplicas") == 1, "the HPA read /scale's status.replicas"
-    # The custom-metrics API (prometheus-adapter) is not installed in this cluster,
-    # so the HPA can read /scale but not the pending-requests metric: it says so
-    # in ScalingActive rather than scaling on anything made up.
     services = kubectl("get", "apiservices", "-o", "name")
-    if "v1beta1.custom.metrics.k8s.io" not in services:
-        active = eventually("the HPA ScalingActive condition", lambda: condition(
-            get("horizontalpodautoscaler", contract.hpa_name(name), namespace), "ScalingActive"))
+    active = eventually("the HPA ScalingActive condition", lambda: condition(
+        get("horizontalpodautoscaler", contract.hpa_name(name), namespace), "ScalingActive"))
+    if "v1beta1.custom.metrics.k8s.io" in services:
+        # prometheus-adapter serves the pending-requests metric (e2e/monitoring.py): the HPA reads it.
+        active = eventually("ScalingActive=True", lambda: (found := condition(get(
+            "horizontalpodautoscaler", contract.hpa_name(name), namespace), "ScalingActive")) and
+            found["status"] == "True" and found)
+        assert active["reason"] == "ValidMetricFound", active
+    else:
+        # Without the custom-metrics API the HPA can read /scale but not the metric: it says so in
+        # ScalingActive rather than scaling on anything made up.
         assert active["status"] == "False" and active["reason"] == "FailedGetObjectMetric", active

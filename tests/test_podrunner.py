@@ -1,0 +1,175 @@
+"""The e2e pod runner's own rules (e2e/podrunner.py): which pods it runs, and how it builds a container's env and
+argv the way the kubelet does. Running pods is the e2e suite's (e2e/test_pods.py, against the real control plane);
+these are the pure parts, checked against pods the operator's own render code makes."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from fractions import Fraction
+from typing import Any
+
+import pytest
+from conftest import ROOT
+
+from tensorfleet import contract
+from tensorfleet.api import load_inference_service
+from tensorfleet.planner import make_plan
+from tensorfleet.render import render
+
+_spec = importlib.util.spec_from_file_location("podrunner", ROOT / "e2e" / "podrunner.py")
+assert _spec and _spec.loader
+podrunner = importlib.util.module_from_spec(_spec)
+sys.modules["podrunner"] = podrunner
+_spec.loader.exec_module(podrunner)
+
+IMAGE = contract.CONTROL_PLANE_IMAGE
+
+
+def _pods(example: str) -> dict[str, dict[str, Any]]:
+    """The pods an example's workloads would make (by component and stage), scheduled on a node."""
+    import yaml
+
+    (doc,) = [d for d in yaml.safe_load_all((ROOT / "examples" / example).read_text()) if d]
+    isvc = load_inference_service(doc)
+    pods = {}
+    for obj in render(isvc, make_plan(isvc.spec)):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            template = copy.deepcopy(obj["spec"]["template"])
+            template["spec"]["nodeName"] = "node-0"
+            pods[obj["metadata"]["name"]] = {"metadata": {"name": "p", "namespace": "ns", **template["metadata"]},
+                                             "spec": template["spec"]}
+    return pods
+
+
+def test_it_runs_routers_and_simulator_engines_and_leaves_gpu_engines_to_kwok() -> None:
+    simulator = _pods("simulator-cpu.yaml")
+    assert simulator and all(podrunner.runs(pod, IMAGE) for pod in simulator.values()), sorted(simulator)
+    gpu = _pods("llama-3.1-70b-h100.yaml")
+    chosen = {name for name, pod in gpu.items() if podrunner.runs(pod, IMAGE)}
+    assert chosen == {contract.router_name("llama-70b-h100")}, "vLLM engines run another image behind an init container"
+
+
+def test_it_leaves_unscheduled_fault_marked_and_other_image_pods_alone() -> None:
+    pod = next(iter(_pods("simulator-cpu.yaml").values()))
+    assert podrunner.runs(pod, IMAGE)
+    assert not podrunner.runs(pod, "registry.example/other:1")
+    other_version = copy.deepcopy(pod)
+    other_version["spec"]["containers"][0]["image"] = f"{podrunner.repository(IMAGE)}:e2e-next"
+    assert podrunner.runs(other_version, IMAGE), "a rollout to another version of the image runs too"
+    other_version["spec"]["containers"][0]["image"] = f"{podrunner.repository(IMAGE)}-other:1"
+    assert not podrunner.runs(other_version, IMAGE)
+    unscheduled = copy.deepcopy(pod)
+    del unscheduled["spec"]["nodeName"]
+    assert not podrunner.runs(unscheduled, IMAGE)
+    marked = copy.deepcopy(pod)
+    marked["spec"]["containers"][0].setdefault("env", []).append({"name": "E2E_KWOK_FAULT", "value": "OOMKilled"})
+    assert not podrunner.runs(marked, IMAGE), "the fault stages' pod"
+    host = copy.deepcopy(pod)
+    host["spec"]["hostNetwork"] = True
+    assert not podrunner.runs(host, IMAGE)
+
+
+@pytest.mark.parametrize(("text", "expanded"), [
+    ("$(A)-$(B)", "1-two"),
+    ("$(MISSING)", "$(MISSING)"),
+    ("$$(A)", "$(A)"),
+    ("$$$(A)", "$1"),
+    ("cost $5 $(", "cost $5 $("),
+    ("$(A", "$(A"),
+])
+def test_expansion_is_kubernetes_dollar_paren(text: str, expanded: str) -> None:
+    assert podrunner.expand(text, {"A": "1", "B": "two"}) == expanded
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("250m", Fraction(1, 4)), ("2", Fraction(2)), ("1Gi", Fraction(2**30)), ("64Mi", Fraction(64 * 2**20)),
+    ("1e3", Fraction(1000)), ("0.5", Fraction(1, 2)), ("1k", Fraction(1000)),
+])
+def test_quantities(text: str, value: Fraction) -> None:
+    assert podrunner.quantity(text) == value
+
+
+def test_a_quantity_with_an_unknown_suffix_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a quantity"):
+        podrunner.quantity("12Qi")
+
+
+POD: dict[str, Any] = {
+    "metadata": {"name": "web-0", "namespace": "shop", "uid": "u-1", "labels": {"app": "web", "tier": "front"}},
+    "spec": {"nodeName": "node-0", "serviceAccountName": "web"},
+    "status": {"podIP": "10.244.1.7", "podIPs": [{"ip": "10.244.1.7"}], "hostIP": "127.0.1.1"},
+}
+DATA = {("secret", "creds"): {"password": "s3cret"}, ("configmap", "settings"): {"mode": "fast", "bad key": "x"}}
+
+
+def _lookup(kind: str, name: str) -> dict[str, str] | None:
+    return DATA.get((kind, name))
+
+
+def test_the_env_is_built_as_the_kubelet_builds_it() -> None:
+    container = {
+        "name": "app",
+        "resources": {"requests": {"cpu": "250m"}, "limits": {"memory": "64Mi", "cpu": "1500m"}},
+        "envFrom": [{"configMapRef": {"name": "settings"}, "prefix": "CM_"}],
+        "env": [
+            {"name": "CM_mode", "value": "overridden"},
+            {"name": "IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "URL", "value": "http://$(IP):$(KUBERNETES_SERVICE_PORT)/$(LATER)"},
+            {"name": "LATER", "value": "x"},
+            {"name": "APP", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['app']"}}},
+            {"name": "MEM", "valueFrom": {"resourceFieldRef": {"resource": "limits.memory", "divisor": "1Mi"}}},
+            {"name": "CPUS", "valueFrom": {"resourceFieldRef": {"resource": "limits.cpu"}}},
+            {"name": "REQ", "valueFrom": {"resourceFieldRef": {"resource": "requests.cpu", "divisor": "1m"}}},
+            {"name": "NO_LIMIT", "valueFrom": {"resourceFieldRef": {"resource": "limits.ephemeral-storage"}}},
+            {"name": "PW", "valueFrom": {"secretKeyRef": {"name": "creds", "key": "password"}}},
+            {"name": "OPT", "valueFrom": {"secretKeyRef": {"name": "gone", "key": "k", "optional": True}}},
+        ],
+    }
+    env = podrunner.container_env(POD, container, _lookup, {"ephemeral-storage": "4Ti"},
+                                  {"KUBERNETES_SERVICE_PORT": "6443"})
+    assert env == {
+        "KUBERNETES_SERVICE_PORT": "6443", "CM_mode": "overridden", "IP": "10.244.1.7",
+        "URL": "http://10.244.1.7:6443/$(LATER)", "LATER": "x", "APP": "web", "MEM": "64", "CPUS": "2",
+        "REQ": "250", "NO_LIMIT": str(4 * 2**40), "PW": "s3cret",
+    }, "envFrom keys that are no variable name are skipped, later env wins, $(VAR) only sees earlier ones"
+
+
+@pytest.mark.parametrize(("ref", "message"), [
+    ({"secretKeyRef": {"name": "gone", "key": "k"}}, 'secret "gone" not found'),
+    ({"secretKeyRef": {"name": "creds", "key": "user"}}, "couldn't find key user in Secret shop/creds"),
+    ({"configMapKeyRef": {"name": "settings", "key": "level"}}, "couldn't find key level in ConfigMap shop/settings"),
+    ({"fieldRef": {"fieldPath": "spec.priority"}}, "unsupported fieldRef fieldPath 'spec.priority'"),
+])
+def test_a_missing_reference_is_the_kubelets_create_container_config_error(ref: dict[str, Any], message: str) -> None:
+    container = {"name": "app", "env": [{"name": "X", "valueFrom": ref}]}
+    with pytest.raises(podrunner.ConfigError) as raised:
+        podrunner.container_env(POD, container, _lookup, {}, {})
+    assert str(raised.value) == message
+
+
+def test_paths_of_volumes_and_the_image_are_rewritten_where_named() -> None:
+    rewrites = [("/etc/tensorfleet/api-keys", "/state/pods/v/api-keys"), ("/cache", "/state/pods/v/cache")]
+    assert podrunner.rewrite_paths("/cache/huggingface", rewrites) == "/state/pods/v/cache/huggingface"
+    assert podrunner.rewrite_paths("/cache", rewrites) == "/state/pods/v/cache"
+    assert podrunner.rewrite_paths("/cachet", rewrites) == "/cachet"
+    assert podrunner.rewrite_paths("--api-keys=/etc/tensorfleet/api-keys", rewrites) == \
+        "--api-keys=/state/pods/v/api-keys"
+    assert podrunner.rewrite_paths("/etc/tensorfleet", rewrites) == "/etc/tensorfleet"
+    assert podrunner.image_path("/usr/local/bin/tensorfleet") == f"{podrunner.VENV_BIN}/tensorfleet"
+    assert podrunner.image_path("/usr/local/binary") == "/usr/local/binary"
+
+
+@pytest.mark.parametrize(("image", "repo"), [
+    ("ghcr.io/tensorfleet/tensorfleet:0.1.0", "ghcr.io/tensorfleet/tensorfleet"),
+    ("registry.example:5000/tf:1@sha256:abc", "registry.example:5000/tf"),
+    ("registry.example:5000/tf", "registry.example:5000/tf"),
+    ("tensorfleet:dev", "tensorfleet"),
+])
+def test_the_repository_of_an_image(image: str, repo: str) -> None:
+    assert podrunner.repository(image) == repo
+
+
+def test_go_durations_as_the_kubelet_prints_its_back_off() -> None:
+    assert [podrunner.go_duration(s) for s in (10, 40, 160, 300, 3700)] == ["10s", "40s", "2m40s", "5m0s", "1h1m40s"]
