@@ -10,6 +10,7 @@ from tensorfleet.controller.children import Context
 from tensorfleet.controller.observe import observe
 from tensorfleet.controller.rollout import STEADY, Mode, decide, replacements
 from tensorfleet.controller.statefulsets import roll_groups
+from tensorfleet.controller.status import _progress
 
 OLD, NEW = "rev-old", "rev-new"
 
@@ -44,6 +45,22 @@ def test_a_serving_old_group_goes_only_when_the_surge_serves() -> None:
     assert replacements(surge_loading, Mode(surge=1, in_place=False)) == []
     surge_ready = observe(1, 1, [pod(0, 0), pod(0, 1, revision=NEW)], {0: sts(0)}, None, surge=1)
     assert replacements(surge_ready, Mode(surge=1, in_place=False)) == [0]
+
+
+def test_nothing_is_replaced_while_a_statefulset_has_not_seen_its_new_template() -> None:
+    # The apply just changed the template: generation 2, but the StatefulSet controller's status (observed
+    # generation 1) still names the old template's revision, which every pod runs. "All updated" would be a lie.
+    behind = {"metadata": {"uid": "sts-0", "generation": 2}, "status": {"updateRevision": OLD, "observedGeneration": 1}}
+    obs = observe(1, 2, [pod(0, 0), pod(0, 1, ready=False)], {0: behind}, None)
+    assert obs.revisions_pending
+    assert replacements(obs, Mode(surge=0, in_place=True)) == []
+    assert decide(obs, RolloutSpec(), running_surge=0, previous_reason=None) == STEADY
+    all_ready = observe(1, 2, [pod(0, 0), pod(0, 1)], {0: behind}, None)
+    assert _progress(all_ready, STEADY)[:2] == ("True", "WaitingForStatefulSet")
+    # Once it has, the old pods are outdated and the idle one goes at once.
+    caught_up = {"metadata": {"uid": "sts-0", "generation": 2}, "status": {"updateRevision": NEW, "observedGeneration": 2}}
+    obs = observe(1, 2, [pod(0, 0), pod(0, 1, ready=False)], {0: caught_up}, None)
+    assert not obs.revisions_pending and replacements(obs, Mode(surge=0, in_place=True)) == [1]
 
 
 class _Recorder:

@@ -151,6 +151,9 @@ class Observation:
     revisions: dict[int, str | None]
     router_available: int
     surge: int = 0  # extra ordinals run during a rollout (see rollout.py)
+    # A StatefulSet whose controller has not yet seen its latest spec (status.observedGeneration behind
+    # metadata.generation): its updateRevision is the old template's, so which pods are updated is unknown.
+    revisions_pending: bool = False
 
     @property
     def existing(self) -> int:
@@ -205,6 +208,14 @@ def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulset
             continue
         groups.setdefault(index, Group(index)).pods[stage] = pod
     revisions = {stage: (sts.get("status") or {}).get("updateRevision") for stage, sts in statefulsets.items()}
+    pending = any(_status_behind(sts) for sts in statefulsets.values())
     available = int(((router or {}).get("status") or {}).get("availableReplicas") or 0)
     return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions,
-                       router_available=available, surge=surge)
+                       router_available=available, surge=surge, revisions_pending=pending)
+
+
+def _status_behind(obj: dict[str, Any]) -> bool:
+    """Whether OBJ's controller has yet to observe its latest spec (status.observedGeneration < generation)."""
+    generation = (obj.get("metadata") or {}).get("generation")
+    observed = (obj.get("status") or {}).get("observedGeneration")
+    return isinstance(generation, int) and isinstance(observed, int) and observed < generation

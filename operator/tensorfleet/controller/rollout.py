@@ -56,6 +56,11 @@ def decide(obs: Observation, rollout: RolloutSpec, *, running_surge: int, previo
     run (their live spec.replicas minus the wanted count); `previous_reason` is
     the Progressing reason last written.
     """
+    if obs.revisions_pending:
+        # Which groups are outdated is unknown until the StatefulSet controller has seen the new template
+        # (its status update is a watch event, so a reconcile follows): keep what runs, start nothing.
+        in_place = rollout.strategy == "Replace" or (rollout.strategy == "SurgeOrReplace" and previous_reason == IN_PLACE)
+        return Mode(surge=0 if in_place else max(running_surge, 0), in_place=in_place)
     outdated = _outdated(obs)
     if rollout.strategy == "Replace":
         return Mode(surge=0, in_place=True)
@@ -78,6 +83,8 @@ def decide(obs: Observation, rollout: RolloutSpec, *, running_surge: int, previo
 
 def replacements(obs: Observation, mode: Mode) -> list[int]:
     """Groups to delete now: idle outdated ones at once; serving ones only as the mode's capacity allows."""
+    if obs.revisions_pending:
+        return []  # the update revision is the old template's until the StatefulSet controller catches up
     outdated = _outdated(obs)
     idle = [g.index for g in outdated if not g.ready(obs.pipeline)]
     if idle:

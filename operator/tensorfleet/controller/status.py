@@ -66,6 +66,10 @@ def _progress(obs: Observation, rollout: Mode) -> tuple[ConditionStatus, str, st
         return "True", "ScalingDown", f"{obs.existing} groups exist, {desired} wanted"
     if obs.ready_replicas < desired:
         return "True", "WaitingForReady", f"{obs.ready_replicas} of {desired} groups ready"
+    if obs.revisions_pending:
+        # Every pod runs the revision the StatefulSet's status names, but that status predates its latest spec.
+        return "True", "WaitingForStatefulSet", ("the StatefulSet controller has not yet observed the latest "
+                                                 "spec; whether every group is updated is known once it has")
     return "False", "Complete", f"all {desired} groups ready and updated"
 
 
