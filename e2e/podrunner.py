@@ -95,6 +95,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(os.environ.get("TF_E2E_VENV_BIN") or REPO / ".venv" / "bin")
+PRIVATE_TOPS = ("/tmp", "/run")   # each pod's own, as in a container
 CLUSTER_NETNS = "tensorfleet-e2e"       # e2e/cluster's POD_NETNS: the whole pod range is routed into it
 NETNS_PREFIX = "tfe2e-pod-"
 VETH_PREFIX = "tfp"                      # + 12 hex digits: 15 characters, the most an interface name holds
@@ -1349,11 +1350,15 @@ class PodWorker(threading.Thread):
                 source = source / mount["subPath"]
             path = mount["mountPath"]
             real = os.path.realpath(path)
-            private = any(real == top or real.startswith(top + "/") for top in ("/tmp", "/run"))
+            private = any(real == top or real.startswith(top + "/") for top in PRIVATE_TOPS)
             if private or os.path.exists(real):
                 binds.append([str(source), real, bool(mount.get("readOnly")), source.is_file()])
             else:
                 rewrites.append((path.rstrip("/") or "/", str(source)))
+        # This checkout and its virtualenv are the image's filesystem: where either lies under /tmp or /run
+        # (a CI clone), the pod's own /tmp would hide it, so it is bound back at its own path.
+        for path in _host_paths_under_private_tops():
+            binds.append([path, path, False, False])
         binds[3:] = sorted(binds[3:], key=lambda b: b[1].count("/"))
         rewrites.sort(key=lambda r: -len(r[0]))
         return rewrites, binds
@@ -1592,6 +1597,17 @@ def _mount(source: str | None, target: str, kind: str | None, flags: int, option
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
 
 
+def _host_paths_under_private_tops() -> list[str]:
+    """This checkout and the virtualenv, where they lie under a folder each pod gets its own of (outermost only)."""
+    found: list[str] = []
+    for path in sorted({os.path.realpath(REPO), os.path.realpath(VENV_BIN.parent)}, key=len):
+        if not any(path.startswith(top + "/") for top in PRIVATE_TOPS):
+            continue
+        if not any(path == outer or path.startswith(outer + "/") for outer in found):
+            found.append(path)
+    return found
+
+
 def cmd_init(args: argparse.Namespace) -> int:
     """PID 1 of a container's PID namespace: mounts, then the container's command; its exit code is ours."""
     spec = json.loads(Path(args.spec).read_text())
@@ -1676,9 +1692,8 @@ def start(state: Path, kubeconfig: Path, kubectl: str, image: str, timeout: floa
         raise RuntimeError(f"the pod runner already runs (pid {pid})")
     for what, path in (("the virtualenv's bin", VENV_BIN), ("this repository", REPO)):
         real = os.path.realpath(path)
-        if any(real == top or real.startswith(top + "/") for top in ("/tmp", "/run")):
-            raise RuntimeError(f"{what} is at {real}, under /tmp or /run, which each pod gets its own of: "
-                               "move it (or set TF_E2E_VENV_BIN to a venv elsewhere)")
+        if real in PRIVATE_TOPS:
+            raise RuntimeError(f"{what} is {real} itself, which each pod gets its own of: move it")
     (state / STATUS_FILE).unlink(missing_ok=True)
     (state / PID_FILE).unlink(missing_ok=True)
     with open(state / LOG_FILE, "ab") as log:

@@ -173,3 +173,19 @@ def test_the_repository_of_an_image(image: str, repo: str) -> None:
 
 def test_go_durations_as_the_kubelet_prints_its_back_off() -> None:
     assert [podrunner.go_duration(s) for s in (10, 40, 160, 300, 3700)] == ["10s", "40s", "2m40s", "5m0s", "1h1m40s"]
+
+
+@pytest.mark.parametrize(("repo", "venv_bin", "bound"), [
+    ("/work/main", "/work/main/.venv/bin", []),
+    ("/tmp/ci/clone", "/tmp/ci/clone/.venv/bin", ["/tmp/ci/clone"]),
+    ("/work/main", "/tmp/venv/bin", ["/tmp/venv"]),
+    ("/tmp/clone", "/run/user/0/venv/bin", ["/tmp/clone", "/run/user/0/venv"]),
+    ("/tmp/clone/sub", "/tmp/clone/venv/bin", ["/tmp/clone/sub", "/tmp/clone/venv"]),
+])
+def test_a_checkout_or_venv_under_a_pods_own_tmp_is_bound_back(monkeypatch: pytest.MonkeyPatch, repo: str,
+                                                                venv_bin: str, bound: list[str]) -> None:
+    from pathlib import Path
+
+    monkeypatch.setattr(podrunner, "REPO", Path(repo))
+    monkeypatch.setattr(podrunner, "VENV_BIN", Path(venv_bin))
+    assert podrunner._host_paths_under_private_tops() == bound
