@@ -12,6 +12,9 @@ any engine, so conversations are identical too.
 
 Words are four random letters, one token each under the simulator's
 tokenizer, so lengths in tokens are what the generator asked for.
+
+`shared=False` makes the prefix-free variant: every session has a system prompt
+of its own and one turn, so no prompt shares a prefix with another.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import random
 import string
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +68,7 @@ class Record:
 @dataclass
 class Workload:
     seed: int
+    shared: bool = True
     systems: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -77,25 +82,30 @@ class Workload:
         self._count += 1
         turns = [Turn(_words(rng, rng.randint(*QUESTION_TOKENS)) + "?",
                       int(min(max(rng.lognormvariate(0, ANSWER_SIGMA) * ANSWER_MEDIAN, ANSWER_RANGE[0]), ANSWER_RANGE[1])))
-                 for _ in range(rng.randint(*TURNS))]
+                 for _ in range(rng.randint(*TURNS) if self.shared else 1)]
+        system = (self.systems[rng.randrange(TENANTS)] if self.shared
+                  else f"You are assistant {self._count}. " + _words(rng, SYSTEM_TOKENS))
         return SessionPlan(
             key=f"session-{self.seed}-{self._count}",
-            system=self.systems[rng.randrange(TENANTS)],
+            system=system,
             document=_words(rng, rng.randint(*DOC_TOKENS)),
             turns=turns,
             think=[rng.expovariate(1 / THINK_MEAN_SECONDS) for _ in turns],
         )
 
 
-async def run_session(http: aiohttp.ClientSession, url: str, plan: SessionPlan, records: list[Record],
-                      time_scale: float, stop_at: float) -> None:
+async def run_session(http: aiohttp.ClientSession, url: str | Sequence[str], plan: SessionPlan,
+                      records: list[Record], time_scale: float, stop_at: float) -> None:
+    """The session's turns in order. Several URLs (router replicas behind a client-side split): each turn goes to
+    one drawn from the session's key and turn, so every run of the same workload splits alike."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": plan.system}]
     for index, turn in enumerate(plan.turns):
         if time.perf_counter() >= stop_at:
             return
         content = (f"Document:\n{plan.document}\n\n" if index == 0 and plan.document else "") + turn.question
         messages.append({"role": "user", "content": content})
-        result = await stream_chat(http, url, messages, turn.max_tokens, headers={"x-session-id": plan.key})
+        target = url if isinstance(url, str) else random.Random(f"{plan.key}/{index}").choice(url)
+        result = await stream_chat(http, target, messages, turn.max_tokens, headers={"x-session-id": plan.key})
         records.append(Record(plan.key, index, result))
         if result.status != 200 or result.error:
             return
@@ -103,7 +113,7 @@ async def run_session(http: aiohttp.ClientSession, url: str, plan: SessionPlan, 
         await asyncio.sleep(plan.think[index] * time_scale)
 
 
-async def open_loop(url: str, workload: Workload, sessions_per_second: float, seconds: float, time_scale: float,
+async def open_loop(url: str | Sequence[str], workload: Workload, sessions_per_second: float, seconds: float, time_scale: float,
                     drain_seconds: float = 120.0) -> tuple[list[Record], float]:
     """Start sessions at Poisson times for `seconds`; stop new turns then; wait."""
     records: list[Record] = []

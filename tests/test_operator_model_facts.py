@@ -178,7 +178,9 @@ async def test_a_model_no_source_gives_is_not_planned_and_is_retried(
         assert condition["status"] == "False"
         assert condition["message"].startswith(f"spec.model.name: no facts for model {HOUSE_LLAMA}: ")
         assert "the Hub answered 503" in condition["message"] and "spec.model.architecture" in condition["message"]
-        assert [e for e in c.events("demo") if e["reason"] == "ModelFactsUnavailable"]
+        # The event is posted after the condition is written: it may land a moment later.
+        await eventually(lambda: [e for e in c.events("demo") if e["reason"] == "ModelFactsUnavailable"],
+                         message="the ModelFactsUnavailable event")
         # Retried with backoff, with nothing rendered meanwhile.
         await eventually(lambda: len(_asked(hub, HOUSE_LLAMA)) >= 3, message="retries")
         assert not c.children("demo") and {kind for _, kind in op.kube.writes} <= {contract.KIND, "Event"}

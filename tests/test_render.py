@@ -588,7 +588,7 @@ def test_router() -> None:
     assert container["args"] == [
         "--service", "llama-engine",
         "--namespace", "ml",
-        "--strategy", "least-pending",
+        "--strategy", "cache-aware",  # the default
         "--port", "8080",
         "--max-concurrency-per-backend", str(concurrency),
         "--model", "llama-70b",

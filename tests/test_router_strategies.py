@@ -10,7 +10,7 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.api.models import RouterSpec
-from tensorfleet.prompts import prompt_text
+from tensorfleet.prompts import opening_chars, prompt_text
 from tensorfleet.router.backends import (
     CLOSED,
     HALF_OPEN,
@@ -23,11 +23,14 @@ from tensorfleet.router.backends import (
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.strategies import (
     STRATEGIES,
+    CacheAware,
     LeastPending,
     PrefixAware,
     RequestInfo,
     RoundRobin,
     Session,
+    block_chars,
+    hash_prompt,
     prefix_hashes,
 )
 
@@ -117,6 +120,146 @@ def test_prefix_index_is_bounded_by_engine_kv_capacity() -> None:
     assert backend.url not in strategy._index
 
 
+# --- cache-aware (the default) ------------------------------------------------------------
+
+
+def chat(*turns: str, system: str = "You answer questions about the fleet. " * 8) -> dict[str, object]:
+    """A chat body whose user and assistant turns alternate, the way a client re-sends a conversation."""
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"messages": messages}
+
+
+def info_of(body: dict[str, object], block: int = 128) -> RequestInfo:
+    hashes, opening, inside = hash_prompt(prompt_text(body), opening_chars(body), block)
+    return RequestInfo(prefix_hashes=hashes, opening=opening, opening_blocks=inside)
+
+
+def test_prompt_hashes_are_stable_across_processes_and_chained() -> None:
+    import subprocess
+    import sys
+
+    text = "a shared system prompt " * 40 + "then a question"
+    code = ("from tensorfleet.router.strategies import hash_prompt; "
+            f"print(hash_prompt({text!r}, 300))")
+    # Another interpreter with another hash seed computes the same hashes: router replicas agree.
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "12345", "PATH": ""})
+    assert other.stdout.strip() == str(hash_prompt(text, 300))
+    hashes, opening, inside = hash_prompt(text, 300)
+    assert len(hashes) == len(text) // 128 and inside == 300 // 128 == 2
+    # A prompt that shares the first 300 characters shares the blocks inside them and the opening, nothing after.
+    other_hashes, other_opening, _ = hash_prompt(text[:300] + "x" * 400, 300)
+    assert other_hashes[:2] == hashes[:2] and other_hashes[2] != hashes[2] and other_opening == opening
+    assert hash_prompt(text, 301)[1] != opening
+    # Multi-byte text is hashed as UTF-8, with the opening counted in characters.
+    accented = "é" * 200
+    assert hash_prompt(accented, 100)[2] == 1  # 100 characters are 200 bytes: one whole 128-byte block
+
+
+def test_hash_blocks_are_whole_kv_blocks() -> None:
+    assert block_chars(None) == block_chars(16) == 128
+    assert block_chars(32) == 128 and block_chars(64) == 256 and block_chars(1) == 128 and block_chars(48) == 192
+
+
+def test_the_opening_is_the_chat_through_its_first_user_message() -> None:
+    body = chat("first question", "an answer", "second question")
+    opening = opening_chars(body)
+    assert opening is not None
+    assert prompt_text(body)[:opening] == prompt_text(chat("first question"))[:opening]
+    assert prompt_text(body)[:opening].endswith("first question<|end|>\n")
+    assert opening_chars({"prompt": "a completion"}) is None
+    assert opening_chars({"messages": [{"role": "system", "content": "no user yet"}]}) is None
+
+
+def test_cache_aware_keeps_a_conversation_on_one_engine_and_replicas_agree() -> None:
+    # Two router replicas, each with its own strategy and its own Backend objects for the same engines.
+    replicas = [(CacheAware(), backends(4)) for _ in range(2)]
+    homes = {}
+    for i in range(40):
+        turns = [f"question {i} about something"]
+        chosen = set()
+        for turn in range(3):
+            # Turns alternate between the replicas, as a client-side split would send them.
+            strategy, pool = replicas[turn % 2]
+            info = info_of(chat(*turns))
+            backend = strategy.pick(pool, pool, info)
+            strategy.routed(backend, info)
+            chosen.add(backend.url)
+            turns += [f"answer {turn} " * 30, f"follow-up {turn}"]
+        assert len(chosen) == 1, f"conversation {i} moved between engines: {chosen}"
+        homes[i] = chosen.pop()
+    spread = Counter(homes.values())
+    assert len(spread) == 4 and min(spread.values()) >= 4, spread
+
+
+def test_cache_aware_spills_over_a_saturated_home_and_follows_the_conversation_there() -> None:
+    strategy = CacheAware()
+    pool = backends(4)
+    first = info_of(chat("what is a KV cache?"))
+    home = strategy.pick(pool, pool, first)
+    strategy.routed(home, first)
+    # Its home is past the load bound (ceil(1.25 x 11 / 4) + 2 = 6): the next engine in the conversation's order.
+    home.in_flight = 10
+    second = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?"))
+    spill = strategy.pick(pool, pool, second)
+    assert spill is not home
+    strategy.routed(spill, second)
+    # Once the home has room again, the conversation stays where its longest run of blocks now is.
+    home.in_flight = 0
+    third = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?",
+                         "pages of blocks " * 20, "thanks"))
+    assert strategy.pick(pool, pool, third) is spill
+    # Another replica that never saw it sends it home: the two agree again as soon as the home has room.
+    other = CacheAware()
+    assert other.pick(pool, pool, third).url == home.url
+
+
+def test_cache_aware_counts_what_other_replicas_put_on_an_engine() -> None:
+    a, b = pool = backends(2)
+    strategy = CacheAware()
+    # No conversation: the least loaded, counting the load another router put there (scraped).
+    a.in_flight, b.in_flight = 1, 2
+    a.scraped(parse_engine_metrics("vllm:num_requests_running 10\nvllm:num_requests_waiting 3\n"))
+    b.scraped(parse_engine_metrics("vllm:num_requests_running 2\n"))
+    assert (a.others, b.others) == (12.0, 0.0)
+    assert strategy.pick(pool, pool, RequestInfo()) is b
+    # The bound counts it too: a conversation whose home is `a` goes to `b` while `a` holds 13 requests
+    # (bound: ceil(1.25 x 16 / 2) + 2 = 12).
+    fresh = [Backend(x.url) for x in pool]
+    info = next(i for i in (info_of(chat(f"q{n}")) for n in range(50))
+                if CacheAware().pick(fresh, fresh, i).url == a.url)
+    assert strategy.pick(pool, pool, info) is b
+    a.scraped(parse_engine_metrics("vllm:num_requests_running 1\n"))  # the other router's requests are done
+    assert strategy.pick(pool, pool, info) is a
+
+
+def test_cache_aware_without_a_chat_follows_the_longest_prefix_else_the_least_loaded() -> None:
+    strategy = CacheAware()
+    pool = backends(3)
+    prompt = "a long shared completion prompt " * 30
+    info = RequestInfo(prefix_hashes=prefix_hashes(prompt))
+    pool[0].in_flight, pool[1].in_flight, pool[2].in_flight = 2, 1, 3
+    first = strategy.pick(pool, pool, info)
+    assert first is pool[1]
+    strategy.routed(first, info)
+    pool[1].in_flight = 3
+    longer = RequestInfo(prefix_hashes=prefix_hashes(prompt + "and more " * 20))
+    assert strategy.pick(pool, pool, longer) is pool[1]
+    assert strategy.pick(pool, pool, RequestInfo(prefix_hashes=prefix_hashes("unrelated " * 60))) is pool[0]
+
+
+def test_the_index_follows_the_engines_block_size() -> None:
+    strategy = CacheAware()
+    backend = Backend("http://e:8000")
+    strategy.routed(backend, info_of(chat("q")))
+    strategy.align([16, 16, None])
+    assert strategy.block_chars == 128 and strategy._index
+    strategy.align([64, 64, 16])
+    assert strategy.block_chars == 256 and not strategy._index
+
+
 def test_prompt_text_covers_chat_and_completions() -> None:
     assert "hello" in prompt_text({"messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
     assert prompt_text({"prompt": "abc"}) == "abc"
@@ -175,7 +318,7 @@ vllm:cache_config_info{block_size="16",engine="1",model_name="m",num_gpu_blocks=
 vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9.0
 """
     load = parse_engine_metrics(text)
-    assert (load.waiting, load.running, load.kv_cache_tokens) == (4.0, 7.0, 3200)
+    assert (load.waiting, load.running, load.kv_cache_tokens, load.kv_block_size) == (4.0, 7.0, 3200, 16)
     assert load.kv_usage == pytest.approx(0.6)
     assert parse_engine_metrics("").kv_cache_tokens is None
 

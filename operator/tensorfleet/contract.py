@@ -294,9 +294,9 @@ ROUTER_LABEL_REASON: Final = "reason"
 
 # --- Router ----------------------------------------------------------------
 # spec.router.strategy and `tensorfleet router --strategy`.
-RouterStrategy: TypeAlias = Literal["least-pending", "round-robin", "session", "prefix-aware"]
+RouterStrategy: TypeAlias = Literal["cache-aware", "least-pending", "round-robin", "session", "prefix-aware"]
 ROUTER_STRATEGIES: Final[tuple[RouterStrategy, ...]] = get_args(RouterStrategy)
-DEFAULT_ROUTER_STRATEGY: Final[RouterStrategy] = "least-pending"
+DEFAULT_ROUTER_STRATEGY: Final[RouterStrategy] = "cache-aware"
 # The router's shutdown: it keeps serving this long after SIGTERM while its pod
 # leaves the Service's endpoints, then gives in-flight requests the grace; the
 # Deployment's terminationGracePeriodSeconds covers both plus a margin.

@@ -35,12 +35,30 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
+def _render_message(message: Mapping[str, Any]) -> str:
+    return f"{ROLE_OPEN}{message.get('role', 'user')}\n{content_text(message.get('content'))}{ROLE_CLOSE}\n"
+
+
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
     """The prompt a chat template would build, ending with the assistant header."""
-    parts = [f"{ROLE_OPEN}{m.get('role', 'user')}\n{content_text(m.get('content'))}{ROLE_CLOSE}\n"
-             for m in messages if isinstance(m, Mapping)]
+    parts = [_render_message(m) for m in messages if isinstance(m, Mapping)]
     parts.append(f"{ROLE_OPEN}assistant\n")
     return "".join(parts)
+
+
+def opening_chars(body: Mapping[str, Any]) -> int | None:
+    """How many leading characters of a chat request's prompt (`prompt_text`) run through its first user message:
+    the opening every later turn of the conversation repeats word for word. None: not a chat, or no user message."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    count = 0
+    for message in messages:
+        if isinstance(message, Mapping):
+            count += len(_render_message(message))
+            if message.get("role") == "user":
+                return count
+    return None
 
 
 def prompt_text(body: Mapping[str, Any]) -> str:

@@ -157,7 +157,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
-from tensorfleet.prompts import content_text, prompt_text
+from tensorfleet.prompts import content_text, opening_chars, prompt_text
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 from tensorfleet.router.backends import (
     CLOSED,
@@ -183,7 +183,7 @@ from tensorfleet.router.dispatch import (
 )
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
 from tensorfleet.router.resume import StreamState, resumable
-from tensorfleet.router.strategies import RequestInfo, make_strategy, prefix_hashes
+from tensorfleet.router.strategies import RequestInfo, hash_prompt, make_strategy
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
 
 log = logging.getLogger("tensorfleet.router")
@@ -541,6 +541,7 @@ class Router:
             if backends:
                 await asyncio.gather(*(self.check(b) for b in backends), return_exceptions=True)
             self.pool.tick()
+            self.strategy.align(b.kv_block_size for b in self.pool)
             self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
             try:
                 await asyncio.wait_for(self._health_wake.wait(), self.config.health_interval)
@@ -582,9 +583,7 @@ class Router:
             try:
                 async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
                     if resp.status == 200:
-                        load = parse_engine_metrics(await resp.text())
-                        backend.waiting, backend.running = load.waiting, load.running
-                        backend.kv_usage, backend.kv_cache_tokens = load.kv_usage, load.kv_cache_tokens
+                        backend.scraped(parse_engine_metrics(await resp.text()))
             except Exception:  # noqa: BLE001 - a scrape that fails in any way has failed
                 ok = False
         if not ok:
@@ -722,7 +721,8 @@ class Router:
             key = request.headers.get(contract.SESSION_HEADER) or body.get("user")
             info.session_key = key if isinstance(key, str) and key else None
         elif self.strategy.needs_prefix:
-            info.prefix_hashes = prefix_hashes(prompt_text(body))
+            info.prefix_hashes, info.opening, info.opening_blocks = hash_prompt(
+                prompt_text(body), opening_chars(body), self.strategy.block_chars)
         return info
 
     def first_byte_bound(self, path: str, body: Mapping[str, Any]) -> float | None:

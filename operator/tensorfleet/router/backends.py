@@ -2,9 +2,12 @@
 
 Load: `in_flight` is the router's own count of requests it has sent to an
 engine and not yet seen finish; it is exact and changes the moment a request
-is routed. The engine's `vllm:num_requests_waiting` and
-`vllm:kv_cache_usage_perc` are scraped every health interval; they lag by up
-to that interval but include load from other router replicas.
+is routed. The engine's `vllm:num_requests_running`, `vllm:num_requests_waiting`
+and `vllm:kv_cache_usage_perc` are scraped every health interval; they lag by
+up to that interval but include load from other router replicas. `others` is
+what the engine held at the last scrape beyond this router's own in-flight
+requests then: the other replicas' share, so `estimated_load` (own, exact, plus
+theirs, lagging) is the whole engine's as every replica sees it alike.
 
 Health is a circuit breaker per engine, after a first state of its own:
   joining    in the pool, not yet seen healthy (the router's pool starts every
@@ -57,6 +60,8 @@ class Backend:
     running: float = 0.0
     kv_usage: float = 0.0
     kv_cache_tokens: int | None = None
+    kv_block_size: int | None = None   # tokens per KV block (vllm:cache_config_info)
+    others: float = 0.0                # requests on the engine at the last scrape that were not ours
     # Circuit breaker.
     state: str = CLOSED
     failures: int = 0
@@ -99,6 +104,18 @@ class Backend:
         (requests it holds back for lack of KV blocks or batch slots) and its
         KV-cache fill, which count against an engine this router alone cannot see."""
         return self.in_flight + self.waiting + self.kv_usage
+
+    def estimated_load(self) -> float:
+        """Requests on the engine from every router: this one's (exact) plus the others' (as last scraped), with
+        the KV-cache fill (0-1) breaking ties towards the emptier cache."""
+        return self.in_flight + self.others + self.kv_usage
+
+    def scraped(self, load: EngineLoad) -> None:
+        """Take a scrape of the engine's own metrics."""
+        self.waiting, self.running = load.waiting, load.running
+        self.kv_usage, self.kv_cache_tokens = load.kv_usage, load.kv_cache_tokens
+        self.kv_block_size = load.kv_block_size or self.kv_block_size
+        self.others = max(0.0, load.running + load.waiting - self.in_flight)
 
 
 class BackendPool:
@@ -208,6 +225,7 @@ class EngineLoad:
     running: float = 0.0
     kv_usage: float = 0.0
     kv_cache_tokens: int | None = None
+    kv_block_size: int | None = None
 
 
 _WAITING = contract.VLLM_METRIC_WAITING
@@ -240,6 +258,7 @@ def parse_engine_metrics(text: str) -> EngineLoad:
             size, count = sample.labels.get("block_size"), sample.labels.get("num_gpu_blocks")
             if size and count and size.isdigit() and count.isdigit():
                 blocks += int(size) * int(count)
+                load.kv_block_size = int(size) or load.kv_block_size
     if kv_samples > 1:
         load.kv_usage /= kv_samples
     load.kv_cache_tokens = blocks or None

@@ -17,13 +17,41 @@ session       consistent hashing of a session key (the `x-session-id` header,
               (Mirrokni et al., 2018): an engine above 1.25x the average load
               (plus two requests) is skipped for the next one on the ring, so a hot session cannot
               drown one engine. No key: least-pending.
-prefix-aware  the prompt is hashed in blocks of characters, each hash chained
-              over everything before it; the router remembers, per engine, the
+prefix-aware  the whole rendered prompt is hashed in blocks (below), each hash
+              covering everything before it; the router remembers, per engine, the
               block hashes it sent there recently (an LRU sized from the engine's
               KV-cache capacity, scraped from vllm:cache_config_info). The engine
               holding the longest leading run of the prompt's blocks wins, among
               engines under the same 1.25x-average load bound; without a match,
               least-pending.
+cache-aware   (the default) stays on the engine that holds the conversation's
+              KV cache until that engine is saturated, then routes by load:
+              - load is every router's, not this one's alone: the router's own
+                in-flight requests plus what the engine held beyond them at the
+                last scrape (the other replicas'), plus its KV-cache fill;
+              - an engine is saturated above the bounded-load limit (1.25x the
+                average plus two) or at the per-engine ceiling;
+              - the conversation's home is chosen by rendezvous hashing of its
+                opening (the rendered prompt through the first user message,
+                which every later turn repeats) over the engines, so every
+                router replica sends a conversation to the same engine with no
+                shared state, and only the conversations of an engine that
+                comes or goes move; a saturated home passes the request to the
+                next engine in the same order;
+              - where this router has sent a longer run of the prompt's blocks
+                to another engine (the conversation spilled over there), that
+                engine wins; a prompt that is not a chat goes where its longest
+                prefix was sent, else to the least-loaded engine.
+
+Prompt hashing (prefix-aware, cache-aware): the prompt as the engine's chat
+template renders it (tensorfleet.prompts), UTF-8, in blocks of BLOCK_CHARS
+characters' worth of bytes, a whole multiple of the engines' KV block (16
+tokens unless vllm:cache_config_info says otherwise, at about four characters
+a token; the router has no tokenizer, so the alignment is by estimate). Each
+block's hash is the CRC-32 of the whole prompt up to its end: stable across
+processes, so router replicas agree, and cheap (one C call per block). A
+forged collision can only move a request between engines, within the load
+bound.
 """
 
 from __future__ import annotations
@@ -32,20 +60,23 @@ import bisect
 import hashlib
 import itertools
 import math
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+import zlib
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tensorfleet.prompts import block_hashes
 from tensorfleet.router.backends import Backend
 
 LOAD_BOUND = 1.25          # bounded-load factor c: an engine may hold c x the average
 LOAD_SLACK = 2             # ... plus this many requests
 VIRTUAL_NODES = 100        # ring points per engine; spreads keys within ~10%
-PREFIX_BLOCK_CHARS = 128   # ~32 tokens of English per block
-PREFIX_MAX_BLOCKS = 256    # hash at most the first 32k characters
 CHARS_PER_TOKEN = 4
-DEFAULT_INDEX_BLOCKS = 8192  # per engine, until its KV capacity is scraped
+DEFAULT_KV_BLOCK_TOKENS = 16   # vLLM's default --block-size
+MIN_BLOCK_CHARS = 128          # finer blocks cost more hashing per request than they find
+PREFIX_BLOCK_CHARS = MIN_BLOCK_CHARS  # ~32 tokens of English per block: two default KV blocks
+PREFIX_MAX_BLOCKS = 256        # hash at most the first 256 blocks (32k characters at the default)
+DEFAULT_INDEX_BLOCKS = 8192    # per engine, until its KV capacity is scraped
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -54,6 +85,9 @@ class RequestInfo:
 
     session_key: str | None = None
     prefix_hashes: list[int] = field(default_factory=list)
+    # The conversation's opening (through its first user message): its hash, and the whole blocks inside it.
+    opening: int | None = None
+    opening_blocks: int = 0
 
 
 def _stable_hash(text: str) -> int:
@@ -62,9 +96,44 @@ def _stable_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+def block_chars(kv_block_tokens: int | None) -> int:
+    """Characters per hashed block: a whole number of the engines' KV blocks, at least MIN_BLOCK_CHARS."""
+    per_block = CHARS_PER_TOKEN * (kv_block_tokens or DEFAULT_KV_BLOCK_TOKENS)
+    return per_block * max(1, -(-MIN_BLOCK_CHARS // per_block))
+
+
+def hash_prompt(text: str, opening: int | None = None, block: int = PREFIX_BLOCK_CHARS,
+                max_blocks: int = PREFIX_MAX_BLOCKS) -> tuple[list[int], int | None, int]:
+    """(hashes of the prompt's full blocks, each the CRC-32 of everything up to its end; the hash of its first
+    OPENING characters, None without; how many full blocks lie inside those)."""
+    data = text.encode()
+    view = memoryview(data)
+    end = min(len(data), block * max_blocks)
+    out: list[int] = []
+    h = 0
+    for start in range(0, end - block + 1, block):
+        h = zlib.crc32(view[start:start + block], h)
+        out.append(h)
+    if opening is None or opening <= 0:
+        return out, None, 0
+    cut = len(text[:opening].encode()) if opening < len(text) else len(data)
+    inside = min(cut // block, len(out))
+    tail = view[inside * block:cut]
+    return out, zlib.crc32(tail, out[inside - 1] if inside else 0), inside
+
+
 def prefix_hashes(text: str) -> list[int]:
-    """Chained hashes of the full PREFIX_BLOCK_CHARS blocks of `text` (at most PREFIX_MAX_BLOCKS)."""
-    return block_hashes(text, PREFIX_BLOCK_CHARS, max_blocks=PREFIX_MAX_BLOCKS)
+    """Hashes of the full PREFIX_BLOCK_CHARS blocks of `text` (at most PREFIX_MAX_BLOCKS), each over everything
+    before it too."""
+    return hash_prompt(text)[0]
+
+
+def _mix(x: int) -> int:
+    """SplitMix64's finaliser: a well-spread 64-bit value from any integer (for rendezvous scores)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 def _bound(routable: Sequence[Backend]) -> float:
@@ -81,6 +150,10 @@ def _bound(routable: Sequence[Backend]) -> float:
 class Strategy:
     name = "base"
     needs_prefix = False
+    block_chars = PREFIX_BLOCK_CHARS   # for strategies that need the prompt's block hashes
+
+    def align(self, kv_block_sizes: Iterable[int | None]) -> None:
+        """Called after each round of health checks with the engines' KV block sizes, as scraped."""
 
     def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
         raise NotImplementedError
@@ -173,7 +246,7 @@ class PrefixAware(Strategy):
 
     def capacity(self, backend: Backend) -> int:
         if backend.kv_cache_tokens:
-            return max(backend.kv_cache_tokens * CHARS_PER_TOKEN // PREFIX_BLOCK_CHARS, 1)
+            return max(backend.kv_cache_tokens * CHARS_PER_TOKEN // self.block_chars, 1)
         return DEFAULT_INDEX_BLOCKS
 
     def matched(self, backend: Backend, hashes: Sequence[int]) -> int:
@@ -203,6 +276,14 @@ class PrefixAware(Strategy):
                 best, best_key = backend, key
         return best if best is not None else self._fallback.pick(candidates, routable, info)
 
+    def align(self, kv_block_sizes: Iterable[int | None]) -> None:
+        # The engines of one service share their block size; the most common one wins if they do not.
+        counts = Counter(size for size in kv_block_sizes if size)
+        wanted = block_chars(counts.most_common(1)[0][0] if counts else None)
+        if wanted != self.block_chars:
+            self.block_chars = wanted
+            self._index.clear()  # hashes of other block sizes never match again
+
     def routed(self, backend: Backend, info: RequestInfo) -> None:
         if not info.prefix_hashes:
             return
@@ -220,8 +301,80 @@ class PrefixAware(Strategy):
         self._index.pop(backend.url, None)
 
 
+class CacheAware(PrefixAware):
+    name = "cache-aware"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counter = itertools.count()
+        self._salts: dict[str, int] = {}
+
+    def _salt(self, url: str) -> int:
+        salt = self._salts.get(url)
+        if salt is None:
+            salt = self._salts[url] = _stable_hash(url)
+        return salt
+
+    def _least(self, backends: Sequence[Backend]) -> Backend:
+        """The least-loaded engine (every router's load); ties rotate."""
+        n = len(backends)
+        start = next(self._counter) % n
+        best = backends[start]
+        best_load = best.estimated_load()
+        for i in range(1, n):
+            backend = backends[(start + i) % n]
+            load = backend.estimated_load()
+            if load < best_load:
+                best, best_load = backend, load
+        return best
+
+    def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
+        total = sum(b.in_flight + b.others for b in routable) + 1
+        bound = math.ceil(LOAD_BOUND * total / max(len(routable), 1)) + LOAD_SLACK
+        under = [b for b in candidates if b.in_flight + b.others + 1 <= bound]
+        if not under:
+            return self._least(candidates)
+        hashes = info.prefix_hashes
+        opening = info.opening
+        if opening is None:
+            # Not a chat: where the longest run of the prompt's blocks went, else the least loaded.
+            best: Backend | None = None
+            best_key = (0, 0.0)
+            for backend in under:
+                match = self.matched(backend, hashes) if hashes else 0
+                key = (match, -backend.estimated_load())
+                if match and (best is None or key > best_key):
+                    best, best_key = backend, key
+            return best if best is not None else self._least(under)
+        # Where this router already sent the conversation (its home, or where it spilled over to): the engine
+        # holding the longest run of it.
+        sent: Backend | None = None
+        sent_match = -1
+        for backend in under:
+            index = self._index.get(backend.url)
+            if index is not None and opening in index:
+                match = self.matched(backend, hashes)
+                if match > sent_match:
+                    sent, sent_match = backend, match
+        if sent is not None:
+            return sent
+        # A conversation new to this router: its home by rendezvous, or the next engine in its order.
+        return max(under, key=lambda b: _mix(opening ^ self._salt(b.url)))
+
+    def routed(self, backend: Backend, info: RequestInfo) -> None:
+        super().routed(backend, info)
+        if info.opening is not None:
+            index = self._index.setdefault(backend.url, OrderedDict())
+            index[info.opening] = None
+            index.move_to_end(info.opening)
+
+    def forget(self, backend: Backend) -> None:
+        super().forget(backend)
+        self._salts.pop(backend.url, None)
+
+
 STRATEGIES: Mapping[str, type[Strategy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastPending, Session, PrefixAware)
+    cls.name: cls for cls in (RoundRobin, LeastPending, Session, PrefixAware, CacheAware)
 }
 
 

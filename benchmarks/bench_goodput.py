@@ -1,0 +1,319 @@
+"""Benchmark 7: goodput by routing strategy, load, workload and router replicas (issue 14).
+
+Four simulators of Llama-3.1-8B on L4, started with the flags the operator's
+plan gives them (33,296 KV tokens), at --time-scale 0.25; figures are in
+simulated seconds. The router runs as the operator deploys it: its per-engine
+ceiling is the plan's KV-derived default (`engine_concurrency` at 2048 tokens a
+request), everything else at its defaults. With two replicas, two router
+processes, each turn of a session sent to one of them at random (seeded by the
+session and turn, so every strategy sees the same split), as a Service spreads
+connections.
+
+Workloads (workload.py): `prefix`, multi-turn chat sessions whose tenants share
+system prompts, each re-sending its conversation; `prefix-free`, one turn per
+session with a system prompt of its own, so nothing is shared. Capacity is
+measured first per workload (closed loop, 16 sessions per engine, least-pending);
+sessions then arrive open-loop (Poisson) at each multiple of it. Engines restart
+between runs, with cold caches.
+
+Goodput: requests per second answered with a first token within TTFT_TARGET
+(and, separately, with a mean inter-token time within ITL_TARGET); a failed
+request is never good. Router CPU: user + system time of the router
+process(es) over the run, per request.
+
+    python benchmarks/bench_goodput.py [--quick] [--seeds 3] [--loads 1.0 1.2] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from common import cluster, metric_sum, percentile, scrape, table, wait_healthy, write_results
+from workload import TURNS, Record, Workload, closed_loop, open_loop
+
+from tensorfleet import contract
+from tensorfleet.api import load_inference_service
+from tensorfleet.planner import Plan, make_plan
+
+TIME_SCALE = 0.25
+ENGINES = 4
+MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
+STRATEGIES = ("round-robin", "least-pending", "prefix-aware", "cache-aware")
+BASELINES = ("round-robin", "least-pending")
+LOADS = (0.5, 0.8, 1.0, 1.2, 1.5)
+WORKLOADS = ("prefix", "prefix-free")
+TTFT_TARGET = 0.5   # seconds: the issue's target
+ITL_TARGET = 0.1    # seconds per output token after the first (the simulated L4 decodes a step in 69 ms at batch 1)
+WARM_FRACTION = 0.2  # the first fifth of each run's arrivals is left out of the figures
+HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
+
+
+def plan_of() -> Plan:
+    doc = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "bench"},
+           "spec": {"model": {"name": MODEL_ID, "maxModelLen": 8192}, "accelerator": {"type": ACCELERATOR},
+                    "engine": {"kind": "simulator"}}}
+    return make_plan(load_inference_service(doc).spec)
+
+
+def engine_flags(plan: Plan) -> list[str]:
+    """What the operator passes a simulator pod from its plan."""
+    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
+            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
+
+
+def router_flags(plan: Plan) -> list[str]:
+    """The operator's router flags that matter here: the KV-derived ceiling per engine."""
+    return ["--max-concurrency-per-backend", str(plan.engine_concurrency(2048))]
+
+
+def ok(r: Record) -> bool:
+    return r.result.status == 200 and not r.result.error and r.result.ttft is not None
+
+
+def itl(r: Record) -> float | None:
+    """Mean seconds between output tokens after the first (simulated); None with fewer than two tokens."""
+    result = r.result
+    if result.ttft is None or result.tokens < 2:
+        return None
+    return (result.total - result.ttft) / (result.tokens - 1) / TIME_SCALE
+
+
+def figures(records: list[Record], start: float, seconds: float) -> dict[str, Any]:
+    lo, hi = start + seconds * WARM_FRACTION, start + seconds
+    inside = [r for r in records if lo <= r.result.sent_at < hi]
+    answered = [r for r in inside if ok(r)]
+    ttfts = [r.result.ttft / TIME_SCALE for r in answered if r.result.ttft is not None]
+    good_ttft = [r for r in answered if r.result.ttft is not None and r.result.ttft / TIME_SCALE <= TTFT_TARGET]
+    itls = [x for x in (itl(r) for r in answered) if x is not None]
+    good_itl = [r for r in answered if (x := itl(r)) is not None and x <= ITL_TARGET]
+    sim_seconds = (hi - lo) / TIME_SCALE
+    n = len(inside)
+    return {
+        "requests": n, "answered": len(answered), "failed": n - len(answered),
+        "goodput_ttft_rps": len(good_ttft) / sim_seconds, "share_ttft": len(good_ttft) / n if n else float("nan"),
+        "goodput_itl_rps": len(good_itl) / sim_seconds, "share_itl": len(good_itl) / n if n else float("nan"),
+        "throughput_rps": len(answered) / sim_seconds,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
+        "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
+    }
+
+
+async def cache_totals(urls: Sequence[str]) -> tuple[float, float]:
+    texts = await asyncio.gather(*(scrape(u) for u in urls))
+    return sum(metric_sum(t, HITS) for t in texts), sum(metric_sum(t, QUERIES) for t in texts)
+
+
+def workload_of(name: str, seed: int) -> Workload:
+    return Workload(seed=seed, shared=name == "prefix")
+
+
+def measure_capacity(plan: Plan, workload: str, seconds: float) -> float:
+    """Simulated requests/s the fleet answers in closed loop (16 sessions per engine) through least-pending."""
+    with cluster(f"goodput-capacity-{workload}") as c:
+        engines = [c.sim(f"engine{i}", *engine_flags(plan), time_scale=TIME_SCALE) for i in range(ENGINES)]
+        router = c.router(engines, *router_flags(plan), strategy="least-pending")
+        asyncio.run(wait_healthy(*engines, router))
+        time.sleep(2.5)
+        records, start = asyncio.run(closed_loop(router.url, workload_of(workload, 1), ENGINES * 16, seconds,
+                                                 TIME_SCALE))
+    lo = start + seconds * 0.25
+    done = [r for r in records if r.result.sent_at >= lo and ok(r)]
+    return len(done) / (seconds * 0.75 / TIME_SCALE)
+
+
+def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float, capacity: float, seed: int,
+            seconds: float) -> dict[str, Any]:
+    tag = f"goodput-{workload}-{strategy}-{replicas}r-{int(load * 100)}-s{seed}"
+    with cluster(tag) as c:
+        engines = [c.sim(f"engine{i}", *engine_flags(plan), time_scale=TIME_SCALE) for i in range(ENGINES)]
+        routers = [c.router(engines, *router_flags(plan), strategy=strategy) for _ in range(replicas)]
+        asyncio.run(wait_healthy(*engines, *routers))
+        time.sleep(2.5)  # every router has scraped every engine
+        urls = [e.url for e in engines]
+        before = asyncio.run(cache_totals(urls))
+        cpu_before = sum(r.cpu_seconds() for r in routers)
+        turns = (TURNS[0] + TURNS[1]) / 2 if workload == "prefix" else 1
+        sessions_per_second = capacity * load / TIME_SCALE / turns  # wall seconds
+        target: str | list[str] = routers[0].url if replicas == 1 else [r.url for r in routers]
+        records, start = asyncio.run(open_loop(target, workload_of(workload, seed), sessions_per_second, seconds,
+                                               TIME_SCALE))
+        cpu = sum(r.cpu_seconds() for r in routers) - cpu_before
+        after = asyncio.run(cache_totals(urls))
+    hits, queries = after[0] - before[0], after[1] - before[1]
+    return {"workload": workload, "strategy": strategy, "replicas": replicas, "load": load, "seed": seed,
+            "hit_rate": hits / queries if queries else 0.0,
+            "router_cpu_ms_per_request": 1000 * cpu / len(records) if records else float("nan"),
+            **figures(records, start, seconds)}
+
+
+# --- report --------------------------------------------------------------------------------------
+
+def group(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median and range over seeds, per workload, load, strategy and replica count."""
+    keys = sorted({(r["workload"], r["load"], r["replicas"], r["strategy"]) for r in runs},
+                  key=lambda k: (WORKLOADS.index(k[0]), k[1], k[2], STRATEGIES.index(k[3])))
+    rows = []
+    for workload, load, replicas, strategy in keys:
+        mine = [r for r in runs if (r["workload"], r["load"], r["replicas"], r["strategy"]) ==
+                (workload, load, replicas, strategy)]
+        row: dict[str, Any] = {"workload": workload, "load": load, "replicas": replicas, "strategy": strategy,
+                               "seeds": len(mine)}
+        for key in ("goodput_ttft_rps", "share_ttft", "goodput_itl_rps", "share_itl", "throughput_rps",
+                    "ttft_p50_s", "ttft_p99_s", "itl_p99_s", "hit_rate", "router_cpu_ms_per_request", "failed"):
+            values = [r[key] for r in mine]
+            row[key] = statistics.median(values)
+            row[key + "_range"] = (min(values), max(values))
+        rows.append(row)
+    return rows
+
+
+def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def get(workload: str, load: float, strategy: str, replicas: int = 1) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["workload"], r["load"], r["strategy"], r["replicas"]) ==
+                     (workload, load, strategy, replicas)), None)
+
+    default = contract.DEFAULT_ROUTER_STRATEGY
+    goals: dict[str, Any] = {}
+    for load in (1.0, 1.2):
+        d, rr = get("prefix", load, default), get("prefix", load, "round-robin")
+        if d and rr and rr["goodput_ttft_rps"]:
+            ratio = d["goodput_ttft_rps"] / rr["goodput_ttft_rps"]
+            goals[f"prefix_{int(load * 100)}_default_over_rr"] = round(ratio, 2)
+            goals[f"prefix_{int(load * 100)}_at_least_1.5x"] = ratio >= 1.5
+    free = []
+    for load in LOADS:
+        d, rr = get("prefix-free", load, default), get("prefix-free", load, "round-robin")
+        if d and rr:
+            free.append(d["goodput_ttft_rps"] >= rr["goodput_ttft_rps"])
+    if free:
+        goals["prefix_free_never_worse_than_rr"] = all(free)
+    within = []
+    for workload in WORKLOADS:
+        for load in LOADS:
+            d = get(workload, load, default)
+            others = [r for r in rows if (r["workload"], r["load"], r["replicas"]) == (workload, load, 1)]
+            if d and others:
+                best = max(r["goodput_ttft_rps"] for r in others)
+                within.append(d["goodput_ttft_rps"] >= 0.9 * best)
+                beats = all(d["goodput_ttft_rps"] >= r["goodput_ttft_rps"] for r in others
+                            if r["strategy"] in BASELINES)
+                goals[f"{workload}_{int(load * 100)}_beats_baselines"] = beats
+    if within:
+        goals["default_within_10pct_of_best_everywhere"] = all(within)
+    one, two = get("prefix", 0.8, default), get("prefix", 0.8, default, 2)
+    if one and two:
+        goals["two_replicas_ttft_p99_80_ratio"] = round(two["ttft_p99_s"] / one["ttft_p99_s"], 2)
+    one, two = get("prefix", 1.0, default), get("prefix", 1.0, default, 2)
+    if one and two and one["goodput_ttft_rps"]:
+        goals["two_replicas_goodput_100_ratio"] = round(two["goodput_ttft_rps"] / one["goodput_ttft_rps"], 2)
+    return goals
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = [w for w in WORKLOADS if any(r["workload"] == w for r in rows)]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
+    colours = {"round-robin": "tab:red", "least-pending": "tab:orange", "prefix-aware": "tab:green",
+               "cache-aware": "tab:blue", "session": "tab:purple"}
+    for ax, workload in zip(axes[0], workloads, strict=True):
+        for strategy in STRATEGIES:
+            for replicas, style in ((1, "-"), (2, "--")):
+                mine = sorted((r for r in rows if (r["workload"], r["strategy"], r["replicas"]) ==
+                               (workload, strategy, replicas)), key=lambda r: r["load"])
+                if not mine:
+                    continue
+                x = [r["load"] * 100 for r in mine]
+                y = [r["goodput_ttft_rps"] for r in mine]
+                lo = [r["goodput_ttft_rps"] - r["goodput_ttft_rps_range"][0] for r in mine]
+                hi = [r["goodput_ttft_rps_range"][1] - r["goodput_ttft_rps"] for r in mine]
+                ax.errorbar(x, y, yerr=[lo, hi], ls=style, marker="o", ms=3, capsize=2, color=colours[strategy],
+                            label=f"{strategy}{'' if replicas == 1 else ', 2 routers'}")
+        ax.set_title(f"{workload} workload")
+        ax.set_xlabel("offered load, % of measured capacity")
+        ax.set_ylabel(f"goodput: requests/s with TTFT <= {TTFT_TARGET * 1000:.0f} ms")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Goodput by routing strategy (4 simulated L4 engines; median of seeds, bars: range)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, short runs (a smoke test, not figures)")
+    parser.add_argument("--seconds", type=float, help="wall seconds of arrivals per run (default 60)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=contract.ROUTER_STRATEGIES)
+    parser.add_argument("--loads", nargs="*", type=float, default=list(LOADS))
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--replicas", nargs="*", type=int, default=[1, 2], choices=(1, 2))
+    parser.add_argument("--capacity", nargs="*", default=[], metavar="WORKLOAD=RPS",
+                        help="skip a capacity run: simulated requests/s of the fleet on that workload")
+    parser.add_argument("--name", default="goodput", help="results/NAME.json (and NAME.png)")
+    args = parser.parse_args()
+    seconds = args.seconds or (20.0 if args.quick else 60.0)
+    seeds = [1] if args.quick else list(range(1, args.seeds + 1))
+    plan = plan_of()
+    given = {k: float(v) for k, v in (x.split("=", 1) for x in args.capacity)}
+    capacity: dict[str, float] = {}
+    for workload in args.workloads:
+        if workload in given:
+            capacity[workload] = given[workload]
+        else:
+            print(f"measuring the fleet's capacity on the {workload} workload...", flush=True)
+            capacity[workload] = measure_capacity(plan, workload, 30.0 if args.quick else 90.0)
+        print(f"  {workload}: {capacity[workload]:.2f} requests/s (simulated)", flush=True)
+    runs = []
+    for workload in args.workloads:
+        for load in args.loads:
+            for seed in seeds:
+                for replicas in args.replicas:
+                    for strategy in args.strategies:
+                        if replicas == 2 and strategy not in (*BASELINES, contract.DEFAULT_ROUTER_STRATEGY):
+                            continue
+                        run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed, seconds)
+                        runs.append(run)
+                        print(f"  {workload:11} {int(load * 100):3}% s{seed} {replicas}r {strategy:13} "
+                              f"good(TTFT) {run['goodput_ttft_rps']:.2f}/s {run['share_ttft']:.0%}  "
+                              f"good(ITL) {run['goodput_itl_rps']:.2f}/s  TTFT p50 {run['ttft_p50_s']:.2f} "
+                              f"p99 {run['ttft_p99_s']:.2f}  hit {run['hit_rate']:.0%}  "
+                              f"cpu {run['router_cpu_ms_per_request']:.2f} ms/req  failed {run['failed']}",
+                              flush=True)
+    rows = group(runs)
+    print()
+    print(f"{ENGINES} simulated L4 engines (Llama-3.1-8B); router ceiling {plan.engine_concurrency(2048)} per engine; "
+          f"targets: TTFT {TTFT_TARGET:g} s, ITL {ITL_TARGET:g} s; median over {len(seeds)} seed(s), simulated time")
+    print(table(["workload", "load", "routers", "strategy", "goodput TTFT/s", "share TTFT", "goodput ITL/s",
+                 "share ITL", "TTFT p50 s", "TTFT p99 s", "prefix hit", "router CPU ms/req", "failed"],
+                [[r["workload"], f"{int(r['load'] * 100)}%", r["replicas"], r["strategy"], r["goodput_ttft_rps"],
+                  f"{r['share_ttft']:.0%}", r["goodput_itl_rps"], f"{r['share_itl']:.0%}", r["ttft_p50_s"],
+                  r["ttft_p99_s"], f"{r['hit_rate']:.1%}", r["router_cpu_ms_per_request"], r["failed"]]
+                 for r in rows]))
+    goals = evaluate(rows)
+    for key, value in goals.items():
+        print(f"  {key}: {value}")
+    if not args.quick and len(rows) > 1:
+        from common import RESULTS
+
+        png = RESULTS.parent / f"{args.name}.png" if args.name == "goodput" else RESULTS / f"{args.name}.png"
+        plot(rows, str(png))
+        print(f"wrote {png}")
+    path = write_results(args.name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
+                                     "seconds_per_run": seconds, "capacity": capacity,
+                                     "ceiling": plan.engine_concurrency(2048), "ttft_target_s": TTFT_TARGET,
+                                     "itl_target_s": ITL_TARGET, "rows": rows, "goals": goals, "runs": runs})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
