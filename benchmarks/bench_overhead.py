@@ -10,7 +10,14 @@ its resident memory sampled as it goes.
 Goals (issue 4): through-router throughput >= 50% of direct; p50 added latency
 < 1 ms at low concurrency; router memory growth < 10 MB over 200k requests.
 
-    python benchmarks/bench_overhead.py [--quick]
+Then the router's CPU per request by strategy (issue 14: the default may cost at
+most 20% more than least-pending did), for the short chat above and for a chat
+the size of a multi-turn conversation (a 1,600-character system prompt, a
+6,000-character document, two turns): a router per strategy, wrk at 16
+connections, the router process's user + system CPU time over the run divided
+by the requests it answered.
+
+    python benchmarks/bench_overhead.py [--quick] [--strategies least-pending cache-aware]
 """
 
 from __future__ import annotations
@@ -22,8 +29,44 @@ import time
 
 import aiohttp
 from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy, write_results, wrk
+from workload import _words
+
+from tensorfleet import contract
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 16}
+
+
+def conversation_body() -> dict:  # type: ignore[type-arg]  # a request body
+    import random
+
+    rng = random.Random(7)
+    return {"model": MODEL, "max_tokens": 16, "messages": [
+        {"role": "system", "content": _words(rng, 320)},
+        {"role": "user", "content": "Document:\n" + _words(rng, 1200) + "\n\n" + _words(rng, 20) + "?"},
+        {"role": "assistant", "content": _words(rng, 100)},
+        {"role": "user", "content": _words(rng, 30) + "?"}]}
+
+
+def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> list[dict]:  # type: ignore[type-arg]  # rows of mixed figures
+    rows = []
+    bodies = {"short chat": BODY, "conversation": conversation_body()}
+    for strategy in strategies:
+        with cluster(f"overhead-cpu-{strategy}") as c:
+            router = c.router([engine_url], "--max-concurrency-per-backend", "256", strategy=strategy)
+            asyncio.run(wait_healthy(router))
+            time.sleep(2.5)
+            for name, body in bodies.items():
+                text = json.dumps(body)
+                wrk(router.url, connections=16, seconds=2, body=text)  # warm
+                before = router.cpu_seconds()
+                result = wrk(router.url, connections=16, seconds=seconds, body=text)
+                cpu = router.cpu_seconds() - before
+                rows.append({"strategy": strategy, "body": name, "body_bytes": len(text), "requests": result.requests,
+                             "router_rps": result.rps, "cpu_ms_per_request": 1000 * cpu / max(result.requests, 1),
+                             "errors": result.non_2xx + result.errors})
+                print(f"  {strategy:13} {name:12} {rows[-1]['cpu_ms_per_request']:.3f} ms CPU/request "
+                      f"({result.rps:.0f} rps)", flush=True)
+    return rows
 
 
 def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict]:  # type: ignore[type-arg]  # rows of mixed figures
@@ -87,9 +130,24 @@ def memory(router, routed: str, target: int, chunk_seconds: float) -> dict:  # t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not figures)")
+    parser.add_argument("--strategies", nargs="*", default=["least-pending", contract.DEFAULT_ROUTER_STRATEGY],
+                        choices=contract.ROUTER_STRATEGIES, help="strategies whose CPU per request is measured")
+    parser.add_argument("--cpu-only", action="store_true", help="only the CPU per request by strategy")
     args = parser.parse_args()
     seconds = 3 if args.quick else 10
     levels = [1, 16, 64]
+    if args.cpu_only:
+        with cluster("overhead-engine") as c:
+            engine = c.sim("engine", time_scale=0.0)
+            asyncio.run(wait_healthy(engine))
+            print("router CPU per request, by strategy (wrk, 16 connections):")
+            cpu_rows = cpu_per_request(engine.url, args.strategies, seconds)
+        print(table(["strategy", "body", "body bytes", "requests", "router rps", "CPU ms/request", "errors"],
+                    [[r["strategy"], r["body"], r["body_bytes"], r["requests"], r["router_rps"],
+                      r["cpu_ms_per_request"], r["errors"]] for r in cpu_rows]))
+        path = write_results("overhead-cpu", {"quick": args.quick, "cpu": cpu_rows})
+        print(f"wrote {path}")
+        return
     with cluster("overhead") as c:
         engine = c.sim("engine", time_scale=0.0)
         router = c.router([engine], "--max-concurrency-per-backend", "256")
@@ -102,6 +160,8 @@ def main() -> None:
         print("router memory over a long run:")
         mem = memory(router, router.url, 20_000 if args.quick else 200_000, 5 if args.quick else 20)
         router_rss = router.rss_bytes()
+        print("router CPU per request, by strategy (wrk, 16 connections):")
+        cpu_rows = cpu_per_request(engine.url, args.strategies, seconds)
     print()
     print(table(["mode", "conns", "direct rps", "router rps", "ratio", "direct p50 ms", "router p50 ms",
                  "added p50 ms", "direct p99 ms", "router p99 ms", "errors"],
@@ -117,6 +177,10 @@ def main() -> None:
     print(table(["requests", "errors", "RSS after warm-up MiB", "RSS end MiB", "growth MiB", "max MiB"],
                 [[mem["requests"], mem["errors"], mem["rss_after_warmup_mib"], mem["rss_end_mib"],
                   mem["rss_growth_mib"], mem["rss_max_mib"]]]))
+    print()
+    print(table(["strategy", "body", "body bytes", "requests", "router rps", "CPU ms/request", "errors"],
+                [[r["strategy"], r["body"], r["body_bytes"], r["requests"], r["router_rps"], r["cpu_ms_per_request"],
+                  r["errors"]] for r in cpu_rows]))
     worst = min(r["ratio"] for r in rows)
     low = max(r["added_p50_ms"] for r in rows if r["connections"] == 1)
     goals = {
@@ -126,7 +190,7 @@ def main() -> None:
     }
     print()
     print(json.dumps(goals, indent=2))
-    path = write_results("overhead", {"quick": args.quick, "wrk": rows, "ttft": latency, "memory": mem,
+    path = write_results("overhead", {"quick": args.quick, "wrk": rows, "ttft": latency, "memory": mem, "cpu": cpu_rows,
                                       "router_rss_final_mib": router_rss / 2**20, "goals": goals})
     print(f"wrote {path}")
 

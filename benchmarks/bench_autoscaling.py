@@ -1,0 +1,914 @@
+"""Benchmark 6: autoscaling signals under a load ramp (issue 13).
+
+A fleet of real `tensorfleet sim` processes, one per replica, behind a real
+`tensorfleet router` that discovers them through EndpointSlices in the API
+emulator of the operator tests; an autoscaler that follows the Kubernetes HPA
+controller's algorithm (hpa_model.py) on metrics sampled as Prometheus would;
+the operator's own scale-to-zero decision (controller/idle.py `decide`) on the
+router's demand Lease. Three signals, and the old one behind both routers:
+
+  engine-waiting  Pods metric vllm:num_requests_waiting, AverageValue 4; router
+                  concurrency per engine = max-num-seqs: the HPA and the router
+                  as they were before issue 13 ("today's")
+  combined        Object metric router pending + engine waiting, AverageValue 4
+                  (the operator's HPA); router concurrency = what the KV cache
+                  holds at 2048 tokens a request (the plan's engine_concurrency,
+                  the new default)
+  kv              Pods metric vllm:kv_cache_usage_perc, AverageValue 0.8; router
+                  as for combined
+  engine-waiting-kv-router
+                  the old signal behind the new router: the queue is the
+                  router's, vLLM's stays short (the blind spot combined closes)
+
+Everything runs at TIME_SCALE wall seconds per simulated second (0.2: five
+simulated seconds per wall second): the engines' steps and load time, the HPA's and Prometheus'
+periods, the router's timeouts, the clients' think times. Figures are in
+simulated seconds. The same seeded workload and ramp for every signal:
+light load, a step to a multiple of one replica's measured capacity, hold,
+back to light, then nothing until the fleet is at zero (scaleToZeroAfterSeconds
+IDLE_SECONDS, shorter than the default 900 s so that a run takes minutes, not
+hours: the cold start does not depend on it), then one request (the cold start).
+
+    python benchmarks/bench_autoscaling.py [--quick] [--seeds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import math
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from common import (
+    HOST,
+    MODEL,
+    RESULTS,
+    Proc,
+    cluster,
+    free_port,
+    metric_sum,
+    percentile,
+    stream_chat,
+    table,
+    wait_healthy,
+    write_results,
+)
+from hpa_model import Autoscaler, MetricError, PodSample, object_average_replicas, pods_metric_replicas
+from workload import TURNS, Record, Workload, closed_loop, run_session
+
+from tensorfleet import contract
+from tensorfleet.api import load_inference_service
+from tensorfleet.api.models import InferenceServiceSpec
+from tensorfleet.controller.idle import decide, format_time, parse_time
+from tensorfleet.planner import Plan, make_plan
+from tensorfleet.render.autoscaling import DEFAULT_SCALE_DOWN, DEFAULT_SCALE_UP
+from tensorfleet.render.engine import STARTUP_PERIOD_SECONDS
+from tensorfleet.testing import operator_harness
+
+TIME_SCALE = 0.2
+NAME, NAMESPACE = "bench", "default"
+MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
+MAX_REPLICAS = 8
+SYNC_SECONDS = 15.0          # kube-controller-manager --horizontal-pod-autoscaler-sync-period
+SCRAPE_SECONDS = 15.0        # the chart's PodMonitor interval
+TOLERANCE = 0.1              # --horizontal-pod-autoscaler-tolerance
+KV_TARGET = 0.8
+TTFT_TARGET = 2.0            # seconds; see the README for why
+OTHER_TARGETS = (1.0, 5.0)   # the share within these too, to show how much the choice matters
+WINDOW = 60.0                # seconds per point of the p99-over-time series
+LIGHT, PEAK = 0.5, 2.5       # offered load, in units of one replica's capacity
+PHASES = ((300.0, LIGHT), (600.0, PEAK), (300.0, LIGHT))   # (seconds, load)
+IDLE_SECONDS = 300           # spec.autoscaling.scaleToZeroAfterSeconds
+COLD_PROBE_AFTER = IDLE_SECONDS + 200.0   # seconds after the load ends: the cold-start request (drained by then)
+MEAN_TURNS = (TURNS[0] + TURNS[1]) / 2
+SIGNALS = ("engine-waiting", "combined", "kv", "engine-waiting-kv-router")
+EXTRA_SIGNALS: tuple[str, ...] = ()
+SERVICE = contract.engine_service_name(NAME)
+LEASE = contract.demand_lease_name(NAME)
+LEASES = ("coordination.k8s.io/v1", "leases")
+SLICES = ("discovery.k8s.io/v1", "endpointslices")
+# Router flags that are times: the production default, compressed like everything else.
+ROUTER_TIMES = {"--queue-timeout": 30.0, "--health-interval": 2.0, "--first-byte-timeout": 30.0,
+                "--stream-idle-timeout": 30.0}
+# A health check's timeout is a fault detector, not a modelled duration: compressed to 0.2 s it would eject
+# engines for this 2-core machine's scheduling hiccups. It is kept at 1 s wall; ejections are reported.
+HEALTH_TIMEOUT_WALL = 1.0
+
+
+def inference_service() -> InferenceServiceSpec:
+    doc = {"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+           "metadata": {"name": NAME, "namespace": NAMESPACE},
+           "spec": {"model": {"name": MODEL_ID, "maxModelLen": 8192}, "accelerator": {"type": ACCELERATOR},
+                    "engine": {"kind": "simulator"},
+                    "autoscaling": {"minReplicas": 0, "maxReplicas": MAX_REPLICAS,
+                                    "scaleToZeroAfterSeconds": IDLE_SECONDS}}}
+    return load_inference_service(doc).spec
+
+
+@dataclass(frozen=True)
+class Signal:
+    name: str
+    kind: str               # "pods" or "object"
+    metric: str             # what the HPA reads
+    target: float
+    concurrency: int        # router --max-concurrency-per-backend
+
+
+def signals(spec: InferenceServiceSpec, plan: Plan) -> dict[str, Signal]:
+    assert spec.autoscaling is not None
+    target = float(spec.autoscaling.target_pending_requests)
+    kv_fit = plan.engine_concurrency(spec.router.typical_request_tokens)
+    return {
+        "engine-waiting": Signal("engine-waiting", "pods", contract.VLLM_METRIC_WAITING, target, plan.max_num_seqs),
+        "combined": Signal("combined", "object", contract.HPA_METRIC_PENDING, target, kv_fit),
+        "kv": Signal("kv", "pods", contract.VLLM_METRIC_KV_CACHE_USAGE, KV_TARGET, kv_fit),
+        "engine-waiting-kv-router": Signal("engine-waiting-kv-router", "pods", contract.VLLM_METRIC_WAITING, target,
+                                           kv_fit),
+    }
+
+
+def engine_flags(plan: Plan) -> list[str]:
+    """What the operator passes a simulator pod from its plan."""
+    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
+            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
+
+
+class Clock:
+    """Simulated seconds since the load started (negative before)."""
+
+    def __init__(self) -> None:
+        self.wall0 = time.perf_counter()
+        self.epoch0 = time.time()
+
+    def now(self) -> float:
+        return (time.perf_counter() - self.wall0) / TIME_SCALE
+
+    def of(self, perf: float) -> float:
+        return (perf - self.wall0) / TIME_SCALE
+
+    def date(self, sim: float) -> datetime.datetime:
+        return datetime.datetime.fromtimestamp(self.epoch0 + sim, datetime.UTC)
+
+    def sim_of_epoch(self, epoch: float) -> float:
+        return (epoch - self.epoch0) / TIME_SCALE
+
+    async def sleep(self, sim_seconds: float) -> None:
+        await asyncio.sleep(max(0.0, sim_seconds) * TIME_SCALE)
+
+    async def until(self, sim: float) -> None:
+        await self.sleep(sim - self.now())
+
+
+def spawn(tag: str, name: str, args: Sequence[str], url: str) -> Proc:
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{tag}-{name}.log"
+    process = subprocess.Popen([sys.executable, "-m", "tensorfleet.cli", *args], stdout=log.open("wb"),
+                               stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return Proc(name, url, process, log)
+
+
+# --- the fleet: StatefulSet, kubelet probes, EndpointSlice controller, the worker's drain ----------------
+
+@dataclass
+class Pod:
+    ordinal: int
+    uid: int
+    ip: str
+    proc: Proc
+    started: float                       # simulated
+    loaded: float                        # when its engine answers (start + load time)
+    ready: float | None = None           # its startup probe passed: listed ready
+    terminating: float | None = None     # deletion requested: terminating endpoint, draining
+    stopped: float | None = None
+    next_probe: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return f"{NAME}-engine-{self.ordinal}"
+
+
+class Fleet:
+    """Engine pods as a StatefulSet (podManagementPolicy Parallel) would run them."""
+
+    def __init__(self, c: operator_harness.Cluster, clock: Clock, plan: Plan, tag: str, startup_delay_wall: float,
+                 grace: float) -> None:
+        self.c, self.clock, self.plan, self.tag = c, clock, plan, tag
+        self.startup_delay_wall = startup_delay_wall
+        self.grace = grace
+        self.port = free_port()
+        self.pods: list[Pod] = []
+        self.history: list[Pod] = []
+        self.desired = 1
+        self._uid = 0
+        self._published: Any = None
+        self._drains: set[asyncio.Task[None]] = set()
+        self.session: aiohttp.ClientSession | None = None
+
+    def live(self) -> list[Pod]:
+        return [p for p in self.pods if p.terminating is None]
+
+    def ready_count(self) -> int:
+        return sum(1 for p in self.live() if p.ready is not None)
+
+    def _start(self, ordinal: int) -> None:
+        self._uid += 1
+        # A fresh loopback address per pod, as a new pod gets a new IP; every engine on the same port.
+        ip = f"127.1.{self._uid // 250}.{self._uid % 250 + 2}"
+        args = ["sim", "--host", ip, "--port", str(self.port), "--served-model-name", MODEL, *engine_flags(self.plan),
+                "--time-scale", str(TIME_SCALE), "--startup-delay", f"{self.startup_delay_wall:.3f}",
+                "--seed", str(self._uid), "--log-level", "warning"]
+        now = self.clock.now()
+        proc = spawn(self.tag, f"engine-{self._uid}", args, f"http://{ip}:{self.port}")
+        pod = Pod(ordinal, self._uid, ip, proc, started=now, loaded=now + self.plan.load_seconds,
+                  next_probe=now + STARTUP_PERIOD_SECONDS)
+        self.pods.append(pod)
+        self.history.append(pod)
+
+    def _endpoint_slice(self) -> dict[str, Any]:
+        endpoints = []
+        for p in sorted(self.pods, key=lambda p: p.ordinal):
+            if p.terminating is not None:
+                conditions = {"ready": False, "serving": False, "terminating": True}
+            else:
+                conditions = {"ready": p.ready is not None, "serving": p.ready is not None, "terminating": False}
+            endpoints.append({"addresses": [p.ip], "conditions": conditions, "targetRef": {"kind": "Pod", "name": p.name}})
+        return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": f"{SERVICE}-x7k2p", "namespace": NAMESPACE,
+                             "labels": {contract.ENDPOINTSLICE_SERVICE_LABEL: SERVICE}},
+                "addressType": "IPv4",
+                "ports": [{"name": contract.PORT_NAME_HTTP, "port": self.port, "protocol": "TCP"}],
+                "endpoints": endpoints}
+
+    async def _publish(self) -> None:
+        obj = self._endpoint_slice()
+        if obj != self._published:
+            await self.c.upsert(*SLICES, obj)
+            self._published = obj
+
+    async def _probe(self, pod: Pod) -> bool:
+        assert self.session is not None
+        try:
+            async with self.session.get(pod.proc.url + contract.HEALTH_PATH,
+                                        timeout=aiohttp.ClientTimeout(total=5 * TIME_SCALE + 1)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _in_flight(self, pod: Pod) -> int | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(pod.proc.url + contract.METRICS_PATH,
+                                        timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                text = await resp.text()
+            return int(metric_sum(text, contract.VLLM_METRIC_RUNNING) + metric_sum(text, contract.VLLM_METRIC_WAITING))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    async def _drain(self, pod: Pod) -> None:
+        """The worker launcher's drain: SIGTERM the engine once nothing is in flight, or at the grace period."""
+        deadline = pod.terminating + self.grace if pod.terminating is not None else self.clock.now()
+        while self.clock.now() < deadline:
+            count = await self._in_flight(pod)
+            if not count:
+                break
+            await self.clock.sleep(1.0)
+        await asyncio.to_thread(pod.proc.stop)
+        pod.stopped = self.clock.now()
+        self.pods.remove(pod)
+        await self._publish()
+
+    async def reconcile(self) -> None:
+        now = self.clock.now()
+        by_ordinal = {p.ordinal: p for p in self.pods}
+        for ordinal in range(self.desired):
+            if ordinal not in by_ordinal:  # one still terminating under that name is waited for
+                self._start(ordinal)
+        for p in self.live():
+            if p.ordinal >= self.desired:
+                p.terminating = now
+                task = asyncio.create_task(self._drain(p))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
+        # The startup probe, every STARTUP_PERIOD_SECONDS from the container's start, makes a pod Ready.
+        probes = []
+        for p in self.live():
+            if p.ready is None and now >= p.next_probe:
+                p.next_probe += STARTUP_PERIOD_SECONDS * math.ceil((now - p.next_probe + 1e-9) / STARTUP_PERIOD_SECONDS)
+                probes.append(p)
+        for p, ok in zip(probes, await asyncio.gather(*(self._probe(p) for p in probes)), strict=True):
+            if ok:
+                p.ready = self.clock.now()
+        await self._publish()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.session = aiohttp.ClientSession()
+        try:
+            while not stop.is_set():
+                await self.reconcile()
+                await self.clock.sleep(STARTUP_PERIOD_SECONDS / 4)
+        finally:
+            await asyncio.gather(*self._drains, return_exceptions=True)
+            await self.session.close()
+
+    def stop_all(self) -> None:
+        for p in self.pods:
+            p.proc.stop()
+            p.stopped = p.stopped if p.stopped is not None else self.clock.now()
+        self.pods.clear()
+
+
+# --- Prometheus, the HPA, the operator's idle decision ------------------------------------------------
+
+class Prometheus:
+    """Scrapes each target every SCRAPE_SECONDS at its own fixed offset; keeps the latest sample per series.
+
+    An engine that is still loading its model does not answer (vLLM serves HTTP only once loaded), so it has
+    no series until its first scrape after that; a pod that is gone has none (its series went stale)."""
+
+    def __init__(self, clock: Clock, fleet: Fleet, router_url: str, rng: random.Random) -> None:
+        self.clock, self.fleet, self.router_url, self.rng = clock, fleet, router_url, rng
+        self.engine: dict[int, dict[str, float]] = {}
+        self.router_pending: float | None = None
+        self._next: dict[Any, float] = {}
+        self.session: aiohttp.ClientSession | None = None
+
+    async def _scrape(self, url: str) -> str | None:
+        assert self.session is not None
+        try:
+            async with self.session.get(url + contract.METRICS_PATH, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return await resp.text() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def tick(self) -> None:
+        now = self.clock.now()
+        pods = {p.uid: p for p in self.fleet.pods}
+        for uid in list(self.engine):
+            if uid not in pods:
+                del self.engine[uid]
+        due: list[tuple[Any, str]] = []
+        for key, url in [("router", self.router_url), *((p.uid, p.proc.url) for p in pods.values())]:
+            at = self._next.setdefault(key, now + self.rng.uniform(0, SCRAPE_SECONDS))
+            if now >= at:
+                self._next[key] = at + SCRAPE_SECONDS * max(1, math.ceil((now - at) / SCRAPE_SECONDS))
+                due.append((key, url))
+        texts = await asyncio.gather(*(self._scrape(url) for key, url in due
+                                       if key == "router" or now >= pods[key].loaded))
+        scraped = [d for d in due if d[0] == "router" or now >= pods[d[0]].loaded]
+        for (key, _), text in zip(scraped, texts, strict=True):
+            if text is None:
+                continue
+            if key == "router":
+                self.router_pending = metric_sum(text, contract.ROUTER_METRIC_PENDING)
+            else:
+                self.engine[key] = {name: metric_sum(text, name) for name in
+                                    (contract.VLLM_METRIC_WAITING, contract.VLLM_METRIC_RUNNING,
+                                     contract.VLLM_METRIC_KV_CACHE_USAGE)}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        self.session = aiohttp.ClientSession()
+        try:
+            while not stop.is_set():
+                await self.tick()
+                await self.clock.sleep(0.5)
+        finally:
+            await self.session.close()
+
+
+@dataclass
+class Control:
+    """The HPA and the operator's zero, on the simulated clock; what they decided and when."""
+
+    clock: Clock
+    fleet: Fleet
+    prometheus: Prometheus
+    signal: Signal
+    spec: InferenceServiceSpec
+    c: operator_harness.Cluster
+    hpa_phase: float
+    spec_replicas: int = 1
+    idle: bool = False
+    status: dict[str, Any] = field(default_factory=dict)
+    scale_events: list[tuple[float, int, int]] = field(default_factory=list)  # (t, from, to) HPA writes
+    zero_events: list[tuple[float, str]] = field(default_factory=list)
+    metric_log: list[tuple[float, float | None, int | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        assert self.spec.autoscaling is not None
+        self.hpa = Autoscaler.from_behavior(max(1, self.spec.autoscaling.min_replicas), self.spec.autoscaling.max_replicas,
+                                            DEFAULT_SCALE_UP, DEFAULT_SCALE_DOWN)
+
+    def proposal(self) -> tuple[int | None, float | None]:
+        engines = self.prometheus.engine
+        pods = self.fleet.pods
+        try:
+            if self.signal.kind == "object":
+                value = (self.prometheus.router_pending or 0.0) + sum(
+                    engines[p.uid][contract.VLLM_METRIC_WAITING] for p in pods if p.uid in engines)
+                status_replicas = len(self.fleet.live())
+                return object_average_replicas(status_replicas, self.signal.target, value, TOLERANCE)[0], value
+            samples = [PodSample(str(p.uid), engines[p.uid][self.signal.metric] if p.uid in engines else None,
+                                 deleting=p.terminating is not None) for p in pods]
+            replicas, usage = pods_metric_replicas(self.spec_replicas, self.signal.target, samples, TOLERANCE)
+            return replicas, usage / 1000
+        except MetricError:
+            return None, None
+
+    def hpa_sync(self) -> None:
+        now = self.clock.now()
+        proposal, value = self.proposal()
+        desired = self.hpa.sync(now, self.spec_replicas, proposal)
+        self.metric_log.append((now, value, proposal))
+        if desired != self.spec_replicas:
+            self.scale_events.append((now, self.spec_replicas, desired))
+            self.spec_replicas = desired
+
+    async def operator_tick(self) -> None:
+        async def read() -> Any:
+            return self.c.emulator.find(*LEASES, NAMESPACE, LEASE)
+        lease = await self.c.acall(read())
+        renewed = parse_time(((lease or {}).get("spec") or {}).get("renewTime"))
+        mapped = None
+        if renewed is not None:  # the router stamps wall time; the operator's clock here is the simulated one
+            sim = self.clock.sim_of_epoch(renewed.timestamp())
+            mapped = {"spec": {"renewTime": self.clock.date(sim).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}}
+        now = self.clock.now()
+        verdict = decide(self.spec, self.status, mapped, format_time(self.clock.date(0.0)), self.clock.date(now))
+        if verdict.idle != self.idle:
+            self.zero_events.append((now, "to-zero" if verdict.idle else "from-zero"))
+        self.idle = verdict.idle
+        self.status = {"idleSince": verdict.since} if verdict.since else {}
+
+    async def run(self, stop: asyncio.Event) -> None:
+        next_sync = self.hpa_phase
+        while not stop.is_set():
+            await self.operator_tick()
+            if self.clock.now() >= next_sync:
+                self.hpa_sync()
+                next_sync += SYNC_SECONDS
+            self.fleet.desired = 0 if self.idle else max(1, self.spec_replicas)
+            await self.clock.sleep(1.0)
+
+
+# --- load ---------------------------------------------------------------------------------------------
+
+def schedule(phases: Sequence[tuple[float, float]], capacity: float) -> list[tuple[float, float, float]]:
+    """(start, end, requests per simulated second) per phase."""
+    out, t = [], 0.0
+    for seconds, load in phases:
+        out.append((t, t + seconds, load * capacity))
+        t += seconds
+    return out
+
+
+async def offer(url: str, workload: Workload, plan: list[tuple[float, float, float]], clock: Clock,
+                records: list[Record]) -> None:
+    """Sessions arriving as a Poisson process whose rate follows PLAN; no new turn after the last phase."""
+    rng = random.Random(workload.seed + 2)
+    end = plan[-1][1]
+    stop_at = clock.wall0 + end * TIME_SCALE
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+        tasks = []
+        for start, stop, rps in plan:
+            t = start
+            while True:
+                t += rng.expovariate(rps / MEAN_TURNS)
+                if t >= stop:
+                    break
+                await clock.until(t)
+                tasks.append(asyncio.create_task(run_session(http, url, workload.session(), records, TIME_SCALE,
+                                                             stop_at)))
+        await asyncio.gather(*tasks)
+
+
+async def loop_lag(stop: asyncio.Event, clock: Clock, out: list[tuple[float, float]]) -> None:
+    """How late this process's event loop wakes (it runs the clients; a late loop inflates their TTFT), in
+    wall seconds, by simulated time."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(0.05)
+        out.append((clock.of(t), time.perf_counter() - t - 0.05))
+
+
+# --- one run ------------------------------------------------------------------------------------------
+
+async def run_signal(signal: Signal, seed: int, capacity: float, phases: Sequence[tuple[float, float]],
+                     spec: InferenceServiceSpec, plan: Plan, startup_delay_wall: float) -> dict[str, Any]:
+    tag = f"autoscaling-{signal.name}-{seed}"
+    load_plan = schedule(phases, capacity)
+    load_end = load_plan[-1][1]
+    rng = random.Random(seed)  # the HPA's and each scrape's phase: the same for every signal of a seed
+    hpa_phase = rng.uniform(0, SYNC_SECONDS)
+    cpu_before, wall_before = cpu_seconds(), time.perf_counter()
+    async with operator_harness.cluster() as c:
+        await c.upsert(*LEASES, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                 "metadata": {"name": LEASE, "namespace": NAMESPACE}})
+        with cluster(tag) as procs:
+            router = procs.router(
+                [], "--service", SERVICE, "--namespace", NAMESPACE, "--kube-api", c.url, "--demand-lease", LEASE,
+                "--max-concurrency-per-backend", str(signal.concurrency),
+                "--cold-start-timeout", f"{cold_start_timeout(plan) * TIME_SCALE:g}",
+                "--health-timeout", f"{HEALTH_TIMEOUT_WALL:g}",
+                "--prefill-tokens-per-second", f"{1000.0 / TIME_SCALE:g}",
+                *(x for flag, seconds in ROUTER_TIMES.items() for x in (flag, f"{seconds * TIME_SCALE:g}")))
+            await wait_healthy(router)
+            clock = Clock()
+            assert spec.engine is not None
+            fleet = Fleet(c, clock, plan, tag, startup_delay_wall, float(spec.engine.termination_grace_period_seconds))
+            prometheus = Prometheus(clock, fleet, router.url, rng)
+            control = Control(clock, fleet, prometheus, signal, spec, c, hpa_phase)
+            stop = asyncio.Event()
+            fleet_task = asyncio.create_task(fleet.run(stop))
+            # Warm: one replica Ready before the load starts (the clock restarts at the load's start).
+            while fleet.ready_count() < 1:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(3 * ROUTER_TIMES["--health-interval"] * TIME_SCALE)
+            shift = time.perf_counter() - clock.wall0
+            clock.wall0 += shift
+            clock.epoch0 += shift
+            for p in fleet.pods:
+                p.started -= shift / TIME_SCALE
+                p.loaded -= shift / TIME_SCALE
+                p.next_probe -= shift / TIME_SCALE
+                p.ready = p.ready - shift / TIME_SCALE if p.ready is not None else None
+            tasks = [asyncio.create_task(t) for t in (prometheus.run(stop), control.run(stop))]
+            lag: list[tuple[float, float]] = []
+            tasks.append(asyncio.create_task(loop_lag(stop, clock, lag)))
+            timeline: list[dict[str, Any]] = []
+            tasks.append(asyncio.create_task(sample(stop, clock, fleet, control, prometheus, load_plan, timeline)))
+            records: list[Record] = []
+            await offer(router.url, Workload(seed=seed), load_plan, clock, records)
+            loaded_until = clock.now()
+            # Idle until the fleet is at zero, then one request: the cold start.
+            probe_at = load_end + COLD_PROBE_AFTER
+            await clock.until(probe_at)
+            at_zero = not fleet.pods
+            cold = await cold_start(router.url, clock, Workload(seed=seed + 1000))
+            await clock.sleep(30)
+            router_text = await asyncio.wait_for(_text(router.url), 10)
+            stop.set()
+            await asyncio.gather(*tasks, fleet_task, return_exceptions=True)
+            router.stop()  # first: engines stopping under a live router would be ejected, noise in its log
+            fleet.stop_all()
+            cpu = cpu_seconds() - cpu_before
+            wall = time.perf_counter() - wall_before
+    run = analyse(signal, seed, records, clock, fleet, control, load_plan, loaded_until, probe_at, at_zero, cold,
+                  timeline, lag, router_text)
+    run["cpu_cores_used"] = cpu / wall  # this process and every process it started, over the run's wall time
+    run["loadavg_at_end"] = os.getloadavg()  # other work on the machine shows here
+    return run
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process (the clients, the HPA model, the API emulator) and of its reaped children."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def cold_start_timeout(plan: Plan) -> float:
+    """The operator's default --cold-start-timeout: twice the plan's load time, within 120-1800 s."""
+    return float(min(1800, max(120, 2 * plan.load_seconds)))
+
+
+async def _text(url: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(url + contract.METRICS_PATH) as resp:
+        return await resp.text()
+
+
+async def cold_start(url: str, clock: Clock, workload: Workload) -> dict[str, Any]:
+    plan = workload.session()
+    messages = [{"role": "system", "content": plan.system}, {"role": "user", "content": plan.turns[0].question}]
+    sent = clock.now()
+    async with aiohttp.ClientSession() as http:
+        result = await stream_chat(http, url, messages, plan.turns[0].max_tokens, timeout=600)
+    return {"sent_at": sent, "status": result.status, "error": result.error,
+            "ttft_s": result.ttft / TIME_SCALE if result.ttft is not None else None,
+            "total_s": result.total / TIME_SCALE}
+
+
+async def sample(stop: asyncio.Event, clock: Clock, fleet: Fleet, control: Control, prometheus: Prometheus,
+                 load_plan: list[tuple[float, float, float]], out: list[dict[str, Any]]) -> None:
+    while not stop.is_set():
+        now = clock.now()
+        offered = next((rps for start, end, rps in load_plan if start <= now < end), 0.0)
+        engines = prometheus.engine.values()
+        out.append({"t": now, "offered_rps": offered, "pods": len(fleet.pods), "live": len(fleet.live()),
+                    "ready": fleet.ready_count(), "spec_replicas": control.spec_replicas, "idle": control.idle,
+                    "router_pending": prometheus.router_pending,
+                    "engine_waiting": sum(e[contract.VLLM_METRIC_WAITING] for e in engines)})
+        await clock.sleep(2.0)
+
+
+# --- figures ------------------------------------------------------------------------------------------
+
+def ok(r: Record) -> bool:
+    return r.result.status == 200 and not r.result.error and r.result.ttft is not None
+
+
+def ttft(r: Record) -> float:
+    assert r.result.ttft is not None
+    return r.result.ttft / TIME_SCALE
+
+
+def reversals(events: Sequence[tuple[float, int, int]]) -> int:
+    directions = [1 if b > a else -1 for _, a, b in events]
+    return sum(1 for x, y in itertools.pairwise(directions) if x != y)
+
+
+def replica_seconds(pods: Sequence[Pod], start: float, end: float) -> float:
+    total = 0.0
+    for p in pods:
+        lo, hi = max(p.started, start), min(p.stopped if p.stopped is not None else end, end)
+        total += max(0.0, hi - lo)
+    return total
+
+
+def analyse(signal: Signal, seed: int, records: list[Record], clock: Clock, fleet: Fleet, control: Control,
+            load_plan: list[tuple[float, float, float]], loaded_until: float, probe_at: float, at_zero: bool,
+            cold: dict[str, Any], timeline: list[dict[str, Any]], lag: list[tuple[float, float]],
+            router_text: str) -> dict[str, Any]:
+    load_end = load_plan[-1][1]
+    sent = [(clock.of(r.result.sent_at), r) for r in records]
+    good = [r for _, r in sent if ok(r) and ttft(r) <= TTFT_TARGET]
+    statuses: dict[str, int] = {}
+    for _, r in sent:
+        if not ok(r):
+            key = str(r.result.status) if r.result.status != 200 else "stream error"
+            statuses[key] = statuses.get(key, 0) + 1
+    windows = []
+    for lo in range(0, int(load_end), int(WINDOW)):
+        inside = [r for t, r in sent if lo <= t < lo + WINDOW]
+        answered = [ttft(r) for r in inside if ok(r)]
+        windows.append({"t": lo, "requests": len(inside), "ttft_p99_s": percentile(answered, 99),
+                        "within_target": sum(1 for r in inside if ok(r) and ttft(r) <= TTFT_TARGET) / len(inside)
+                        if inside else float("nan")})
+    peak_start = load_plan[1][0] if len(load_plan) > 1 else 0.0
+    before = sum(1 for p in fleet.history if p.ready is not None and p.ready <= peak_start
+                 and (p.stopped is None or p.stopped > peak_start))
+    new_ready = sorted(p.ready for p in fleet.history if p.ready is not None and p.ready > peak_start)
+    first_up = next((t for t, a, b in control.scale_events if b > a and t >= peak_start), None)
+    answered = [ttft(r) for _, r in sent if ok(r)]
+    first_light = [ttft(r) for t, r in sent if ok(r) and t < load_plan[0][1]]
+    return {
+        "signal": signal.name, "seed": seed, "metric": signal.metric, "target": signal.target,
+        "router_concurrency": signal.concurrency,
+        "requests": len(sent), "answered": len(answered), "failed": len(sent) - len(answered), "failures": statuses,
+        "within_target": len(good), "share_within_target": len(good) / len(sent) if sent else float("nan"),
+        "goodput_rps": len(good) / load_end,
+        "share_within": {f"{x:g}": sum(1 for _, r in sent if ok(r) and ttft(r) <= x) / len(sent) if sent else None
+                         for x in (TTFT_TARGET, *OTHER_TARGETS)},
+        "first_phase_ttft_p50_s": percentile(first_light, 50), "first_phase_ttft_p99_s": percentile(first_light, 99),
+        "ttft_p50_s": percentile(answered, 50), "ttft_p99_s": percentile(answered, 99),
+        "replica_minutes_load": replica_seconds(fleet.history, 0.0, load_end) / 60,
+        "replica_minutes_run": replica_seconds(fleet.history, 0.0, probe_at) / 60,
+        "peak_replicas": max((s["pods"] for s in timeline), default=0),
+        "ready_before_peak": before,
+        "hpa_first_scale_up_s": first_up - peak_start if first_up is not None else None,
+        "overload_to_ready_s": new_ready[0] - peak_start if new_ready else None,
+        "scale_events": control.scale_events, "reversals": reversals(control.scale_events),
+        "zero_events": control.zero_events, "at_zero_before_probe": at_zero, "cold_start": cold,
+        "loaded_until_s": loaded_until,
+        "windows": windows, "timeline": timeline,
+        # Every request: simulated send time, TTFT (None: failed), HTTP status, the engine that answered.
+        "requests_log": [(round(t, 2), round(ttft(r), 3) if ok(r) else None, r.result.status, r.result.backend)
+                         for t, r in sent],
+        "router": {"retries": metric_sum(router_text, contract.ROUTER_METRIC_RETRIES + "_total"),
+                   "ejections": metric_sum(router_text, contract.ROUTER_METRIC_EJECTIONS + "_total")},
+        # While the load runs: a wall-clock lag L adds up to L / TIME_SCALE simulated seconds to a TTFT.
+        "loop_lag_p99_ms": percentile([x for t, x in lag if t < load_end], 99) * 1000,
+        "loop_lag_max_ms": max((x for t, x in lag if t < load_end), default=0.0) * 1000,
+    }
+
+
+# --- capacity and calibration ----------------------------------------------------------------------
+
+def measure_capacity(plan: Plan, seconds: float) -> dict[str, Any]:
+    """One replica's throughput on this workload: closed loop, 16 sessions, through a router (as benchmark 2)."""
+    workload = Workload(seed=1)
+    with cluster("autoscaling-capacity") as c:
+        port = free_port()
+        started = time.perf_counter()
+        engine = spawn("autoscaling-capacity", "engine", ["sim", "--host", HOST, "--port", str(port),
+                                                          "--served-model-name", MODEL, *engine_flags(plan),
+                                                          "--time-scale", str(TIME_SCALE), "--log-level", "warning"],
+                       f"http://{HOST}:{port}")
+        c.procs.append(engine)
+        asyncio.run(wait_healthy(engine))
+        process_start = time.perf_counter() - started  # the Python process's own start, before any load time
+        router = c.router([engine], "--max-concurrency-per-backend", str(plan.max_num_seqs))
+        asyncio.run(wait_healthy(router))
+        time.sleep(0.5)
+        records, start = asyncio.run(closed_loop(router.url, workload, 16, seconds, TIME_SCALE))
+    lo = start + seconds * 0.25
+    inside = [r for r in records if r.result.sent_at >= lo and ok(r)]
+    sim_seconds = (seconds * 0.75) / TIME_SCALE
+    return {"sessions": 16, "seconds_wall": seconds, "throughput_rps": len(inside) / sim_seconds,
+            "tokens_per_s": sum(r.result.tokens for r in inside) / sim_seconds,
+            "process_start_wall_s": process_start}
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+def mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
+    m = sum(values) / len(values)
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1)) if len(values) > 1 else 0.0
+    return m, sd
+
+
+def summary(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for name in (*SIGNALS, *EXTRA_SIGNALS):
+        mine = [r for r in runs if r["signal"] == name]
+        if not mine:
+            continue
+        row: dict[str, Any] = {"signal": name, "seeds": len(mine)}
+        for key in ("share_within_target", "goodput_rps", "ttft_p50_s", "ttft_p99_s", "replica_minutes_load",
+                    "replica_minutes_run", "overload_to_ready_s", "hpa_first_scale_up_s", "reversals", "failed",
+                    "requests", "peak_replicas", "first_phase_ttft_p99_s", "cpu_cores_used", "loop_lag_p99_ms"):
+            row[key] = mean_sd([r[key] for r in mine])
+        row["cold_start_s"] = mean_sd([r["cold_start"]["ttft_s"] for r in mine])
+        row["retries"] = mean_sd([r["router"]["retries"] for r in mine])
+        for x in OTHER_TARGETS:
+            row[f"share_within_{x:g}"] = mean_sd([r["share_within"][f"{x:g}"] for r in mine])
+        out.append(row)
+    return out
+
+
+def fmt(pair: tuple[float, float], digits: int = 2, pct: bool = False) -> str:
+    m, sd = pair
+    if math.isnan(m):
+        return "-"
+    if pct:
+        return f"{m:.1%} ± {sd:.1%}"
+    return f"{m:.{digits}f} ± {sd:.{digits}f}"
+
+
+def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["signal"]: r for r in rows}
+    if "combined" not in by or "engine-waiting" not in by:
+        return {}
+    c, e = by["combined"], by["engine-waiting"]
+    extra_load = c["replica_minutes_load"][0] / e["replica_minutes_load"][0] - 1
+    extra_run = c["replica_minutes_run"][0] / e["replica_minutes_run"][0] - 1
+    better = c["share_within_target"][0] > e["share_within_target"][0]
+    return {"combined_share": c["share_within_target"][0], "engine_waiting_share": e["share_within_target"][0],
+            "combined_beats_engine_waiting": better,
+            "extra_replica_minutes_load": extra_load, "extra_replica_minutes_run": extra_run,
+            "done_when_met_run": better and extra_run <= 0.10, "done_when_met_load": better and extra_load <= 0.10}
+
+
+def plot(runs: list[dict[str, Any]], seed: int, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"engine-waiting": "tab:red", "combined": "tab:blue", "kv": "tab:green",
+               "engine-waiting-kv-router": "tab:purple"}
+    # Lines that coincide would hide each other: each signal's is drawn a hair apart.
+    offsets = {"engine-waiting": 0.06, "combined": 0.0, "kv": -0.06, "engine-waiting-kv-router": -0.12}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7.5), sharex=True, height_ratios=[3, 2])
+    load_axis = top.twinx()
+    drawn_load = False
+    peak_load = 1.0
+    for run in runs:
+        if run["seed"] != seed:
+            continue
+        tl = run["timeline"]
+        minutes = [s["t"] / 60 for s in tl]
+        shift = offsets[run["signal"]]
+        top.step(minutes, [s["pods"] + shift for s in tl], where="post", color=colours[run["signal"]], lw=1.8,
+                 label=f"{run['signal']}: engine pods")
+        top.step(minutes, [s["ready"] + shift for s in tl], where="post", color=colours[run["signal"]], lw=0.8,
+                 ls=":", label=f"{run['signal']}: Ready")
+        if not drawn_load:
+            load_axis.fill_between(minutes, [s["offered_rps"] for s in tl], step="post", color="0.85", zorder=0)
+            drawn_load = True
+        w = run["windows"]
+        bottom.plot([(x["t"] + WINDOW / 2) / 60 for x in w], [x["ttft_p99_s"] for x in w], marker="o", ms=3,
+                    color=colours[run["signal"]], label=run["signal"])
+        cold = run["cold_start"]
+        if cold.get("ttft_s") is not None:
+            top.axvline(cold["sent_at"] / 60, color="0.5", lw=0.6, ls="--")
+        peak_load = max(s["offered_rps"] for s in tl)
+    top.set_ylim(-0.3, MAX_REPLICAS + 2.7)  # room for the legend above the lines
+    load_axis.set_ylim(0, peak_load * (MAX_REPLICAS + 2.7) / MAX_REPLICAS)
+    top.set_zorder(load_axis.get_zorder() + 1)
+    top.patch.set_visible(False)
+    top.set_ylabel("engine replicas")
+    load_axis.set_ylabel("offered load, requests/s (grey)")
+    top.set_title(f"Replicas over a load ramp, by HPA signal (seed {seed}; L4 Llama-3.1-8B simulators)")
+    top.legend(loc="upper right", fontsize=7, ncol=3)
+    bottom.axhline(TTFT_TARGET, color="0.3", lw=0.8, ls="--")
+    bottom.set_yscale("log")
+    bottom.set_ylabel(f"p99 TTFT per {int(WINDOW)} s window, s")
+    bottom.set_xlabel("simulated minutes (dashed line: the cold-start request)")
+    bottom.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def png_path(name: str) -> Path:
+    return RESULTS.parent / f"{name}.png" if name == "autoscaling" else RESULTS / f"{name}.png"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed, a short ramp (a smoke test, not figures)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--signals", nargs="*", default=list(SIGNALS), choices=(*SIGNALS, *EXTRA_SIGNALS))
+    parser.add_argument("--capacity-rps", type=float, help="skip the capacity run (simulated requests/s of one replica)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--replot", metavar="JSON", help="only draw the PNG again from a results file")
+    args = parser.parse_args()
+    if args.replot:
+        saved = json.loads(Path(args.replot).read_text())
+        png = png_path(saved["benchmark"])
+        plot(saved["runs"], saved["runs"][0]["seed"], str(png))
+        print(f"wrote {png}")
+        return
+    spec = inference_service()
+    plan = make_plan(spec)
+    sigs = signals(spec, plan)
+    phases = ((60.0, LIGHT), (240.0, PEAK), (60.0, LIGHT)) if args.quick else PHASES
+    seeds = [1] if args.quick else list(range(1, args.seeds + 1))
+    print(f"plan: {plan.kv_cache_tokens} KV tokens, max-num-seqs {plan.max_num_seqs}, load {plan.load_seconds} s; "
+          f"router concurrency: {', '.join(f'{s.name} {s.concurrency}' for s in sigs.values())}", flush=True)
+    if args.capacity_rps:
+        capacity = {"throughput_rps": args.capacity_rps, "given": True, "process_start_wall_s": 1.0}
+    else:
+        print("measuring one replica's capacity (closed loop, 16 sessions)...", flush=True)
+        capacity = measure_capacity(plan, 30.0 if args.quick else 60.0)
+        print(f"  {capacity['throughput_rps']:.3f} requests/s, {capacity['tokens_per_s']:.0f} tokens/s (simulated); "
+              f"a simulator process starts in {capacity['process_start_wall_s']:.2f} s wall", flush=True)
+    rps = capacity["throughput_rps"]
+    # Only the full default run writes the figures the README shows.
+    name = ("autoscaling-quick" if args.quick else "autoscaling") if args.signals == list(SIGNALS) \
+        else "autoscaling-" + "+".join(args.signals)
+    # The load time a pod takes is the plan's; the simulator's own process start is part of it.
+    startup_delay_wall = max(0.0, plan.load_seconds * TIME_SCALE - capacity["process_start_wall_s"])
+    runs = []
+    for seed in seeds:
+        for signal_name in args.signals:
+            started = time.monotonic()
+            run = asyncio.run(run_signal(sigs[signal_name], seed, rps, phases, spec, plan, startup_delay_wall))
+            runs.append(run)
+            print(f"  seed {seed} {signal_name:14} within {TTFT_TARGET:g}s: {run['share_within_target']:.1%} "
+                  f"({run['goodput_rps']:.2f}/s)  TTFT p99 {run['ttft_p99_s']:.1f}s  "
+                  f"replica-min {run['replica_minutes_load']:.1f} / {run['replica_minutes_run']:.1f}  "
+                  f"peak {run['peak_replicas']}  ready after {run['overload_to_ready_s']}  "
+                  f"reversals {run['reversals']}  failed {run['failed']} {run['failures']}  "
+                  f"cold {run['cold_start']['ttft_s']}  lag p99 {run['loop_lag_p99_ms']:.0f} ms  "
+                  f"({time.monotonic() - started:.0f} s wall)", flush=True)
+    rows = summary(runs)
+    print()
+    print(f"one replica: {rps:.3f} requests/s; ramp {', '.join(f'{s:g}s x{x:g}' for s, x in phases)}; "
+          f"TTFT target {TTFT_TARGET:g} s; figures in simulated time, mean ± sd over {len(seeds)} seed(s)")
+    print(table(["signal", "within target", "goodput/s", "TTFT p99 s", "replica-min (load)", "replica-min (run)",
+                 "overload->Ready s", "reversals", "failed", "cold start s"],
+                [[r["signal"], fmt(r["share_within_target"], pct=True), fmt(r["goodput_rps"]),
+                  fmt(r["ttft_p99_s"], 1), fmt(r["replica_minutes_load"], 1), fmt(r["replica_minutes_run"], 1),
+                  fmt(r["overload_to_ready_s"], 0), fmt(r["reversals"], 1), fmt(r["failed"], 0),
+                  fmt(r["cold_start_s"], 0)] for r in rows]))
+    print(table(["signal", *(f"within {x:g} s" for x in OTHER_TARGETS), "TTFT p99 s, first light phase",
+                 "router retries", "CPU cores used", "client loop lag p99 ms"],
+                [[r["signal"], *(fmt(r[f"share_within_{x:g}"], pct=True) for x in OTHER_TARGETS),
+                  fmt(r["first_phase_ttft_p99_s"]), fmt(r["retries"], 0), fmt(r["cpu_cores_used"]),
+                  fmt(r["loop_lag_p99_ms"], 0)] for r in rows]))
+    goals = evaluate(rows)
+    for key, value in goals.items():
+        print(f"  {key}: {value}")
+    if not args.no_plot:
+        png = png_path(name)
+        plot(runs, seeds[0], str(png))
+        print(f"wrote {png}")
+    path = write_results(name, {
+        "quick": args.quick, "time_scale": TIME_SCALE, "phases": phases, "ttft_target_s": TTFT_TARGET,
+        "capacity": capacity, "startup_delay_wall_s": startup_delay_wall,
+        "plan": {"kv_cache_tokens": plan.kv_cache_tokens, "max_num_seqs": plan.max_num_seqs,
+                 "load_seconds": plan.load_seconds},
+        "signals": {k: vars(v) for k, v in sigs.items()},
+        "summary": rows, "goals": goals, "runs": runs})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
