@@ -62,7 +62,7 @@ import itertools
 import math
 import zlib
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tensorfleet.router.backends import Backend
@@ -136,15 +136,41 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _bound(routable: Sequence[Backend]) -> float:
-    """Most in-flight requests one engine may hold under bounded load.
+def _own_requests(backend: Backend) -> float:
+    return backend.in_flight
+
+
+def _all_requests(backend: Backend) -> float:
+    """Requests on the engine from every router replica: ours (exact) and the others' (as last scraped)."""
+    return backend.in_flight + backend.others
+
+
+def _bound(routable: Sequence[Backend], requests: Callable[[Backend], float] = _own_requests) -> float:
+    """Most requests (as REQUESTS counts them) one engine may hold under bounded load.
 
     The paper's ceil(c x average) alone would forbid a second request on an
     idle fleet (average 0.5 -> bound 1), trading away affinity where load
     costs nothing; a small absolute slack keeps affinity at low load.
     """
-    total = sum(b.in_flight for b in routable) + 1
+    total = sum(requests(b) for b in routable) + 1
     return math.ceil(LOAD_BOUND * total / max(len(routable), 1)) + LOAD_SLACK
+
+
+def _least_loaded(backends: Sequence[Backend], counter: Iterator[int], load: Callable[[Backend], float]) -> Backend:
+    """The backend with the lowest LOAD. The scan starts at a rotating offset and the first minimum wins, so ties
+    go to each engine in turn instead of always to the first."""
+    n = len(backends)
+    if n == 1:
+        return backends[0]
+    start = next(counter) % n
+    best = backends[start]
+    best_load = load(best)
+    for i in range(1, n):
+        backend = backends[(start + i) % n]
+        value = load(backend)
+        if value < best_load:
+            best, best_load = backend, value
+    return best
 
 
 class Strategy:
@@ -182,20 +208,7 @@ class LeastPending(Strategy):
         self._counter = itertools.count()
 
     def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
-        n = len(candidates)
-        if n == 1:
-            return candidates[0]
-        # Start the scan at a rotating offset: the first minimum wins, so ties
-        # go to each engine in turn instead of always to the first.
-        start = next(self._counter) % n
-        best = candidates[start]
-        best_load = best.load()
-        for i in range(1, n):
-            backend = candidates[(start + i) % n]
-            load = backend.load()
-            if load < best_load:
-                best, best_load = backend, load
-        return best
+        return _least_loaded(candidates, self._counter, Backend.load)
 
 
 class Session(Strategy):
@@ -317,21 +330,11 @@ class CacheAware(PrefixAware):
 
     def _least(self, backends: Sequence[Backend]) -> Backend:
         """The least-loaded engine (every router's load); ties rotate."""
-        n = len(backends)
-        start = next(self._counter) % n
-        best = backends[start]
-        best_load = best.estimated_load()
-        for i in range(1, n):
-            backend = backends[(start + i) % n]
-            load = backend.estimated_load()
-            if load < best_load:
-                best, best_load = backend, load
-        return best
+        return _least_loaded(backends, self._counter, Backend.estimated_load)
 
     def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
-        total = sum(b.in_flight + b.others for b in routable) + 1
-        bound = math.ceil(LOAD_BOUND * total / max(len(routable), 1)) + LOAD_SLACK
-        under = [b for b in candidates if b.in_flight + b.others + 1 <= bound]
+        bound = _bound(routable, _all_requests)
+        under = [b for b in candidates if _all_requests(b) + 1 <= bound]
         if not under:
             return self._least(candidates)
         hashes = info.prefix_hashes
