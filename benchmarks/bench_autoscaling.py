@@ -53,11 +53,14 @@ from typing import Any
 
 import aiohttp
 from common import (
+    ACCELERATOR,
     HOST,
     MODEL,
+    MODEL_ID,
     RESULTS,
     Proc,
     cluster,
+    engine_flags,
     free_port,
     metric_sum,
     percentile,
@@ -67,7 +70,7 @@ from common import (
     write_results,
 )
 from hpa_model import Autoscaler, MetricError, PodSample, object_average_replicas, pods_metric_replicas
-from workload import TURNS, Record, Workload, closed_loop, run_session
+from workload import TURNS, Record, Workload, closed_loop, ok, run_session
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
@@ -80,7 +83,6 @@ from tensorfleet.testing import operator_harness
 
 TIME_SCALE = 0.2
 NAME, NAMESPACE = "bench", "default"
-MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
 MAX_REPLICAS = 8
 SYNC_SECONDS = 15.0          # kube-controller-manager --horizontal-pod-autoscaler-sync-period
 SCRAPE_SECONDS = 15.0        # the chart's PodMonitor interval
@@ -138,12 +140,6 @@ def signals(spec: InferenceServiceSpec, plan: Plan) -> dict[str, Signal]:
         "engine-waiting-kv-router": Signal("engine-waiting-kv-router", "pods", contract.VLLM_METRIC_WAITING, target,
                                            kv_fit),
     }
-
-
-def engine_flags(plan: Plan) -> list[str]:
-    """What the operator passes a simulator pod from its plan."""
-    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
-            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
 
 
 class Clock:
@@ -309,8 +305,8 @@ class Fleet:
             if p.ready is None and now >= p.next_probe:
                 p.next_probe += STARTUP_PERIOD_SECONDS * math.ceil((now - p.next_probe + 1e-9) / STARTUP_PERIOD_SECONDS)
                 probes.append(p)
-        for p, ok in zip(probes, await asyncio.gather(*(self._probe(p) for p in probes)), strict=True):
-            if ok:
+        for p, passed in zip(probes, await asyncio.gather(*(self._probe(p) for p in probes)), strict=True):
+            if passed:
                 p.ready = self.clock.now()
         await self._publish()
 
@@ -614,10 +610,6 @@ async def sample(stop: asyncio.Event, clock: Clock, fleet: Fleet, control: Contr
 
 
 # --- figures ------------------------------------------------------------------------------------------
-
-def ok(r: Record) -> bool:
-    return r.result.status == 200 and not r.result.error and r.result.ttft is not None
-
 
 def ttft(r: Record) -> float:
     assert r.result.ttft is not None

@@ -33,8 +33,19 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from common import cluster, metric_sum, percentile, scrape, table, wait_healthy, write_results
-from workload import TURNS, Record, Workload, closed_loop, open_loop
+from common import (
+    ACCELERATOR,
+    MODEL_ID,
+    cluster,
+    engine_flags,
+    metric_sum,
+    percentile,
+    scrape,
+    table,
+    wait_healthy,
+    write_results,
+)
+from workload import TURNS, Record, Workload, closed_loop, ok, open_loop
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
@@ -42,7 +53,6 @@ from tensorfleet.planner import Plan, make_plan
 
 TIME_SCALE = 0.25
 ENGINES = 4
-MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
 STRATEGIES = ("round-robin", "least-pending", "prefix-aware", "cache-aware")
 BASELINES = ("round-robin", "least-pending")
 LOADS = (0.5, 0.8, 1.0, 1.2, 1.5)
@@ -60,19 +70,9 @@ def plan_of() -> Plan:
     return make_plan(load_inference_service(doc).spec)
 
 
-def engine_flags(plan: Plan) -> list[str]:
-    """What the operator passes a simulator pod from its plan."""
-    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
-            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
-
-
 def router_flags(plan: Plan) -> list[str]:
     """The operator's router flags that matter here: the KV-derived ceiling per engine."""
     return ["--max-concurrency-per-backend", str(plan.engine_concurrency(2048))]
-
-
-def ok(r: Record) -> bool:
-    return r.result.status == 200 and not r.result.error and r.result.ttft is not None
 
 
 def itl(r: Record) -> float | None:

@@ -23,16 +23,27 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
 from tensorfleet import promtext
 
+if TYPE_CHECKING:
+    from tensorfleet.planner import Plan
+
 ROOT = Path(__file__).resolve().parent
 RESULTS = ROOT / "results"
 MODEL = "bench"
 HOST = "127.0.0.1"
+# The model and GPU the planner-driven benchmarks (autoscaling, goodput) simulate.
+MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
+
+
+def engine_flags(plan: Plan) -> list[str]:
+    """What the operator passes a simulator pod of MODEL_ID on ACCELERATOR from its plan."""
+    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
+            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
 
 
 def free_port() -> int:

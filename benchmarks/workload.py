@@ -65,6 +65,11 @@ class Record:
     result: StreamResult
 
 
+def ok(r: Record) -> bool:
+    """Answered: a 200 whose stream carried a first token and no error."""
+    return r.result.status == 200 and not r.result.error and r.result.ttft is not None
+
+
 @dataclass
 class Workload:
     seed: int
