@@ -96,6 +96,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(os.environ.get("TF_E2E_VENV_BIN") or REPO / ".venv" / "bin")
 PRIVATE_TOPS = ("/tmp", "/run")   # each pod's own, as in a container
+
+
+def _private(real: str) -> bool:
+    """Whether a resolved path is, or lies under, a folder each pod gets its own of."""
+    return any(real == top or real.startswith(top + "/") for top in PRIVATE_TOPS)
 CLUSTER_NETNS = "tensorfleet-e2e"       # e2e/cluster's POD_NETNS: the whole pod range is routed into it
 NETNS_PREFIX = "tfe2e-pod-"
 VETH_PREFIX = "tfp"                      # + 12 hex digits: 15 characters, the most an interface name holds
@@ -1350,8 +1355,7 @@ class PodWorker(threading.Thread):
                 source = source / mount["subPath"]
             path = mount["mountPath"]
             real = os.path.realpath(path)
-            private = any(real == top or real.startswith(top + "/") for top in PRIVATE_TOPS)
-            if private or os.path.exists(real):
+            if _private(real) or os.path.exists(real):
                 binds.append([str(source), real, bool(mount.get("readOnly")), source.is_file()])
             else:
                 rewrites.append((path.rstrip("/") or "/", str(source)))
@@ -1601,7 +1605,7 @@ def _host_paths_under_private_tops() -> list[str]:
     """This checkout and the virtualenv, where they lie under a folder each pod gets its own of (outermost only)."""
     found: list[str] = []
     for path in sorted({os.path.realpath(REPO), os.path.realpath(VENV_BIN.parent)}, key=len):
-        if not any(path.startswith(top + "/") for top in PRIVATE_TOPS):
+        if path in PRIVATE_TOPS or not _private(path):
             continue
         if not any(path == outer or path.startswith(outer + "/") for outer in found):
             found.append(path)
