@@ -10,15 +10,18 @@ router's demand Lease. Three signals, and the old one behind both routers:
   engine-waiting  Pods metric vllm:num_requests_waiting, AverageValue 4; router
                   concurrency per engine = max-num-seqs: the HPA and the router
                   as they were before issue 13 ("today's")
-  combined        Object metric router pending + engine waiting, AverageValue 4
-                  (the operator's HPA); router concurrency = what the KV cache
-                  holds at 2048 tokens a request (the plan's engine_concurrency,
-                  the new default)
+  combined        Object metric router pending + router burst + engine
+                  waiting, AverageValue 4 (the operator's HPA); router ceiling
+                  per engine = what the KV cache holds at 2048 tokens a request
+                  (the plan's engine_concurrency), bursting to max-num-seqs
+                  while an engine reports room (the new default router)
   kv              Pods metric vllm:kv_cache_usage_perc, AverageValue 0.8; router
                   as for combined
   engine-waiting-kv-router
                   the old signal behind the new router: the queue is the
                   router's, vLLM's stays short (the blind spot combined closes)
+  combined-ceiling (on request) the combined signal without the burst: the
+                  KV ceiling holds, and requests beyond it wait at the router
 
 Everything runs at TIME_SCALE wall seconds per simulated second (0.2: five
 simulated seconds per wall second): the engines' steps and load time, the HPA's and Prometheus'
@@ -97,7 +100,7 @@ IDLE_SECONDS = 300           # spec.autoscaling.scaleToZeroAfterSeconds
 COLD_PROBE_AFTER = IDLE_SECONDS + 200.0   # seconds after the load ends: the cold-start request (drained by then)
 MEAN_TURNS = (TURNS[0] + TURNS[1]) / 2
 SIGNALS = ("engine-waiting", "combined", "kv", "engine-waiting-kv-router")
-EXTRA_SIGNALS: tuple[str, ...] = ()
+EXTRA_SIGNALS: tuple[str, ...] = ("combined-ceiling",)
 SERVICE = contract.engine_service_name(NAME)
 LEASE = contract.demand_lease_name(NAME)
 LEASES = ("coordination.k8s.io/v1", "leases")
@@ -127,18 +130,22 @@ class Signal:
     metric: str             # what the HPA reads
     target: float
     concurrency: int        # router --max-concurrency-per-backend
+    burst: int = 0          # router --burst-concurrency-per-backend (0: none)
 
 
 def signals(spec: InferenceServiceSpec, plan: Plan) -> dict[str, Signal]:
     assert spec.autoscaling is not None
     target = float(spec.autoscaling.target_pending_requests)
     kv_fit = plan.engine_concurrency(spec.router.typical_request_tokens)
+    burst = plan.max_num_seqs if plan.max_num_seqs > kv_fit else 0  # as render/router.py gives the default router
     return {
         "engine-waiting": Signal("engine-waiting", "pods", contract.VLLM_METRIC_WAITING, target, plan.max_num_seqs),
-        "combined": Signal("combined", "object", contract.HPA_METRIC_PENDING, target, kv_fit),
-        "kv": Signal("kv", "pods", contract.VLLM_METRIC_KV_CACHE_USAGE, KV_TARGET, kv_fit),
+        "combined": Signal("combined", "object", contract.HPA_METRIC_PENDING, target, kv_fit, burst),
+        "kv": Signal("kv", "pods", contract.VLLM_METRIC_KV_CACHE_USAGE, KV_TARGET, kv_fit, burst),
         "engine-waiting-kv-router": Signal("engine-waiting-kv-router", "pods", contract.VLLM_METRIC_WAITING, target,
-                                           kv_fit),
+                                           kv_fit, burst),
+        # The combined signal behind a router whose ceiling holds (no burst): the first measurement of issue 13.
+        "combined-ceiling": Signal("combined-ceiling", "object", contract.HPA_METRIC_PENDING, target, kv_fit),
     }
 
 
@@ -369,7 +376,9 @@ class Prometheus:
             if text is None:
                 continue
             if key == "router":
-                self.router_pending = metric_sum(text, contract.ROUTER_METRIC_PENDING)
+                # What the chart's adapter rule sums from the routers: their queues and their burst.
+                self.router_pending = (metric_sum(text, contract.ROUTER_METRIC_PENDING)
+                                       + metric_sum(text, contract.ROUTER_METRIC_BURST))
             else:
                 self.engine[key] = {name: metric_sum(text, name) for name in
                                     (contract.VLLM_METRIC_WAITING, contract.VLLM_METRIC_RUNNING,
@@ -517,6 +526,7 @@ async def run_signal(signal: Signal, seed: int, capacity: float, phases: Sequenc
             router = procs.router(
                 [], "--service", SERVICE, "--namespace", NAMESPACE, "--kube-api", c.url, "--demand-lease", LEASE,
                 "--max-concurrency-per-backend", str(signal.concurrency),
+                *(["--burst-concurrency-per-backend", str(signal.burst)] if signal.burst else []),
                 "--cold-start-timeout", f"{cold_start_timeout(plan) * TIME_SCALE:g}",
                 "--health-timeout", f"{HEALTH_TIMEOUT_WALL:g}",
                 "--prefill-tokens-per-second", f"{1000.0 / TIME_SCALE:g}",
@@ -658,6 +668,7 @@ def analyse(signal: Signal, seed: int, records: list[Record], clock: Clock, flee
     return {
         "signal": signal.name, "seed": seed, "metric": signal.metric, "target": signal.target,
         "router_concurrency": signal.concurrency,
+        "router_burst": signal.burst,
         "requests": len(sent), "answered": len(answered), "failed": len(sent) - len(answered), "failures": statuses,
         "within_target": len(good), "share_within_target": len(good) / len(sent) if sent else float("nan"),
         "goodput_rps": len(good) / load_end,

@@ -131,7 +131,7 @@ def test_the_adapter_rules_sum_every_waiting_request_the_processes_export(chart:
     router_text, engine_text, waiting = asyncio.run(_under_load())
     series = [*scrape(router_text, target_labels(router_pod, monitors[contract.COMPONENT_ROUTER], "llama-router-x")),
               *scrape(engine_text, target_labels(leader, monitors[contract.COMPONENT_ENGINE], "llama-stage-0-0"))]
-    assert waiting["router"] > 0 and waiting["engine"] > 0, waiting
+    assert waiting["router"] > 0 and waiting["engine"] > 0 and waiting["burst"] > 0, waiting
 
     rules = {rule["name"]["as"]: rule for rule in config["rules"]}
     for exposed, rule in rules.items():
@@ -151,25 +151,36 @@ def test_the_adapter_rules_sum_every_waiting_request_the_processes_export(chart:
                      f"namespace,{contract.METRIC_LABEL_INFERENCE_SERVICE}")
     selected = [(n, value) for n, labels, value in series
                 if any(matches(n, labels, name, m) for name, m in selectors(query))]
-    assert {n for n, _ in selected} == {contract.ROUTER_METRIC_PENDING, contract.VLLM_METRIC_WAITING}
-    assert sum(value for _, value in selected) == waiting["router"] + waiting["engine"]
+    assert {n for n, _ in selected} == {contract.ROUTER_METRIC_PENDING, contract.ROUTER_METRIC_BURST,
+                                        contract.VLLM_METRIC_WAITING}
+    assert sum(value for _, value in selected) == waiting["router"] + waiting["burst"] + waiting["engine"]
+    # Every request beyond the one the router's ceiling gives the engine: queued at the router, running beyond the
+    # ceiling, or queued inside the engine.
+    assert sum(value for _, value in selected) == REQUESTS - 1
     # Another InferenceService's series are not counted.
     other = template(pending["metricsQuery"], contract.ROUTER_METRIC_PENDING,
                      f'namespace="{NAMESPACE}",{contract.METRIC_LABEL_INFERENCE_SERVICE}="other"', "namespace")
     assert not [n for n, labels, _ in series if any(matches(n, labels, name, m) for name, m in selectors(other))]
 
 
+REQUESTS = 6
+
+
 async def _under_load() -> tuple[str, str, dict[str, float]]:
-    """Both /metrics pages while requests wait at the router and in the engine (one slot each)."""
-    async with sim_process("--max-num-seqs", "1", "--time-scale", "1") as (engine, _):
+    """Both /metrics pages while requests wait at the router and in the engine, and the engine runs more than
+    the router's ceiling."""
+    async with sim_process("--max-num-seqs", "2", "--time-scale", "1") as (engine, _):
         port = free_port()
-        # The router lets 2 requests through to its one engine, which runs one and queues the other.
-        with spawn_router(port, [engine], "--max-concurrency-per-backend", "2"):
+        # The router's ceiling is 1, but the engine reports room, so it bursts to 3: the engine runs 2 (one
+        # beyond the ceiling) and queues the third; the rest wait at the router.
+        with spawn_router(port, [engine], "--max-concurrency-per-backend", "1", "--burst-concurrency-per-backend",
+                          "3", "--health-interval", "0.5"):
             url = f"http://127.0.0.1:{port}"
             await wait_healthy(url)
             async with aiohttp.ClientSession() as client:
                 body = {"model": MODEL, "prompt": "hello", "max_tokens": 400}
-                load = [asyncio.create_task(client.post(url + "/v1/completions", json=body)) for _ in range(5)]
+                load = [asyncio.create_task(client.post(url + "/v1/completions", json=body))
+                        for _ in range(REQUESTS)]
                 waiting: dict[str, float] = {}
 
                 async def both_waiting() -> bool:
@@ -179,9 +190,10 @@ async def _under_load() -> tuple[str, str, dict[str, float]]:
                         engine_text = await resp.text()
                     waiting["router"] = promtext.value(router_text, contract.ROUTER_METRIC_PENDING) or 0.0
                     waiting["engine"] = promtext.value(engine_text, contract.VLLM_METRIC_WAITING) or 0.0
+                    waiting["burst"] = promtext.value(router_text, contract.ROUTER_METRIC_BURST) or 0.0
                     waiting["texts"] = 0.0
                     pages.update(router=router_text, engine=engine_text)
-                    return waiting["router"] > 0 and waiting["engine"] > 0
+                    return waiting["router"] > 0 and waiting["engine"] > 0 and waiting["burst"] > 0
 
                 pages: dict[str, str] = {}
                 try:

@@ -517,6 +517,7 @@ def test_optional_env_values() -> None:
     assert "HF_TOKEN" not in env
     router = one(rendered(doc), "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][router["args"].index("--max-concurrency-per-backend") + 1] == "64"
+    assert "--burst-concurrency-per-backend" not in router["args"]  # the ceiling is max-num-seqs already
 
 
 def test_hf_token_only_through_a_secret_ref() -> None:
@@ -591,6 +592,8 @@ def test_router() -> None:
         "--strategy", "cache-aware",  # the default
         "--port", "8080",
         "--max-concurrency-per-backend", str(concurrency),
+        # The derived ceiling is a typical request's share: an engine with room may take up to max-num-seqs.
+        "--burst-concurrency-per-backend", "1024",
         "--model", "llama-70b",
         "--drain-delay", "5",
         "--shutdown-grace", "60",
@@ -623,6 +626,7 @@ def test_router() -> None:
     assert container["image"] == "example/router:2"
     assert container["args"][container["args"].index("--strategy") + 1] == "prefix-aware"
     assert container["args"][container["args"].index("--max-concurrency-per-backend") + 1] == "48"
+    assert "--burst-concurrency-per-backend" not in container["args"]  # a ceiling the user set is a hard limit
     assert container["args"][-6:] == ["--max-queue", "500", "--queue-timeout", "10", "--cold-start-timeout", "90"]
     assert container["resources"] == {"requests": {"cpu": "1"}, "limits": {"cpu": "2", "memory": "1Gi"}}
 

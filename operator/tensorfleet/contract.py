@@ -238,7 +238,9 @@ VLLM_METRIC_WAITING: Final = "vllm:num_requests_waiting"
 HPA_METRIC_WAITING: Final = "vllm_num_requests_waiting"
 # The demand signal the operator's HPAs scale on: an Object metric on the
 # InferenceService, the sum of every request waiting for it, at its routers
-# (ROUTER_METRIC_PENDING) and inside its engines (VLLM_METRIC_WAITING).
+# (ROUTER_METRIC_PENDING) and inside its engines (VLLM_METRIC_WAITING), and of
+# those running on engines beyond the router's per-engine ceiling, the
+# concurrency a replica is sized for (ROUTER_METRIC_BURST).
 HPA_METRIC_PENDING: Final = "tensorfleet_pending_requests"
 # The series label naming a pod's InferenceService, which the chart's
 # PodMonitors copy from the pod label LABEL_INFERENCE_SERVICE (neither the
@@ -270,6 +272,8 @@ VLLM_LABEL_FINISHED_REASON: Final = "finished_reason"
 # engine's waiting gauge; prometheus-adapter exposes it under the same name.
 ROUTER_METRIC_REQUESTS: Final = "tensorfleet_router_requests"              # counter: backend, code
 ROUTER_METRIC_PENDING: Final = "tensorfleet_router_pending_requests"       # gauge
+# Requests running on engines beyond the per-engine ceiling (router/dispatch.py, burst), this router's share.
+ROUTER_METRIC_BURST: Final = "tensorfleet_router_burst_requests"           # gauge
 ROUTER_METRIC_IN_FLIGHT: Final = "tensorfleet_router_backend_in_flight"    # gauge: backend
 ROUTER_METRIC_BACKEND_HEALTHY: Final = "tensorfleet_router_backend_healthy"  # gauge: backend, 1/0
 ROUTER_METRIC_DURATION: Final = "tensorfleet_router_request_duration_seconds"  # histogram: code

@@ -426,7 +426,9 @@ class RouterSpec(ApiModel):
         description=(
             "Requests in flight per engine before the router queues them itself (the autoscaler counts that queue "
             "too). Default: the requests the plan's KV cache holds at typicalRequestTokens each, at most the "
-            "engine's maxNumSeqs: beyond it vLLM would only queue or preempt."
+            "engine's maxNumSeqs: beyond it vLLM would only queue or preempt. With the default, an engine that "
+            "reports room (nothing queued inside it, KV cache below 90%) may take more, up to maxNumSeqs, and the "
+            "autoscaler counts those beyond the default as demand; a value set here is a hard limit."
         ),
     )
     typical_request_tokens: int = Field(
@@ -446,7 +448,7 @@ class RouterSpec(ApiModel):
     )
     max_queue: int | None = Field(
         default=None, ge=1, le=1_000_000,
-        description="Requests waiting at the router before it answers 429. Default: twice the fleet's concurrency, at least 64.",
+        description="Requests waiting at the router before it answers 429. Default: twice what the engines may hold (maxConcurrencyPerEngine, or its burst bound, per engine), at least 64.",
     )
     queue_timeout_seconds: int | None = Field(
         default=None, ge=1, le=3600, description="How long a request may wait at the router for an engine before 503. Default: 30.",

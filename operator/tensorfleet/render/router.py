@@ -109,6 +109,18 @@ def _auth_args(ctx: Context) -> list[str]:
     ]
 
 
+def _concurrency_args(ctx: Context) -> list[str]:
+    """The per-engine ceiling. The derived default is a typical request's share of the KV cache, so an engine
+    may burst up to max-num-seqs while it reports room (router/dispatch.py); a ceiling the user set holds."""
+    router = ctx.spec.router
+    if router.max_concurrency_per_engine:
+        return ["--max-concurrency-per-backend", str(router.max_concurrency_per_engine)]
+    ceiling = ctx.plan.engine_concurrency(router.typical_request_tokens)
+    return ["--max-concurrency-per-backend", str(ceiling),
+            *(["--burst-concurrency-per-backend", str(ctx.plan.max_num_seqs)] if ctx.plan.max_num_seqs > ceiling
+              else [])]
+
+
 def _container(ctx: Context) -> dict[str, Any]:
     router = ctx.spec.router
     container = {
@@ -123,8 +135,7 @@ def _container(ctx: Context) -> dict[str, Any]:
             # Beyond what the KV cache holds at a typical request size (and
             # max-num-seqs) requests only queue or preempt inside the engine;
             # held at the router they are counted by the autoscaler too.
-            "--max-concurrency-per-backend",
-            str(router.max_concurrency_per_engine or ctx.plan.engine_concurrency(router.typical_request_tokens)),
+            *_concurrency_args(ctx),
             "--model", ctx.served_name,
             "--drain-delay", str(contract.ROUTER_DRAIN_SECONDS),
             "--shutdown-grace", str(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),

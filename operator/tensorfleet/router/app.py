@@ -207,6 +207,8 @@ class RouterConfig:
     strategy: str = contract.DEFAULT_ROUTER_STRATEGY
     model: str | None = None
     max_concurrency_per_backend: int = 256
+    # Up to this many per engine while the engine reports room (dispatch.py); 0: the ceiling above, no burst.
+    burst_concurrency_per_backend: int = 0
     max_queue: int = 0
     queue_timeout: float = 30.0
     retries: int = 2
@@ -409,6 +411,7 @@ class Router:
         self.pool = BackendPool(config.breaker, check_first=True)
         self.strategy = make_strategy(config.strategy)
         self.dispatcher = Dispatcher(self.pool, self.strategy, ceiling=config.max_concurrency_per_backend,
+                                     burst=config.burst_concurrency_per_backend,
                                      max_queue=config.max_queue, queue_timeout=config.queue_timeout,
                                      unavailable=self._unavailable)
         self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
@@ -419,7 +422,7 @@ class Router:
         self.key_limits = Limits(config.requests_per_minute, config.tokens_per_minute)
         self._forwarded = tuple(h for h in _FORWARDED_HEADERS if self.keys is None or h != hdrs.AUTHORIZATION)
         keys = self.keys
-        self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending,
+        self.metrics = RouterMetrics(self.pool, lambda: self.dispatcher.pending, burst=self.dispatcher.burst_requests,
                                      tenants=self.dispatcher.pending_by_tenant if keys is not None else None,
                                      keys=(lambda: len(keys.tenants)) if keys is not None else None)
         self.pool.on_removed.append(self.strategy.forget)
@@ -584,6 +587,7 @@ class Router:
                 async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
                     if resp.status == 200:
                         backend.scraped(parse_engine_metrics(await resp.text()))
+                        self.dispatcher.adapt(backend)
             except Exception:  # noqa: BLE001 - a scrape that fails in any way has failed
                 ok = False
         if not ok:

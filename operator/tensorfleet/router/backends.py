@@ -62,6 +62,10 @@ class Backend:
     kv_cache_tokens: int | None = None
     kv_block_size: int | None = None   # tokens per KV block (vllm:cache_config_info)
     others: float = 0.0                # requests on the engine at the last scrape that were not ours
+    # Admission (dispatch.py): requests this router sends here at once, within [ceiling, burst]; 0 until the
+    # dispatcher sets it. `held_back`: a request found it at that limit since the last scrape.
+    limit: int = 0
+    held_back: bool = False
     # Circuit breaker.
     state: str = CLOSED
     failures: int = 0

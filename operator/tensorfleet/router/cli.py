@@ -61,9 +61,14 @@ def register(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=contract.ROUTER_PORT)
     p.add_argument("--model", help="served model name; requests naming another model get 404")
     p.add_argument("--max-concurrency-per-backend", type=argtypes.positive_int, default=256,
-                   help="requests in flight per engine before the router queues (the plan's max-num-seqs)")
+                   help="requests in flight per engine before the router queues: what a replica is sized for "
+                        "(the operator: what the plan's KV cache holds at a typical request size)")
+    p.add_argument("--burst-concurrency-per-backend", type=argtypes.non_negative_int, default=0,
+                   help="let an engine take up to this many while it reports room (nothing queued inside it, KV "
+                        "cache below 90%%), moving its limit a quarter per health check; those beyond the ceiling "
+                        "count as demand in tensorfleet_router_burst_requests (0: no burst, the ceiling holds)")
     p.add_argument("--max-queue", type=argtypes.non_negative_int, default=0,
-                   help="requests queued at the router before 429 (0: twice the fleet's concurrency, at least 64)")
+                   help="requests queued at the router before 429 (0: twice what the engines may hold, the burst bound where there is one, at least 64)")
     p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
                    help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
                         "before 503; with no engine healthy and none starting it gets 503 at once (default: 30)")
@@ -184,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         strategy=args.strategy,
         model=args.model,
         max_concurrency_per_backend=args.max_concurrency_per_backend,
+        burst_concurrency_per_backend=args.burst_concurrency_per_backend,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         retries=args.retries,

@@ -30,6 +30,20 @@ gone).
 When the router's shutdown grace is over, `close` answers every waiter (and
 every later request) with ShuttingDown: 503.
 
+Burst (`burst` above `ceiling`): the ceiling is sized for a typical request
+(what the KV cache holds at typicalRequestTokens each), and requests are often
+smaller, or share prefixes the cache holds once. So an engine's limit moves
+between the ceiling and the burst bound on what the engine itself reports at
+each scrape (`adapt`): it rises by a quarter while requests were held back for
+it and the engine has room (nothing waiting inside it, KV cache below
+KV_HIGH_WATER), and falls by a quarter, never below the ceiling, once the
+engine queues or its cache passes the high-water mark. The engine then batches
+what it can, and the router still holds what it cannot. Requests running on an
+engine beyond the ceiling are demand beyond what a replica is sized for: the
+router publishes its share of them (`burst_requests`), which the autoscaling
+signal counts with the queues (render/autoscaling.py), so the fleet grows as
+early as with the ceiling alone while every engine serves at its best batch.
+
 BodyBudget bounds the other thing clients can make the router hold: the bytes
 of request bodies, over all requests at once.
 """
@@ -37,6 +51,7 @@ of request bodies, over all requests at once.
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +60,13 @@ from tensorfleet.router.backends import CLOSED, Backend, BackendPool
 from tensorfleet.router.strategies import RequestInfo, Strategy
 
 MIN_AUTO_QUEUE = 64
+# An engine's KV-cache use (0-1) at or above which its limit comes down (and never goes up): vLLM preempts
+# running requests when the cache runs out.
+KV_HIGH_WATER = 0.9
+# Requests waiting inside an engine that count as it queueing: vLLM holds a just-arrived request in its waiting
+# queue until its next scheduler step, so one seen there is routine.
+ENGINE_QUEUEING = 2
+LIMIT_STEP = 0.25  # the fraction an engine's limit moves by at a scrape
 
 
 class QueueFull(Exception):
@@ -86,12 +108,13 @@ class _Waiter:
 
 
 class Dispatcher:
-    def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, max_queue: int = 0,
+    def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, burst: int = 0, max_queue: int = 0,
                  queue_timeout: float = 30.0,
                  unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool
         self.strategy = strategy
         self.ceiling = ceiling
+        self.burst = max(ceiling, burst)  # at most this many per engine while it has room; ceiling: no burst
         self.configured_max_queue = max_queue
         self.queue_timeout = queue_timeout
         # Given the engines a request already failed on: why it cannot wait for one (None: it may queue).
@@ -135,15 +158,48 @@ class Dispatcher:
     def max_queue(self) -> int:
         if self.configured_max_queue:
             return self.configured_max_queue
-        return max(MIN_AUTO_QUEUE, 2 * self.ceiling * len(self.pool))
+        # Twice what the engines may hold: with burst, a backlog the engines would have queued inside them.
+        return max(MIN_AUTO_QUEUE, 2 * self.burst * len(self.pool))
+
+    def limit(self, backend: Backend) -> int:
+        """Requests BACKEND may have from this router at once now."""
+        return backend.limit or self.ceiling
+
+    def adapt(self, backend: Backend) -> None:
+        """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports (see the
+        module docstring), and hand any slots that opened to waiters."""
+        limit = self.limit(backend)
+        if backend.waiting >= ENGINE_QUEUEING or backend.kv_usage >= KV_HIGH_WATER:
+            new = max(self.ceiling, min(limit, backend.in_flight) - math.ceil(limit * LIMIT_STEP))
+        elif backend.held_back and limit < self.burst:
+            new = min(self.burst, limit + math.ceil(limit * LIMIT_STEP))
+        else:
+            new = limit
+        backend.held_back = False
+        backend.limit = new
+        if new > limit and self._queues:
+            self.drain()
+
+    def burst_requests(self) -> float:
+        """Requests running on engines beyond the ceiling, this router's share: per engine, what it ran at the
+        last scrape over the ceiling, times the part of its load that is this router's. The engine's own count,
+        not the router's in-flight: a request sent since the scrape may be waiting inside the engine, which
+        vllm:num_requests_waiting counts already."""
+        total = 0.0
+        for backend in self.pool:
+            over = backend.running - self.ceiling
+            if over > 0 and backend.in_flight:
+                total += over * backend.in_flight / (backend.in_flight + backend.others)
+        return total
 
     def _pick(self, info: RequestInfo, exclude: frozenset[str]) -> Backend | None:
         routable = self.pool.routable()
-        ceiling = self.ceiling
-        if exclude:
-            candidates = [b for b in routable if b.in_flight < ceiling and b.url not in exclude]
-        else:
-            candidates = [b for b in routable if b.in_flight < ceiling]
+        candidates = []
+        for b in routable:
+            if b.in_flight >= (b.limit or self.ceiling):
+                b.held_back = True
+            elif not exclude or b.url not in exclude:
+                candidates.append(b)
         if not candidates:
             return None
         backend = self.strategy.pick(candidates, routable, info)
@@ -156,8 +212,7 @@ class Dispatcher:
         return backend
 
     def _has_capacity(self) -> bool:
-        ceiling = self.ceiling
-        return any(b.in_flight < ceiling for b in self.pool.routable())
+        return any(b.in_flight < self.limit(b) for b in self.pool.routable())
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *,
                       tenant: str | None = None, timeout: float | None = None) -> Backend:

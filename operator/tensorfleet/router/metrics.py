@@ -30,10 +30,11 @@ CLIENT_CLOSED = "499"  # nginx's code for "client closed the request"
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: BackendPool, pending: Callable[[], int],
+    def __init__(self, pool: BackendPool, pending: Callable[[], int], burst: Callable[[], float] | None,
                  tenants: Callable[[], Mapping[str | None, int]] | None, keys: Callable[[], int] | None) -> None:
         self.pool = pool
         self.pending = pending
+        self.burst = burst
         self.tenants = tenants
         self.keys = keys
 
@@ -43,6 +44,10 @@ class _PoolCollector(Collector):
                                     "Requests queued at the router waiting for a free engine slot.")
         pending.add_metric([], self.pending())
         yield pending
+        yield GaugeMetricFamily(contract.ROUTER_METRIC_BURST,
+                                "Requests running on engines beyond the router's per-engine ceiling (demand beyond "
+                                "what a replica is sized for), this router's share.",
+                                value=self.burst() if self.burst is not None else 0.0)
         if self.tenants is not None:
             by_tenant = GaugeMetricFamily(contract.ROUTER_METRIC_TENANT_PENDING,
                                           "Requests queued at the router per tenant (API key).",
@@ -67,11 +72,13 @@ class _PoolCollector(Collector):
 
 class RouterMetrics:
     def __init__(self, pool: BackendPool, pending: Callable[[], int], *,
+                 burst: Callable[[], float] | None = None,
                  tenants: Callable[[], Mapping[str | None, int]] | None = None,
                  keys: Callable[[], int] | None = None) -> None:
-        """TENANTS (requests queued per tenant) and KEYS (keys in force) when the router has API keys."""
+        """BURST: requests running beyond the per-engine ceiling (dispatch.Dispatcher.burst_requests); TENANTS
+        (requests queued per tenant) and KEYS (keys in force) when the router has API keys."""
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        reg.register(_PoolCollector(pool, pending, tenants, keys))
+        reg.register(_PoolCollector(pool, pending, burst, tenants, keys))
         labels = [contract.ROUTER_LABEL_BACKEND, contract.ROUTER_LABEL_CODE]
         self._requests = Counter(contract.ROUTER_METRIC_REQUESTS, "Requests answered, by engine and HTTP status.",
                                  labels, registry=reg)
