@@ -258,6 +258,11 @@ VLLM_METRIC_PROMPT_TOKENS: Final = "vllm:prompt_tokens"
 VLLM_METRIC_GENERATION_TOKENS: Final = "vllm:generation_tokens"
 VLLM_METRIC_PREFIX_CACHE_QUERIES: Final = "vllm:prefix_cache_queries"  # in tokens
 VLLM_METRIC_PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits"        # in tokens
+# Prompt tokens whose KV came from a KV connector (prefill/decode disaggregation), and per request the prompt
+# tokens computed on the engine itself (neither cached nor transferred): a decode engine computes one.
+VLLM_METRIC_EXTERNAL_PREFIX_CACHE_QUERIES: Final = "vllm:external_prefix_cache_queries"  # in tokens
+VLLM_METRIC_EXTERNAL_PREFIX_CACHE_HITS: Final = "vllm:external_prefix_cache_hits"        # in tokens
+VLLM_METRIC_PREFILL_KV_COMPUTED: Final = "vllm:request_prefill_kv_computed_tokens"        # histogram
 VLLM_METRIC_REQUEST_SUCCESS: Final = "vllm:request_success"
 VLLM_METRIC_PREEMPTIONS: Final = "vllm:num_preemptions"
 # Info-style gauge (value 1) whose labels carry block_size and num_gpu_blocks;

@@ -71,6 +71,14 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--time-scale", type=argtypes.non_negative_float, default=1.0,
                         help="wall-clock seconds per simulated second: 0.01 runs 100x faster, 0 as fast as possible")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated text and lengths")
+    parser.add_argument("--kv-transfer-config", metavar="JSON",
+                        help="vLLM's flag: take part in prefill/decode disaggregation, e.g. "
+                             "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}' (the side channel "
+                             "listens on $VLLM_NIXL_SIDE_CHANNEL_PORT, 5600, and is advertised as "
+                             "$VLLM_NIXL_SIDE_CHANNEL_HOST; held KV is freed after $VLLM_NIXL_ABORT_REQUEST_TIMEOUT, "
+                             "480 s)")
+    parser.add_argument("--kv-transfer-gbps", type=argtypes.positive_float, default=100.0,
+                        help="the link each GPU reads another engine's KV over, in Gbit/s (default: 100)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=run)
     _lenient(parser)
@@ -83,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tensorfleet.api import SpecError
     from tensorfleet.httpapi import run_server, setup_logging
+    from tensorfleet.sim.kvtransfer import TransferConfigError, parse_config
     from tensorfleet.sim.profile import resilient_profile
     from tensorfleet.sim.server import SimConfig, SimServer
 
@@ -101,9 +110,18 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as exc:
         raise SystemExit(f"error: {exc}") from None
     log.info("profile: %s", profile.describe())
+    transfer = None
+    if args.kv_transfer_config:
+        try:
+            transfer = parse_config(args.kv_transfer_config, listen_host=args.host, link_gbps=args.kv_transfer_gbps)
+        except TransferConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        log.info("KV transfer: %s as %s, side channel %s:%d", transfer.connector, transfer.role,
+                 transfer.side_channel_host, transfer.side_channel_port)
     server = SimServer(profile, SimConfig(
         served_model_name=args.served_model_name, model=args.model or profile.model,
         startup_delay=args.startup_delay, time_scale=args.time_scale, seed=args.seed,
+        kv_transfer=transfer, bind_host=args.host,
     ))
 
     async def make_app() -> web.Application:

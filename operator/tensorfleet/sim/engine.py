@@ -43,6 +43,16 @@ looked for in the text as each token is sampled, as vLLM's detokenizer does:
 the first one found ends the request there (finish_reason "stop") and cuts the
 text before it (after it with include_stop_str_in_output), so the tokens after
 it are never generated and their time and KV blocks never spent.
+
+Prefill/decode disaggregation (sim/kvtransfer.py), as vLLM's KV connectors
+behave: a request submitted with `remote_decode` (the prefill engine's half)
+runs as usual, and when it finishes its KV blocks are not freed but held for
+transfer under a handle (`held`), until the decode engine has read them
+(`release_transfer`) or the hold expires. A request submitted with
+`remote_tokens` (the decode engine's half) has that many leading prompt tokens
+whose KV arrived from elsewhere: at admission they count as computed, like a
+prefix-cache hit, but in blocks of its own, so only the rest of the prompt
+(the last token, for its logits) is computed here.
 """
 
 from __future__ import annotations
@@ -116,6 +126,10 @@ class SimRequest:
     first_token_at: float | None = None
     scheduled_at: float | None = None
     cached_tokens: int = 0           # prefix-cache hit on first admission
+    remote_decode: bool = False      # prefill half of a disaggregated request: hold the KV when finished
+    remote_tokens: int = 0           # decode half: leading prompt tokens whose KV was transferred here
+    computed_prompt: int = 0         # prompt tokens computed here at first admission (neither cached nor sent)
+    transfer_blocks: tuple[int, ...] = ()  # the ids its held KV blocks go by (the prefill half, once finished)
     preemptions: int = 0
     # Output.
     generated: int = 0
@@ -247,6 +261,8 @@ class EngineStats:
     generation_tokens: int = 0
     prefix_queries: int = 0
     prefix_hits: int = 0
+    external_queries: int = 0        # prompt tokens of requests whose KV was to come from another engine
+    external_hits: int = 0           # of those, tokens whose KV did arrive (not computed here)
     preemptions: int = 0
     finished: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
@@ -276,6 +292,10 @@ class Engine:
         # Observers the metrics layer installs: (request) -> None.
         self.on_first_token: Callable[[SimRequest, float], None] | None = None
         self.on_finish: Callable[[SimRequest, float], None] | None = None
+        # KV held for another engine to read: its first block id -> (finished prefill request, hold expiry).
+        self.held: dict[int, tuple[SimRequest, float]] = {}
+        self._next_block_id = 1
+        self.hold_seconds = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, in simulated seconds
 
     # --- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -300,12 +320,15 @@ class Engine:
     def submit(self, prompt_tokens: Sequence[str], max_tokens: int | None, *, request_id: str | None = None,
                seed: int | None = None, index: int = 0, output: Sequence[str] | None = None,
                stop: Sequence[str] = (), include_stop: bool = False,
-               wakeup: asyncio.Event | None = None) -> SimRequest:
+               wakeup: asyncio.Event | None = None, remote_decode: bool = False, remote_tokens: int = 0,
+               arrival: float | None = None) -> SimRequest:
         """Queue a request; raises RequestRejected for ones vLLM would refuse.
 
         `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
         (structured output: it ends with "stop" unless max_tokens cuts it), instead of words drawn at random;
-        `wakeup` an event to share with other requests (a request's choices, one waiter)."""
+        `wakeup` an event to share with other requests (a request's choices, one waiter); `remote_decode` and
+        `remote_tokens` the halves of a disaggregated request (module docstring); `arrival` when it reached the
+        server, if earlier than now (a decode half that waited for its KV)."""
         profile = self.profile
         prompt_len = len(prompt_tokens)
         room = profile.max_model_len - prompt_len
@@ -344,11 +367,14 @@ class Engine:
             max_tokens=target,
             block_hashes=block_hashes(prompt_tokens, profile.block_size),
             output_words=words,
-            arrival=self._clock(),
+            arrival=self._clock() if arrival is None else arrival,
             finish_reason_if_done=reason,
             sample_seed=sample_seed,
             stop=tuple(stop),
             include_stop=include_stop,
+            remote_decode=remote_decode,
+            # The last prompt token is always computed here, for its logits.
+            remote_tokens=max(0, min(remote_tokens, prompt_len - 1)),
         )
         if wakeup is not None:
             request._wakeup = wakeup
@@ -373,6 +399,31 @@ class Engine:
         request.finish_reason = "abort"
         self.stats.aborted += 1
         request._wakeup.set()
+
+    # --- KV held for transfer (the prefill half) --------------------------------
+    def release_transfer(self, block_ids: Sequence[int]) -> SimRequest | None:
+        """The decode engine read the KV held in BLOCK_IDS: free the blocks. The request they held, or None when
+        they are not held here (unknown, or the hold expired)."""
+        self.expire_transfers()
+        entry = self.held.get(block_ids[0]) if block_ids else None
+        if entry is None or entry[0].transfer_blocks != tuple(block_ids):
+            return None
+        del self.held[block_ids[0]]
+        request = entry[0]
+        self._free(request)
+        self._wakeup.set()  # blocks came free: admission may go on
+        return request
+
+    def expire_transfers(self) -> None:
+        """Free the KV of holds nobody read in time."""
+        now = self._clock()
+        for handle in [h for h, (_, until) in self.held.items() if until <= now]:
+            request, _ = self.held.pop(handle)
+            self._free(request)
+
+    def transfer_seconds(self, tokens: int, link_bytes_per_s: float) -> float:
+        """Simulated seconds to move TOKENS tokens of KV to this engine: each GPU's share over its own link."""
+        return tokens * self.profile.kv_bytes_per_token_per_gpu / link_bytes_per_s
 
     # --- gauges (read at scrape time) ----------------------------------------
     @property
@@ -435,6 +486,11 @@ class Engine:
         # the last whole block before it (vLLM's max_cache_hit_length).
         hit_blocks = min(hit_blocks, (request.context_len - 1) // profile.block_size)
         hit_tokens = hit_blocks * profile.block_size
+        remote = request.remote_tokens > hit_tokens and request.scheduled_at is None
+        if remote:
+            # Transferred KV lands in blocks of its own: no cache hit is taken (their blocks are allocated
+            # below like any computed ones); the tokens count as computed.
+            hit_blocks, hit_tokens = 0, request.remote_tokens
         total = self._blocks_for(request.context_len)
         fresh_hashed = len(hashes) - hit_blocks
         anonymous = total - len(hashes)
@@ -450,11 +506,17 @@ class Engine:
         request.num_computed = hit_tokens
         request.admitted = True
         if request.scheduled_at is None:
+            stats = self.stats
             request.scheduled_at = self._clock()
-            request.cached_tokens = hit_tokens
-            self.stats.prefix_queries += request.prompt_len
-            self.stats.prefix_hits += hit_tokens
-            self.stats.prompt_tokens += request.prompt_len
+            stats.prompt_tokens += request.prompt_len
+            stats.prefix_queries += request.prompt_len
+            if remote:
+                stats.external_queries += request.prompt_len
+                stats.external_hits += hit_tokens
+            else:
+                stats.prefix_hits += hit_tokens
+            request.cached_tokens = hit_tokens  # vLLM's num_cached_tokens: local and transferred
+            request.computed_prompt = request.prompt_len - hit_tokens
         return True
 
     def _schedule(self) -> list[tuple[SimRequest, int]]:
@@ -486,7 +548,16 @@ class Engine:
         return [(r, c) for r, c in work if r.admitted]
 
     def _finish(self, request: SimRequest, now: float, reason: str | None = None) -> None:
-        self._free(request)
+        if request.remote_decode and request.held_hashes == len(request.block_hashes):
+            # The prefill half: its KV stays for the decode engine to read (release_transfer), or until the hold
+            # expires, as vLLM's connector delays the free.
+            count = request.held_hashes + request.uncached_blocks
+            request.transfer_blocks = tuple(range(self._next_block_id, self._next_block_id + count))
+            self._next_block_id += count
+            # Simulated seconds on the wall clock; an engine without time (time_scale 0) holds them for real.
+            self.held[request.transfer_blocks[0]] = (request, now + self.hold_seconds * (self.time_scale or 1.0))
+        else:
+            self._free(request)
         self.running.remove(request)
         request.finished = True
         request.finish_reason = reason or request.finish_reason_if_done
@@ -511,6 +582,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         deadline = loop.time()
         while True:
+            if self.held:
+                self.expire_transfers()
             if not self.running and not self.waiting:
                 self._wakeup.clear()
                 await self._wakeup.wait()

@@ -25,6 +25,19 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 ENGINE_INDEX = "0"  # vLLM labels each data-parallel engine; one engine here
 
 
+def token_buckets(limit: int) -> tuple[int, ...]:
+    """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to LIMIT."""
+    edges: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            edge = mantissa * scale
+            if edge > limit:
+                return tuple(edges)
+            edges.append(edge)
+        scale *= 10
+
+
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine at scrape time: exact values
     with no bookkeeping on the request path."""
@@ -54,6 +67,12 @@ class _EngineCollector(Collector):
              stats.prefix_queries),
             (contract.VLLM_METRIC_PREFIX_CACHE_HITS, "Prefix cache hits, in terms of number of cached tokens.",
              stats.prefix_hits),
+            (contract.VLLM_METRIC_EXTERNAL_PREFIX_CACHE_QUERIES,
+             ("External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+              "queried tokens."), stats.external_queries),
+            (contract.VLLM_METRIC_EXTERNAL_PREFIX_CACHE_HITS,
+             ("External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+              "cached tokens."), stats.external_hits),
             (contract.VLLM_METRIC_PREEMPTIONS, "Cumulative number of preemption from the engine.", stats.preemptions),
         ):
             counter = CounterMetricFamily(name, doc, labels=names)
@@ -79,6 +98,10 @@ class EngineMetrics:
                                 names, buckets=LATENCY_BUCKETS, registry=reg).labels(*values)
         self._itl = Histogram(contract.VLLM_METRIC_ITL, "Histogram of inter-token latency in seconds.", names,
                               buckets=ITL_BUCKETS, registry=reg).labels(*values)
+        self._computed = Histogram(contract.VLLM_METRIC_PREFILL_KV_COMPUTED,
+                                   "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+                                   names, buckets=token_buckets(engine.profile.max_model_len),
+                                   registry=reg).labels(*values)
         engine.on_first_token = self._first_token
         engine.on_finish = self._finished
 
@@ -89,6 +112,8 @@ class EngineMetrics:
 
     def _finished(self, request: SimRequest, now: float) -> None:
         self._e2e.observe(now - request.arrival)
+        if request.scheduled_at is not None:
+            self._computed.observe(request.computed_prompt)
         if request.generated > 1 and request.first_token_at is not None:
             self._itl.observe((now - request.first_token_at) / (request.generated - 1))
         child = self._success.get(request.finish_reason or "")

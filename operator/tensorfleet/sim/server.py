@@ -50,6 +50,13 @@ ignored; params.py checks them and lists the refusals:
                     then emitted token by token: valid, with finish_reason
                     "stop", unless max_tokens cuts it ("length"), as vLLM's
                     guided decoding is.
+  kv_transfer_params
+                    with --kv-transfer-config (sim/kvtransfer.py): the prefill
+                    half (`do_remote_decode`) answers with the params naming its
+                    held KV; the decode half (`do_remote_prefill`) reads that KV
+                    over the side channel instead of computing the prompt, or
+                    computes it when the KV is gone. Without the flag they are
+                    ignored, as vLLM ignores them without a connector.
 """
 
 from __future__ import annotations
@@ -65,12 +72,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_event
 from tensorfleet.prompts import ROLE_CLOSE, ROLE_OPEN, content_text, render_chat
+from tensorfleet.sim import kvtransfer
 from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.params import Sampling, parse
@@ -91,6 +100,8 @@ class SimConfig:
     startup_delay: float = 0.0
     time_scale: float = 1.0
     seed: int = 0
+    kv_transfer: kvtransfer.TransferConfig | None = None  # --kv-transfer-config: prefill/decode halves
+    bind_host: str = "0.0.0.0"  # where the KV side channel listens (the server's --host)
 
 
 class SimServer:
@@ -101,6 +112,7 @@ class SimServer:
         self.metrics: EngineMetrics | None = None
         self._ready_at = 0.0
         self._created = int(time.time())
+        self._client: aiohttp.ClientSession | None = None  # reads KV from prefill engines' side channels
 
     # --- app -----------------------------------------------------------------
     def app(self) -> web.Application:
@@ -122,8 +134,42 @@ class SimServer:
         loop_time = self.engine._clock()
         self._ready_at = loop_time + self.config.startup_delay
         app[_ENGINE_KEY] = self.engine
+        side_channel: web.AppRunner | None = None
+        transfer = self.config.kv_transfer
+        if transfer is not None:
+            self.engine.hold_seconds = transfer.hold_seconds
+            self._client = aiohttp.ClientSession()
+            if transfer.produces:
+                side_channel = web.AppRunner(self.side_channel_app(), access_log=None)
+                await side_channel.setup()
+                await web.TCPSite(side_channel, self.config.bind_host, transfer.side_channel_port).start()
         yield
+        if side_channel is not None:
+            await side_channel.cleanup()
+        if self._client is not None:
+            await self._client.close()
         await self.engine.stop()
+
+    def side_channel_app(self) -> web.Application:
+        """The KV side channel (sim/kvtransfer.py): a decode engine reads the blocks a prefill half holds."""
+        app = web.Application(client_max_size=1024 * 1024)
+        app.router.add_post(kvtransfer.READ_PATH, self.read_kv)
+        return app
+
+    async def read_kv(self, request: web.Request) -> web.Response:
+        """Hand over held KV: free the blocks, answer how many prompt tokens they cover (404: not held here)."""
+        assert self.engine is not None and self.config.kv_transfer is not None
+        try:
+            body = await request.json()
+            engine_id, blocks = body["engine_id"], body["block_ids"]
+            if not isinstance(blocks, list) or not all(isinstance(b, int) for b in blocks):
+                raise TypeError("block_ids")
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f"a KV read needs engine_id and block_ids: {exc}")
+        held = (self.engine.release_transfer(blocks) if engine_id == self.config.kv_transfer.engine_id else None)
+        if held is None:
+            return error_response(404, "those KV blocks are not held here (unknown, or the hold expired)")
+        return web.json_response({"tokens": held.prompt_len})
 
     @property
     def ready(self) -> bool:
@@ -221,6 +267,17 @@ class SimServer:
         engine = request.app[_ENGINE_KEY]
         wakeup = asyncio.Event()  # the choices' one waiter: this handler
         choices: list[SimRequest] = []
+        remote_decode, remote_tokens, arrival = False, 0, None
+        params, transfer = body.get("kv_transfer_params"), self.config.kv_transfer
+        if transfer is not None and params is not None:
+            if kvtransfer.wants_remote_decode(params) and transfer.produces:
+                if sampling.n != 1:
+                    return error_response(400, "a prefill half (kv_transfer_params.do_remote_decode) takes n 1",
+                                          param="n")
+                remote_decode = True
+            elif kvtransfer.wants_remote_prefill(params) and transfer.consumes:
+                arrival = engine._clock()
+                remote_tokens = await self._read_remote(params, len(tokens))
         try:
             for index in range(sampling.n):
                 output = None
@@ -229,7 +286,8 @@ class SimServer:
                                                                                           index))))
                 choices.append(engine.submit(tokens, sampling.max_tokens, seed=sampling.seed, index=index,
                                              output=output, stop=sampling.stop, include_stop=sampling.include_stop,
-                                             wakeup=wakeup))
+                                             wakeup=wakeup, remote_decode=remote_decode,
+                                             remote_tokens=remote_tokens, arrival=arrival))
         except RequestRejected as exc:
             for choice in choices:
                 engine.abort(choice)
@@ -244,11 +302,44 @@ class SimServer:
             while not all(c.finished for c in choices):
                 wakeup.clear()  # nothing runs between the check and here: no wakeup is lost
                 await wakeup.wait()
-            return web.json_response(self._final(choices, answer))
+            final = self._final(choices, answer)
+            if remote_decode and choices[0].transfer_blocks and transfer is not None:
+                final["kv_transfer_params"] = {
+                    "do_remote_prefill": True, "do_remote_decode": False,
+                    "remote_engine_id": transfer.engine_id, "remote_block_ids": list(choices[0].transfer_blocks),
+                    "remote_host": transfer.side_channel_host, "remote_port": transfer.side_channel_port,
+                    "tp_size": self.profile.tensor,
+                }
+            return web.json_response(final)
         finally:
             # Client gone (handler cancelled or write failed): free the slots.
             for choice in choices:
                 engine.abort(choice)
+
+    async def _read_remote(self, params: Mapping[str, Any], prompt_len: int) -> int:
+        """The decode half: read the prompt's KV from the prefill engine PARAMS name, taking the transfer's time;
+        the prompt tokens it covered, 0 when none arrived (the prompt is then computed here, as vLLM does)."""
+        assert self._client is not None and self.config.kv_transfer is not None and self.engine is not None
+        remote = kvtransfer.RemoteKV.from_params(params)
+        if remote is None:
+            log.warning("kv_transfer_params name no remote KV whole; computing the prompt here")
+            return 0
+        url = f"http://{remote.host}:{remote.port}{kvtransfer.READ_PATH}"
+        try:
+            async with self._client.post(url, json={"engine_id": remote.engine_id, "block_ids": list(remote.block_ids)},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                answer = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.warning("reading KV from %s failed (%s); computing the prompt here", url, exc)
+            return 0
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        if not isinstance(tokens, int) or tokens != prompt_len:
+            log.warning("KV at %s is not this prompt's (%s); computing the prompt here", url,
+                        "not held" if answer is None else f"{tokens} tokens for {prompt_len}")
+            return 0
+        seconds = self.engine.transfer_seconds(tokens, self.config.kv_transfer.link_bytes_per_s)
+        await asyncio.sleep(seconds * self.config.time_scale)
+        return tokens
 
     def _usage(self, choices: list[SimRequest]) -> dict[str, Any]:
         """vLLM's usage: the prompt once, the completion tokens of every choice."""

@@ -39,6 +39,7 @@ from tensorfleet.httpapi import start_site
 from tensorfleet.router.app import Router, RouterConfig
 from tensorfleet.router.backends import BreakerPolicy
 from tensorfleet.sim.engine import Engine
+from tensorfleet.sim.kvtransfer import TransferConfig
 from tensorfleet.sim.profile import Profile, make_profile
 from tensorfleet.sim.server import SimConfig, SimServer
 
@@ -78,10 +79,11 @@ def small_profile(**capacity: Any) -> Profile:
 
 @asynccontextmanager
 async def sim(*, profile: Profile | None = None, time_scale: float = FAST, startup_delay: float = 0.0,
-              port: int = 0, seed: int = 0) -> AsyncIterator[RunningSim]:
+              port: int = 0, seed: int = 0, kv_transfer: TransferConfig | None = None) -> AsyncIterator[RunningSim]:
     server = SimServer(profile or make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
                                                             startup_delay=startup_delay, time_scale=time_scale,
-                                                            seed=seed))
+                                                            seed=seed, kv_transfer=kv_transfer,
+                                                            bind_host="127.0.0.1"))
     runner = await start_site(server.app(), "127.0.0.1", port)
     bound = runner.addresses[0][1]
     try:
