@@ -287,6 +287,9 @@ ROUTER_METRIC_RETRIES: Final = "tensorfleet_router_retries"                # cou
 ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # counter: backend
 ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
 ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions"  # counter: reason
+# Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
+ROUTER_METRIC_PREFILL: Final = "tensorfleet_router_prefill_requests"         # counter: outcome
+ROUTER_LABEL_OUTCOME: Final = "outcome"
 # With API keys (spec.router.auth): per tenant, the tenants being the Secret's key names (never a key), so the
 # label's values are bounded by the Secret.
 ROUTER_METRIC_TENANT_REQUESTS: Final = "tensorfleet_router_tenant_requests"      # counter: tenant, code

@@ -182,6 +182,8 @@ from tensorfleet.router.dispatch import (
     Unavailable,
 )
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
+from tensorfleet.router.prefill import KV_TRANSFER_PARAMS, PrefillStage
+from tensorfleet.router.prefill import OUTCOMES as PREFILL_OUTCOMES
 from tensorfleet.router.resume import StreamState, resumable
 from tensorfleet.router.strategies import RequestInfo, hash_prompt, make_strategy
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
@@ -248,6 +250,11 @@ class RouterConfig:
     demand_lease: str | None = None
     cold_start_timeout: float = 600.0
     breaker: BreakerPolicy | None = None
+    # Prefill/decode disaggregation (router/prefill.py): the prefill engines, static or a Service's; their
+    # per-engine ceiling (0: max_concurrency_per_backend).
+    prefill_backends: tuple[str, ...] = ()
+    prefill_service: str | None = None
+    prefill_max_concurrency_per_backend: int = 0
 
 
 # _Failed.fault: how an attempt's failure counts against its engine.
@@ -313,6 +320,18 @@ class _Body:
             return False
         self.held += len(chunk)
         self.data += chunk
+        return True
+
+    def replace(self, data: bytes) -> bool:
+        """Send DATA instead (the same request, rewritten), charging the difference; False (nothing changed) if
+        the budget cannot take it."""
+        extra = len(data) - self.held
+        if extra > 0 and not self.budget.take(extra, held=self.held):
+            return False
+        if extra < 0:
+            self.budget.give(-extra)
+        self.held += extra
+        self.data = bytearray(data)
         return True
 
     def release(self) -> None:
@@ -431,6 +450,12 @@ class Router:
         self.draining = False
         self.clients_log = rate_limited_logger(CLIENT_LOG)
         self._static: list[str] = list(config.static_backends)
+        self.prefill: PrefillStage | None = None
+        if config.prefill_backends or config.prefill_service:
+            self.prefill = PrefillStage(ceiling=config.prefill_max_concurrency_per_backend
+                                        or config.max_concurrency_per_backend,
+                                        policy=config.breaker, static=config.prefill_backends)
+            self.metrics.prefill_outcomes(PREFILL_OUTCOMES)
         self._static_urls = {url.rstrip("/") for url in self._static}
         self._discovered: list[str] = []
         self._watcher: EndpointSliceWatcher | None = None
@@ -488,6 +513,12 @@ class Router:
             if self.config.demand_lease:
                 self.demand = DemandLease(self.config.demand_lease, namespace, connection)
                 tasks.append(asyncio.create_task(self._demand_loop(self.demand), name="router-demand"))
+        if self.config.prefill_service:
+            namespace = self.config.namespace or in_cluster_namespace() or "default"
+            connection = self.config.kube or Connection.from_environment()
+            prefill = EndpointSliceWatcher(self.config.prefill_service, namespace, self._on_prefill_discovered,
+                                           connection=connection)
+            tasks.append(asyncio.create_task(prefill.run(), name="router-prefill-discovery"))
         yield
         for task in tasks:
             task.cancel()
@@ -516,6 +547,10 @@ class Router:
         self._discovered = urls
         self._update_pool()
 
+    def _on_prefill_discovered(self, urls: list[str]) -> None:
+        if self.prefill is not None and self.prefill.set_discovered(urls):
+            self._health_wake.set()
+
     def _update_pool(self) -> None:
         known = set(self.pool.backends)
         self.pool.set_urls([*self._static, *self._discovered])
@@ -540,31 +575,38 @@ class Router:
         cancelled."""
         while True:
             self._health_wake.clear()
-            backends = list(self.pool)
-            if backends:
-                await asyncio.gather(*(self.check(b) for b in backends), return_exceptions=True)
+            checks = [self.check(b) for b in self.pool]
+            if self.prefill is not None:
+                checks += [self.check(b, self.prefill.pool, self.prefill.dispatcher) for b in self.prefill.pool]
+            if checks:
+                await asyncio.gather(*checks, return_exceptions=True)
             self.pool.tick()
             self.strategy.align(b.kv_block_size for b in self.pool)
+            if self.prefill is not None:
+                self.prefill.strategy.align(b.kv_block_size for b in self.prefill.pool)
             self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
             try:
                 await asyncio.wait_for(self._health_wake.wait(), self.config.health_interval)
             except TimeoutError:
                 pass
 
-    async def check(self, backend: Backend) -> None:
-        """One health check: unanswered within the timeout ejects as unresponsive, refused ejects, else counts.
-        A joining engine is checked every time, and joins on its first 200."""
+    async def check(self, backend: Backend, pool: BackendPool | None = None,
+                    dispatcher: Dispatcher | None = None) -> None:
+        """One health check of BACKEND in POOL (the decode engines', unless the prefill engines'): unanswered
+        within the timeout ejects as unresponsive, refused ejects, else counts. A joining engine is checked every
+        time, and joins on its first 200."""
+        pool = pool or self.pool
         if backend.state in (OPEN, HALF_OPEN):
-            if not backend.probe_due(self.pool.clock()):
+            if not backend.probe_due(pool.clock()):
                 return  # ejected, or a probe is already out: nothing to learn yet
             # Past its ejection time: this check is the half-open probe.
-            self.pool.begin_probe(backend)
+            pool.begin_probe(backend)
         try:
-            await self._check(backend)
+            await self._check(backend, pool, dispatcher or self.dispatcher)
         finally:
             backend.checked = True
 
-    async def _check(self, backend: Backend) -> None:
+    async def _check(self, backend: Backend, pool: BackendPool, dispatcher: Dispatcher) -> None:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         try:
@@ -575,10 +617,10 @@ class Router:
             if backend.state == CLOSED:
                 log.warning("engine %s did not answer its health check within %gs", backend.url,
                             self.config.health_timeout)
-            self.pool.record_failure(backend, unresponsive=True)
+            pool.record_failure(backend, unresponsive=True)
             return
         except (aiohttp.ClientConnectorError, ConnectionError):
-            self.pool.record_failure(backend, fatal=True)
+            pool.record_failure(backend, fatal=True)
             return
         except Exception:  # noqa: BLE001 - a check that fails in any way has failed
             ok = False
@@ -587,15 +629,15 @@ class Router:
                 async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
                     if resp.status == 200:
                         backend.scraped(parse_engine_metrics(await resp.text()))
-                        self.dispatcher.adapt(backend)
+                        dispatcher.adapt(backend)
             except Exception:  # noqa: BLE001 - a scrape that fails in any way has failed
                 ok = False
         if not ok:
-            self.pool.record_failure(backend)
+            pool.record_failure(backend)
         elif backend.state != CLOSED:
             if backend.state == JOINING:
                 log.info("engine %s is up: taking requests", backend.url)
-            self.pool.record_success(backend)
+            pool.record_success(backend)
 
     def _on_ejected(self, backend: Backend) -> None:
         log.warning("ejected engine %s%s for %.1fs", backend.url, " (unresponsive)" if backend.unresponsive else "",
@@ -865,12 +907,27 @@ class Router:
             call = _Call(path, body, headers, self._request_info(request, parsed), self.first_byte_bound(path, parsed),
                          start, tenant=tenant, meter=meter,
                          resumable=cfg.stream_resumptions > 0 and resumable(path, parsed, len(body.data)))
+            if self.prefill is not None and path in GENERATION_PATHS:
+                await self._prefill(self.prefill, call, parsed)
             del parsed  # the bytes are what is forwarded; the parsed copy can go now
             return await self._dispatch(request, call)
         finally:
             body.release()
             if meter is not None and tenant is not None:
                 self._settle(tenant, charged, meter)
+
+    async def _prefill(self, stage: PrefillStage, call: _Call, parsed: dict[str, Any]) -> None:
+        """The first of a disaggregated request's two phases (router/prefill.py): on success the call carries the
+        prefill engine's kv_transfer_params to the decode engine; otherwise it goes as it came (the decode engine
+        computes the prompt)."""
+        assert self.session is not None
+        outcome, params = await stage.run(self.session, call.path, parsed, stage.info(parsed), call.headers,
+                                          call.first_byte_bound)
+        if params is not None:
+            data = json.dumps({**parsed, KV_TRANSFER_PARAMS: params}, separators=(",", ":")).encode()
+            if not call.body.replace(data):
+                outcome = "failed"  # no room in the body budget for the rewritten request: it goes as it came
+        self.metrics.prefill(outcome)
 
     async def _read(self, request: web.Request, body: _Body) -> web.Response | None:
         """Read the body within the size limit, the in-flight budget and the body timeout; an answer if it can't."""

@@ -52,6 +52,14 @@ def register(subparsers: Any) -> None:
     where.add_argument("--backend", action="append", default=[], metavar="URL",
                        help="static engine base URL, e.g. http://10.0.0.7:8000 (repeatable)")
     where.add_argument("--service", help="headless engine Service whose EndpointSlices list the backends")
+    where.add_argument("--prefill-backend", action="append", default=[], metavar="URL",
+                       help="static prefill engine base URL (repeatable): prefill/decode disaggregation, the "
+                            "--backend/--service engines decoding (router/prefill.py)")
+    where.add_argument("--prefill-service", metavar="SERVICE",
+                       help="headless Service whose EndpointSlices list the prefill engines (in --namespace)")
+    where.add_argument("--prefill-max-concurrency-per-backend", type=argtypes.non_negative_int, default=0,
+                       metavar="N", help="prefill halves in flight per prefill engine; beyond it a request's decode "
+                                         "engine computes its prompt (0: --max-concurrency-per-backend)")
     where.add_argument("--namespace", help="namespace of --service (default: the pod's own)")
     where.add_argument("--kube-api", metavar="URL",
                        help="Kubernetes API base URL without credentials, e.g. http://127.0.0.1:8001 for kubectl "
@@ -180,11 +188,12 @@ def run(args: argparse.Namespace) -> int:
     kube = None
     if args.demand_lease and not args.service:
         raise SystemExit("error: --demand-lease needs --service: the Lease lives with the engines' discovery")
-    if args.service:
-        try:
-            kube = Connection.for_url(args.kube_api) if args.kube_api else Connection.from_environment()
-        except NoConfiguration as exc:
-            raise SystemExit(f"error: --service {args.service}: {exc}; run in the cluster, or give --kube-api") from None
+    for service in (args.service, args.prefill_service):
+        if service and kube is None:
+            try:
+                kube = Connection.for_url(args.kube_api) if args.kube_api else Connection.from_environment()
+            except NoConfiguration as exc:
+                raise SystemExit(f"error: --service {service}: {exc}; run in the cluster, or give --kube-api") from None
     config = RouterConfig(
         strategy=args.strategy,
         model=args.model,
@@ -221,6 +230,9 @@ def run(args: argparse.Namespace) -> int:
         kube=kube,
         demand_lease=args.demand_lease,
         cold_start_timeout=args.cold_start_timeout,
+        prefill_backends=tuple(args.prefill_backend),
+        prefill_service=args.prefill_service,
+        prefill_max_concurrency_per_backend=args.prefill_max_concurrency_per_backend,
     )
 
     try:

@@ -211,6 +211,12 @@ class Dispatcher:
             self.on_routed(backend)
         return backend
 
+    def try_acquire(self, info: RequestInfo) -> Backend | None:
+        """A slot on an engine now, or None (nothing is queued): for callers with somewhere else to go."""
+        if self.closed:
+            return None
+        return self._pick(info, frozenset())
+
     def _has_capacity(self) -> bool:
         return any(b.in_flight < self.limit(b) for b in self.pool.routable())
 

@@ -13,7 +13,7 @@ Failed authentications are counted by reason alone.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -148,6 +148,18 @@ class RouterMetrics:
 
     def stream_resumed(self, reason: str) -> None:
         self._stream_resumptions.labels(reason).inc()
+
+    def prefill_outcomes(self, outcomes: Sequence[str]) -> None:
+        """With prefill engines: count each outcome of the prefill half from zero, so a rate of it is defined."""
+        self._prefill = Counter(contract.ROUTER_METRIC_PREFILL,
+                                "Requests by how their prefill half went: remote (the KV went to the decode engine), "
+                                "or why the decode engine computed the prompt itself.",
+                                [contract.ROUTER_LABEL_OUTCOME], registry=self.registry)
+        for outcome in outcomes:
+            self._prefill.labels(outcome)
+
+    def prefill(self, outcome: str) -> None:
+        self._prefill.labels(outcome).inc()
 
     def _tenant(self, metric: Counter, *labels: str) -> Counter:
         key = (metric, labels)

@@ -266,6 +266,8 @@ class StreamState:
         """The request for the rest of the answer, on another engine; None when the tokens sent already reach
         the request's max_tokens."""
         body = json.loads(self.body)
+        # A disaggregated request's KV was read by the engine that broke: the next one computes the prompt.
+        body.pop("kv_transfer_params", None)
         text = "".join(self.text)
         sent = self.tokens if text else 0  # nothing shown: the answer starts over
         if self.chat:
