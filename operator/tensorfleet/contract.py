@@ -263,6 +263,13 @@ VLLM_METRIC_PREFIX_CACHE_HITS: Final = "vllm:prefix_cache_hits"        # in toke
 VLLM_METRIC_EXTERNAL_PREFIX_CACHE_QUERIES: Final = "vllm:external_prefix_cache_queries"  # in tokens
 VLLM_METRIC_EXTERNAL_PREFIX_CACHE_HITS: Final = "vllm:external_prefix_cache_hits"        # in tokens
 VLLM_METRIC_PREFILL_KV_COMPUTED: Final = "vllm:request_prefill_kv_computed_tokens"        # histogram
+# With --enable-lora: an info gauge whose labels name the adapters of running and waiting requests.
+VLLM_METRIC_LORA_INFO: Final = "vllm:lora_requests_info"
+VLLM_LABEL_LORA_RUNNING: Final = "running_lora_adapters"   # comma-separated adapter names
+VLLM_LABEL_LORA_WAITING: Final = "waiting_lora_adapters"
+VLLM_LABEL_MAX_LORA: Final = "max_lora"
+# The simulator's own (vLLM has none): adapters brought into a GPU slot, by tier (disk, cpu).
+SIM_METRIC_LORA_LOADS: Final = "tensorfleet_sim_lora_loads"
 VLLM_METRIC_REQUEST_SUCCESS: Final = "vllm:request_success"
 VLLM_METRIC_PREEMPTIONS: Final = "vllm:num_preemptions"
 # Info-style gauge (value 1) whose labels carry block_size and num_gpu_blocks;

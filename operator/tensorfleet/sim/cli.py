@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +80,20 @@ def register(subparsers: Any) -> None:
                              "480 s)")
     parser.add_argument("--kv-transfer-gbps", type=argtypes.positive_float, default=100.0,
                         help="the link each GPU reads another engine's KV over, in Gbit/s (default: 100)")
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags; sim/lora.py)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters by name as the OpenAI model")
+    lora.add_argument("--max-loras", type=argtypes.positive_int, default=1,
+                      help="adapters in one batch, each in a GPU slot (default: 1)")
+    lora.add_argument("--max-lora-rank", type=argtypes.positive_int, default=16, help="largest adapter rank (default: 16)")
+    lora.add_argument("--max-cpu-loras", type=argtypes.positive_int,
+                      help="adapters kept in the CPU cache (default: --max-loras)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="adapters served from the start: name=path, or JSON {\"name\": ..., \"path\": ...}")
+    lora.add_argument("--lora-load-seconds", type=argtypes.non_negative_float, default=0.1,
+                      help="simulated seconds to read an adapter from disk into a GPU slot (default: 0.1)")
+    lora.add_argument("--lora-swap-seconds", type=argtypes.non_negative_float, default=0.005,
+                      help="simulated seconds to bring a cached adapter from CPU memory into a GPU slot (default: "
+                           "0.005)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=run)
     _lenient(parser)
@@ -92,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorfleet.api import SpecError
     from tensorfleet.httpapi import run_server, setup_logging
     from tensorfleet.sim.kvtransfer import TransferConfigError, parse_config
+    from tensorfleet.sim.lora import RUNTIME_UPDATING_ENV, LoraConfig, LoraError, LoraState, parse_module
     from tensorfleet.sim.profile import resilient_profile
     from tensorfleet.sim.server import SimConfig, SimServer
 
@@ -118,10 +134,26 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {exc}") from None
         log.info("KV transfer: %s as %s, side channel %s:%d", transfer.connector, transfer.role,
                  transfer.side_channel_host, transfer.side_channel_port)
+    lora: LoraConfig | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+    if args.enable_lora:
+        lora = LoraConfig(max_loras=args.max_loras, max_rank=args.max_lora_rank,
+                          max_cpu_loras=max(args.max_cpu_loras or args.max_loras, args.max_loras),
+                          load_seconds=args.lora_load_seconds, swap_seconds=args.lora_swap_seconds)
+        try:
+            modules = tuple(parse_module(text) for text in args.lora_modules)
+            check = LoraState(lora, args.served_model_name)  # the same checks the server makes, before it starts
+            for name, path in modules:
+                check.add(name, path)
+        except LoraError as exc:
+            raise SystemExit(f"error: --lora-modules: {exc}") from None
+    elif args.lora_modules:
+        raise SystemExit("error: --lora-modules needs --enable-lora")
     server = SimServer(profile, SimConfig(
         served_model_name=args.served_model_name, model=args.model or profile.model,
         startup_delay=args.startup_delay, time_scale=args.time_scale, seed=args.seed,
-        kv_transfer=transfer, bind_host=args.host,
+        kv_transfer=transfer, bind_host=args.host, lora=lora, lora_modules=modules,
+        runtime_lora_updating=os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true"),
     ))
 
     async def make_app() -> web.Application:

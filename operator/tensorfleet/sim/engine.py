@@ -67,6 +67,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tensorfleet.prompts import block_hashes
+from tensorfleet.sim.lora import LoraState
 from tensorfleet.sim.profile import Profile
 
 log = logging.getLogger("tensorfleet.sim")
@@ -130,6 +131,7 @@ class SimRequest:
     remote_tokens: int = 0           # decode half: leading prompt tokens whose KV was transferred here
     computed_prompt: int = 0         # prompt tokens computed here at first admission (neither cached nor sent)
     transfer_blocks: tuple[int, ...] = ()  # the ids its held KV blocks go by (the prefill half, once finished)
+    lora: str | None = None          # the LoRA adapter it runs with (sim/lora.py)
     preemptions: int = 0
     # Output.
     generated: int = 0
@@ -295,6 +297,8 @@ class Engine:
         # KV held for another engine to read: its first block id -> (finished prefill request, hold expiry).
         self.held: dict[int, tuple[SimRequest, float]] = {}
         self._next_block_id = 1
+        self.lora: LoraState | None = None  # with --enable-lora
+        self._lora_seconds = 0.0            # bringing adapters into GPU slots costs the step that runs them
         self.hold_seconds = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, in simulated seconds
 
     # --- lifecycle -----------------------------------------------------------
@@ -321,14 +325,16 @@ class Engine:
                seed: int | None = None, index: int = 0, output: Sequence[str] | None = None,
                stop: Sequence[str] = (), include_stop: bool = False,
                wakeup: asyncio.Event | None = None, remote_decode: bool = False, remote_tokens: int = 0,
-               arrival: float | None = None) -> SimRequest:
+               arrival: float | None = None, lora: str | None = None) -> SimRequest:
         """Queue a request; raises RequestRejected for ones vLLM would refuse.
 
         `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
         (structured output: it ends with "stop" unless max_tokens cuts it), instead of words drawn at random;
         `wakeup` an event to share with other requests (a request's choices, one waiter); `remote_decode` and
         `remote_tokens` the halves of a disaggregated request (module docstring); `arrival` when it reached the
-        server, if earlier than now (a decode half that waited for its KV)."""
+        server, if earlier than now (a decode half that waited for its KV); `lora` the adapter to run with."""
+        if lora is not None and (self.lora is None or lora not in self.lora.adapters):
+            raise RequestRejected(f"The model `{lora}` does not exist.", "model")
         profile = self.profile
         prompt_len = len(prompt_tokens)
         room = profile.max_model_len - prompt_len
@@ -360,7 +366,9 @@ class Engine:
                 reason = "stop"
             else:
                 target, reason = max_tokens, "length"
-            words = greedy_words("".join(prompt_tokens), (self.seed if seed is None else seed) + index, target)
+            # A fine-tune answers the same prompt differently from its base model.
+            tuned = zlib.crc32(lora.encode()) if lora else 0
+            words = greedy_words("".join(prompt_tokens), (self.seed if seed is None else seed) + index + tuned, target)
         request = SimRequest(
             request_id=request_id or f"{next(self._ids):x}",
             prompt_tokens=prompt_tokens,
@@ -375,6 +383,7 @@ class Engine:
             remote_decode=remote_decode,
             # The last prompt token is always computed here, for its logits.
             remote_tokens=max(0, min(remote_tokens, prompt_len - 1)),
+            lora=lora,
         )
         if wakeup is not None:
             request._wakeup = wakeup
@@ -535,15 +544,26 @@ class Engine:
             if self._grow(request, request.num_computed + chunk):
                 work.append((request, chunk))
                 budget -= chunk
+        lora = self.lora
+        active = {r.lora for r in self.running if r.lora} if lora is not None else set()
+        skipped: list[SimRequest] = []  # waiting for an adapter slot: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < profile.max_num_seqs:
             request = self.waiting[0]
+            adapter = request.lora
+            if adapter and lora is not None and adapter not in active and len(active) >= lora.config.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             if not self._try_admit(request):
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if adapter and lora is not None and adapter not in active:
+                self._lora_seconds += lora.activate(adapter, active)
+                active.add(adapter)
             chunk = min(request.context_len - request.num_computed, budget)
             work.append((request, chunk))
             budget -= chunk
+        self.waiting.extendleft(reversed(skipped))
         # A request preempted after being picked this step must not run.
         return [(r, c) for r, c in work if r.admitted]
 
@@ -611,7 +631,8 @@ class Engine:
                     context += request.context_len
                 else:
                     prefill_tokens += chunk
-            seconds = self.profile.step_seconds(decodes, context, prefill_tokens) * self.time_scale
+            seconds = (self.profile.step_seconds(decodes, context, prefill_tokens) + self._lora_seconds) * self.time_scale
+            self._lora_seconds = 0.0
             # Sleep to an absolute deadline so the time this loop itself takes
             # is part of the step, not added to it.
             deadline = max(deadline + seconds, loop.time())

@@ -6,6 +6,7 @@ own registry, so several simulators can share one test process.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -78,6 +79,21 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, total)
             yield counter
+        lora = engine.lora
+        if lora is not None:
+            running = ",".join(sorted({r.lora for r in engine.running if r.lora}))
+            waiting = ",".join(sorted({r.lora for r in engine.waiting if r.lora}))
+            info = GaugeMetricFamily(contract.VLLM_METRIC_LORA_INFO, "Running stats on lora requests.",
+                                     labels=[contract.VLLM_LABEL_MAX_LORA, contract.VLLM_LABEL_LORA_WAITING,
+                                             contract.VLLM_LABEL_LORA_RUNNING])
+            info.add_metric([str(lora.config.max_loras), waiting, running], time.time())
+            yield info
+            loads = CounterMetricFamily(contract.SIM_METRIC_LORA_LOADS,
+                                        "LoRA adapters brought into a GPU slot, by the tier it came from (the simulator's own).",
+                                        labels=["tier"])
+            loads.add_metric(["disk"], lora.loads)
+            loads.add_metric(["cpu"], lora.swaps)
+            yield loads
 
 
 class EngineMetrics:

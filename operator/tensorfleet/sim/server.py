@@ -81,6 +81,7 @@ from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_
 from tensorfleet.prompts import ROLE_CLOSE, ROLE_OPEN, content_text, render_chat
 from tensorfleet.sim import kvtransfer
 from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
+from tensorfleet.sim.lora import LOAD_PATH, UNLOAD_PATH, LoraConfig, LoraError, LoraState
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.params import Sampling, parse
 from tensorfleet.sim.profile import Profile
@@ -102,6 +103,9 @@ class SimConfig:
     seed: int = 0
     kv_transfer: kvtransfer.TransferConfig | None = None  # --kv-transfer-config: prefill/decode halves
     bind_host: str = "0.0.0.0"  # where the KV side channel listens (the server's --host)
+    lora: LoraConfig | None = None  # --enable-lora
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
+    runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload endpoints
 
 
 class SimServer:
@@ -123,12 +127,19 @@ class SimServer:
         app.router.add_get("/version", self.version)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        if self.config.lora is not None and self.config.runtime_lora_updating:
+            app.router.add_post(LOAD_PATH, self.load_lora)
+            app.router.add_post(UNLOAD_PATH, self.unload_lora)
         app.router.add_route("*", "/{tail:.*}", self.not_found)
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
     async def _lifecycle(self, app: web.Application) -> Any:
         self.engine = Engine(self.profile, time_scale=self.config.time_scale, seed=self.config.seed)
+        if self.config.lora is not None:
+            self.engine.lora = LoraState(self.config.lora, self.config.served_model_name)
+            for name, path in self.config.lora_modules:
+                self.engine.lora.add(name, path)
         self.metrics = EngineMetrics(self.engine, self.config.served_model_name)
         self.engine.start()
         loop_time = self.engine._clock()
@@ -189,15 +200,49 @@ class SimServer:
         return web.json_response({"version": f"tensorfleet-sim {contract.__version__}"})
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.config.served_model_name,
-            "object": "model",
-            "created": self._created,
-            "owned_by": "vllm",
-            "root": self.config.model,
-            "parent": None,
-            "max_model_len": self.profile.max_model_len,
-        }]})
+        """The base model, then each LoRA adapter with the base as its parent, as vLLM lists them."""
+        base = {"id": self.config.served_model_name, "object": "model", "created": self._created, "owned_by": "vllm",
+                "root": self.config.model, "parent": None, "max_model_len": self.profile.max_model_len}
+        adapters = self.engine.lora.adapters.values() if self.engine is not None and self.engine.lora else ()
+        return web.json_response({"object": "list", "data": [base, *(
+            {"id": a.name, "object": "model", "created": self._created, "owned_by": "vllm", "root": a.path,
+             "parent": self.config.served_model_name, "max_model_len": None} for a in adapters)]})
+
+    async def load_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime adapter load: {"lora_name", "lora_path"}."""
+        body = await self._adapter_body(request, ("lora_name", "lora_path"))
+        if isinstance(body, web.Response):
+            return body
+        assert self.engine is not None and self.engine.lora is not None
+        try:
+            self.engine.lora.add(body["lora_name"], body["lora_path"])
+        except LoraError as exc:
+            return error_response(400, str(exc))
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+    async def unload_lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime adapter unload: {"lora_name"}."""
+        body = await self._adapter_body(request, ("lora_name",))
+        if isinstance(body, web.Response):
+            return body
+        assert self.engine is not None and self.engine.lora is not None
+        try:
+            self.engine.lora.remove(body["lora_name"])
+        except LoraError as exc:
+            return error_response(404 if exc.not_found else 400, str(exc))
+        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+
+    async def _adapter_body(self, request: web.Request, fields: tuple[str, ...]) -> dict[str, str] | web.Response:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return error_response(400, "request body must be a JSON object")
+        for name in fields:
+            if not isinstance(body.get(name), str) or not body[name]:
+                return error_response(400, f"{name} is required (a non-empty string)", param=name)
+        return {name: body[name] for name in fields}
 
     async def not_found(self, request: web.Request) -> web.Response:
         return error_response(404, f"{request.method} {request.path} is not an endpoint of this server")
@@ -217,7 +262,8 @@ class SimServer:
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
         model = body.get("model")
-        if model is not None and model not in (self.config.served_model_name, self.config.model):
+        if model is not None and model not in (self.config.served_model_name, self.config.model) \
+                and not (self.engine is not None and self.engine.lora is not None and model in self.engine.lora.adapters):
             return error_response(404, f"The model `{model}` does not exist.", param="model")
         return body
 
@@ -268,6 +314,8 @@ class SimServer:
         wakeup = asyncio.Event()  # the choices' one waiter: this handler
         choices: list[SimRequest] = []
         remote_decode, remote_tokens, arrival = False, 0, None
+        model = body.get("model")
+        lora = model if engine.lora is not None and isinstance(model, str) and model in engine.lora.adapters else None
         params, transfer = body.get("kv_transfer_params"), self.config.kv_transfer
         if transfer is not None and params is not None:
             if kvtransfer.wants_remote_decode(params) and transfer.produces:
@@ -287,7 +335,7 @@ class SimServer:
                 choices.append(engine.submit(tokens, sampling.max_tokens, seed=sampling.seed, index=index,
                                              output=output, stop=sampling.stop, include_stop=sampling.include_stop,
                                              wakeup=wakeup, remote_decode=remote_decode,
-                                             remote_tokens=remote_tokens, arrival=arrival))
+                                             remote_tokens=remote_tokens, arrival=arrival, lora=lora))
         except RequestRejected as exc:
             for choice in choices:
                 engine.abort(choice)

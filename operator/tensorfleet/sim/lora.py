@@ -1,0 +1,128 @@
+"""LoRA adapters on a simulated engine, as vLLM serves them (`--enable-lora`).
+
+An engine knows a set of adapters (`--lora-modules`, or loaded at runtime through `/v1/load_lora_adapter` when
+VLLM_ALLOW_RUNTIME_LORA_UPDATING is set) and serves any of them by name as the OpenAI `model`. At most
+`--max-loras` distinct adapters can be in one batch: vLLM's scheduler leaves a waiting request whose adapter
+would be one too many in the queue, and goes on with the requests behind it. An adapter's weights live in a
+GPU slot (`max_loras` of them) and, once read from disk, in a CPU cache (`--max-cpu-loras`); making an adapter
+that is not in a GPU slot active costs the step that first runs it the time to bring it in, from the CPU cache
+(`--lora-swap-seconds`) or from disk (`--lora-load-seconds`), as vLLM's model runner loads adapters in the
+step. Slots and the cache are least-recently-used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's: enables the load and unload endpoints
+LOAD_PATH = "/v1/load_lora_adapter"
+UNLOAD_PATH = "/v1/unload_lora_adapter"
+
+
+class LoraError(ValueError):
+    """An adapter the engine cannot take (vLLM answers 400); `not_found` for a name it does not know (404)."""
+
+    def __init__(self, message: str, *, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    max_loras: int = 1            # vLLM's default
+    max_rank: int = 16            # vLLM's default --max-lora-rank
+    max_cpu_loras: int = 1        # vLLM's default: max_loras
+    load_seconds: float = 0.1     # from disk into a GPU slot (simulated seconds)
+    swap_seconds: float = 0.005   # from the CPU cache into a GPU slot
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    rank: int
+
+
+def parse_module(text: str) -> tuple[str, str]:
+    """One --lora-modules value: `name=path`, or vLLM's JSON form {"name": ..., "path": ...}."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            raw = json.loads(text)
+        except ValueError as exc:
+            raise LoraError(f"--lora-modules {text!r}: not JSON ({exc})") from None
+        name, path = raw.get("name") if isinstance(raw, dict) else None, raw.get("path") if isinstance(raw, dict) else None
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        raise LoraError(f"--lora-modules {text!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
+    return name, path
+
+
+def adapter_rank(path: str, default: int) -> int:
+    """The adapter's rank from its adapter_config.json (PEFT's `r`) when PATH is a directory holding one; else
+    DEFAULT (the simulator cannot read a Hub id's files)."""
+    config = Path(path) / "adapter_config.json"
+    try:
+        rank = json.loads(config.read_text()).get("r")
+    except (OSError, ValueError, AttributeError):
+        return default
+    return rank if isinstance(rank, int) and not isinstance(rank, bool) and rank > 0 else default
+
+
+class LoraState:
+    """The adapters an engine knows, its GPU slots and CPU cache, and what bringing adapters in cost."""
+
+    def __init__(self, config: LoraConfig, served_name: str) -> None:
+        self.config = config
+        self.served_name = served_name
+        self.adapters: dict[str, Adapter] = {}
+        self.gpu: OrderedDict[str, None] = OrderedDict()   # in a GPU slot, least recently used first
+        self.cpu: OrderedDict[str, None] = OrderedDict()   # in the CPU cache
+        self.loads = 0   # brought in from disk
+        self.swaps = 0   # brought in from the CPU cache
+
+    def add(self, name: str, path: str) -> Adapter:
+        if name in self.adapters:
+            raise LoraError(f"The lora adapter '{name}' has already been loaded.")
+        if name == self.served_name:
+            raise LoraError(f"The lora adapter '{name}' has the base model's served name.")
+        rank = adapter_rank(path, self.config.max_rank)
+        if rank > self.config.max_rank:
+            raise LoraError(f"LoRA rank {rank} is greater than max_lora_rank {self.config.max_rank}.")
+        adapter = Adapter(name, path, rank)
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        if self.adapters.pop(name, None) is None:
+            raise LoraError(f"The lora adapter '{name}' cannot be found.", not_found=True)
+        self.gpu.pop(name, None)
+        self.cpu.pop(name, None)
+
+    def activate(self, name: str, active: Iterable[str]) -> float:
+        """Put NAME in a GPU slot for this step (ACTIVE: the adapters the batch already uses, which keep theirs);
+        the simulated seconds that takes."""
+        if name in self.gpu:
+            self.gpu.move_to_end(name)
+            return 0.0
+        keep = set(active)
+        while len(self.gpu) >= self.config.max_loras:
+            victim = next((n for n in self.gpu if n not in keep), None)
+            if victim is None:
+                break  # the scheduler never activates more than max_loras at once
+            del self.gpu[victim]
+        self.gpu[name] = None
+        if name in self.cpu:
+            self.cpu.move_to_end(name)
+            self.swaps += 1
+            return self.config.swap_seconds
+        self.cpu[name] = None
+        while len(self.cpu) > self.config.max_cpu_loras:
+            self.cpu.popitem(last=False)
+        self.loads += 1
+        return self.config.load_seconds
