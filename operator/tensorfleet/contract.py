@@ -297,6 +297,10 @@ ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions
 # Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
 ROUTER_METRIC_PREFILL: Final = "tensorfleet_router_prefill_requests"         # counter: outcome
 ROUTER_LABEL_OUTCOME: Final = "outcome"
+# Per LoRA adapter (the OpenAI model name of an adapter the engines serve).
+ROUTER_METRIC_ADAPTER_REQUESTS: Final = "tensorfleet_router_adapter_requests"        # counter: adapter, code
+ROUTER_METRIC_ADAPTER_TTFT: Final = "tensorfleet_router_adapter_time_to_first_byte_seconds"  # histogram: adapter
+ROUTER_LABEL_ADAPTER: Final = "adapter"
 # With API keys (spec.router.auth): per tenant, the tenants being the Secret's key names (never a key), so the
 # label's values are bounded by the Secret.
 ROUTER_METRIC_TENANT_REQUESTS: Final = "tensorfleet_router_tenant_requests"      # counter: tenant, code

@@ -146,6 +146,7 @@ import asyncio
 import json
 import logging
 import math
+import zlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,6 +199,9 @@ INFERENCE_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/tokenize", "/detokeniz
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 _RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id")
 RETRY_AFTER_SECONDS = "1"
+ADAPTERS_ASK_AGAIN_SECONDS = 1.0   # an unknown model name asks the engines for their adapters at most this often
+ADAPTERS_REFRESH_SECONDS = 10.0    # and they are asked this often anyway, so an unloaded adapter is forgotten
+_ADAPTER = web.RequestKey("adapter", str)  # the request's LoRA adapter, for its metrics
 CHARS_PER_TOKEN = 3  # prompt length estimate: fewer characters per token than English has, so an over-estimate
 SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
 LINGER_SECONDS = 2.0  # a refused request's unread body is drained (and dropped) this long at most
@@ -355,6 +359,7 @@ class _Call:
     tenant: str | None = None  # whose API key it came with
     meter: UsageMeter | None = None  # what it used, when tokens are limited
     resumable: bool = False  # a stream that may be continued elsewhere should it break (router/resume.py)
+    adapter: str | None = None  # the LoRA adapter it asks for
     stream: StreamState | None = None  # once it streams (resumable): what was sent; set on its continuations too
     response: web.StreamResponse | None = None  # the client's stream, for a continuation to write on
 
@@ -408,6 +413,11 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
             else:
                 total += 1
     return total
+
+
+def _adapter_key(name: str) -> int:
+    """An adapter's name as the cache-aware strategy hashes it: the same in every router replica."""
+    return zlib.crc32(name.encode()) | (1 << 32)  # never equal to a conversation's opening hash (32 bits)
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -464,6 +474,10 @@ class Router:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._attempts: set[_Attempt] = set()
         self._active = 0  # inference requests being handled
+        # LoRA adapters the engines serve (their /v1/models entries with a parent), and when that was last asked.
+        self.adapters: frozenset[str] = frozenset()
+        self._adapters_asked = -math.inf
+        self._adapters_from: frozenset[str] = frozenset()  # the engines that answered then
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -584,6 +598,9 @@ class Router:
             self.strategy.align(b.kv_block_size for b in self.pool)
             if self.prefill is not None:
                 self.prefill.strategy.align(b.kv_block_size for b in self.prefill.pool)
+            if (self._now() - self._adapters_asked >= ADAPTERS_REFRESH_SECONDS
+                    or self._adapters_from != frozenset(b.url for b in self.pool if b.healthy)):
+                await self._refresh_adapters()  # on schedule, or an engine joined or left
             self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
             try:
                 await asyncio.wait_for(self._health_wake.wait(), self.config.health_interval)
@@ -810,7 +827,7 @@ class Router:
             code = "500"
             response = error_response(500, "internal router error; the router's log has the details")
         finally:
-            self.metrics.request_done(code, self._now() - start)
+            self.metrics.request_done(code, self._now() - start, request.get(_ADAPTER))
             if tenant is not None and self.keys is not None and tenant in self.keys.tenants:  # still one
                 self.metrics.tenant_done(tenant, code)
             self._active -= 1
@@ -892,9 +909,14 @@ class Router:
             if isinstance(parsed, web.Response):
                 return parsed
             model = parsed.get("model")
-            if cfg.model and model is not None and model != cfg.model:
+            adapter = await self._adapter(model)
+            if cfg.model and model is not None and model != cfg.model and adapter is None:
+                served = f"`{cfg.model}`" + (f" and its adapters ({', '.join(sorted(self.adapters)[:20])})"
+                                             if self.adapters else "")
                 return self._reject(404, f"The model `{str(model)[:200]}` does not exist; this endpoint serves "
-                                         f"`{cfg.model}`.", param="model")
+                                         f"{served}.", param="model")
+            if adapter is not None:
+                request[_ADAPTER] = adapter
             if tenant is not None and self.key_limits.counts_tokens:
                 prompt = estimate_prompt_tokens(parsed)
                 estimate = prompt + self.completion_estimate(path, parsed)
@@ -904,8 +926,11 @@ class Router:
                 meter, charged = UsageMeter(prompt), estimate
             headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
             headers[hdrs.CONTENT_TYPE] = "application/json"
-            call = _Call(path, body, headers, self._request_info(request, parsed), self.first_byte_bound(path, parsed),
-                         start, tenant=tenant, meter=meter,
+            info = self._request_info(request, parsed)
+            if adapter is not None:
+                info.adapter = _adapter_key(adapter)
+            call = _Call(path, body, headers, info, self.first_byte_bound(path, parsed),
+                         start, tenant=tenant, meter=meter, adapter=adapter,
                          resumable=cfg.stream_resumptions > 0 and resumable(path, parsed, len(body.data)))
             if self.prefill is not None and path in GENERATION_PATHS:
                 await self._prefill(self.prefill, call, parsed)
@@ -928,6 +953,34 @@ class Router:
             if not call.body.replace(data):
                 outcome = "failed"  # no room in the body budget for the rewritten request: it goes as it came
         self.metrics.prefill(outcome)
+
+    async def _adapter(self, model: Any) -> str | None:
+        """MODEL when it names a LoRA adapter the engines serve; a name not known yet makes the router ask the
+        engines again (at most once a second), so an adapter loaded a moment ago is found."""
+        if not isinstance(model, str) or model == self.config.model:
+            return None
+        if model not in self.adapters and self._now() - self._adapters_asked >= ADAPTERS_ASK_AGAIN_SECONDS:
+            await self._refresh_adapters()
+        return model if model in self.adapters else None
+
+    async def _refresh_adapters(self) -> None:
+        """Learn the adapters the healthy engines list in /v1/models (entries with a parent)."""
+        assert self.session is not None
+        session = self.session
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        healthy = [b for b in self.pool if b.healthy]
+
+        async def listed(backend: Backend) -> set[str]:
+            async with session.get(backend.url + "/v1/models", timeout=timeout) as resp:
+                data = (await resp.json(content_type=None)).get("data", []) if resp.status == 200 else []
+            return {m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent")}
+
+        results = await asyncio.gather(*(listed(b) for b in healthy), return_exceptions=True)
+        answers = [r for r in results if isinstance(r, set)]
+        if answers:  # else ask again at the next chance: no engine could say
+            self.adapters = frozenset().union(*answers)
+            self._adapters_asked = self._now()
+            self._adapters_from = frozenset(b.url for b in healthy)
 
     async def _read(self, request: web.Request, body: _Body) -> web.Response | None:
         """Read the body within the size limit, the in-flight budget and the body timeout; an answer if it can't."""
@@ -1192,7 +1245,7 @@ class Router:
                     meter.chunk(out)
             attempt.writing = False
             if not continuing:
-                self.metrics.first_byte(loop_time() - call.start)
+                self.metrics.first_byte(loop_time() - call.start, call.adapter)
             tail = out[-2:]
             while True:
                 attempt.last = loop_time()

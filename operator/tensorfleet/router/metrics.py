@@ -118,6 +118,15 @@ class RouterMetrics:
         # labels() takes a lock and builds a tuple; requests reuse children.
         self._request_children: dict[tuple[str, str], Counter] = {}
         self._duration_children: dict[str, Histogram] = {}
+        # Per LoRA adapter: only names the engines serve get here (others are refused first), so the label's values
+        # are bounded by the adapters configured.
+        adapter = contract.ROUTER_LABEL_ADAPTER
+        self._adapter_requests = Counter(contract.ROUTER_METRIC_ADAPTER_REQUESTS,
+                                         "Requests for a LoRA adapter, by adapter and HTTP status.",
+                                         [adapter, contract.ROUTER_LABEL_CODE], registry=reg)
+        self._adapter_ttfb = Histogram(contract.ROUTER_METRIC_ADAPTER_TTFT,
+                                       "Time to the first streamed byte of requests for a LoRA adapter.", [adapter],
+                                       buckets=DURATION_BUCKETS, registry=reg)
         self._tenant_children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
         pool.on_removed.append(self.forget)
         pool.on_ejected.append(lambda b: self._ejections.labels(b.url).inc())
@@ -130,15 +139,19 @@ class RouterMetrics:
             child = self._request_children[key] = self._requests.labels(backend, code)
         child.inc()
 
-    def request_done(self, code: str, seconds: float) -> None:
-        """One client request, however many engines it took."""
+    def request_done(self, code: str, seconds: float, adapter: str | None = None) -> None:
+        """One client request, however many engines it took (ADAPTER: the LoRA adapter it asked for)."""
         duration = self._duration_children.get(code)
         if duration is None:
             duration = self._duration_children[code] = self._duration.labels(code)
         duration.observe(seconds)
+        if adapter is not None:
+            self._adapter_requests.labels(adapter, code).inc()
 
-    def first_byte(self, seconds: float) -> None:
+    def first_byte(self, seconds: float, adapter: str | None = None) -> None:
         self._ttfb.observe(seconds)
+        if adapter is not None:
+            self._adapter_ttfb.labels(adapter).observe(seconds)
 
     def retry(self, reason: str) -> None:
         self._retries.labels(reason).inc()

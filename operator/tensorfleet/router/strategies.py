@@ -88,6 +88,8 @@ class RequestInfo:
     # The conversation's opening (through its first user message): its hash, and the whole blocks inside it.
     opening: int | None = None
     opening_blocks: int = 0
+    # A LoRA adapter's name, hashed: cache-aware keeps an adapter on the engines that hold it.
+    adapter: int | None = None
 
 
 def _stable_hash(text: str) -> int:
@@ -337,6 +339,11 @@ class CacheAware(PrefixAware):
         under = [b for b in candidates if _all_requests(b) + 1 <= bound]
         if not under:
             return self._least(candidates)
+        if info.adapter is not None:
+            # A LoRA adapter's requests: its home engine by rendezvous, the next in its order once that is past the
+            # load bound, so a cold adapter sits in one engine's slots and a hot one spreads as far as its load.
+            adapter = info.adapter
+            return max(under, key=lambda b: _mix(adapter ^ self._salt(b.url)))
         hashes = info.prefix_hashes
         opening = info.opening
         if opening is None:

@@ -1,0 +1,109 @@
+"""LoRA adapters through the router: listed, accepted by name, kept on the engines that hold them, counted."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tensorfleet import contract
+from tensorfleet.httpapi import start_site
+from tensorfleet.sim.lora import LOAD_PATH, LoraConfig
+from tensorfleet.sim.profile import make_profile
+from tensorfleet.sim.server import SimConfig, SimServer
+from tensorfleet.testing.loopback import MODEL, metric_value, router, sse_events
+
+ADAPTERS = tuple((f"tenant-{i}", f"org/tenant-{i}-lora") for i in range(8))
+
+
+@asynccontextmanager
+async def lora_engine(modules: tuple[tuple[str, str], ...] = ADAPTERS, *, seed: int = 0,
+                      time_scale: float = 0.01) -> AsyncIterator[str]:
+    server = SimServer(make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
+                                                 time_scale=time_scale, seed=seed, runtime_lora_updating=True,
+                                                 lora=LoraConfig(max_loras=2, max_cpu_loras=4), lora_modules=modules))
+    runner = await start_site(server.app(), "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def fleet(stack: AsyncExitStack, engines: int, **options: Any) -> tuple[list[str], str]:
+    urls = [await stack.enter_async_context(lora_engine(seed=i)) for i in range(engines)]
+    r = await stack.enter_async_context(router(urls, strategy="cache-aware", **options))
+    return urls, r.url
+
+
+async def served_by(client: aiohttp.ClientSession, url: str, model: str, prompt: str = "hello",
+                    max_tokens: int = 3) -> tuple[int, str | None]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
+    async with client.post(url + "/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status, resp.headers.get(contract.BACKEND_HEADER)
+
+
+@pytest.mark.asyncio
+async def test_the_router_lists_accepts_and_learns_adapters() -> None:
+    async with AsyncExitStack() as stack:
+        engines, url = await fleet(stack, 2)
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        async with client.get(url + "/v1/models") as resp:
+            listed = {m["id"]: m["parent"] for m in (await resp.json())["data"]}
+        assert listed == {MODEL: None, **{name: MODEL for name, _ in ADAPTERS}}
+        assert (await served_by(client, url, "tenant-3"))[0] == 200
+        async with client.post(url + "/v1/completions", json={"model": "tenant-99", "prompt": "x"}) as resp:
+            error = (await resp.json())["error"]
+        assert resp.status == 404 and error["param"] == "model" and "tenant-99" in error["message"]
+        # An adapter loaded on the engines a moment ago is found by the next request that names it.
+        for engine in engines:
+            async with client.post(engine + LOAD_PATH, json={"lora_name": "tenant-99", "lora_path": "org/x"}) as resp:
+                assert resp.status == 200
+        await asyncio.sleep(1.1)  # past the router's ask-again interval since the 404
+        assert (await served_by(client, url, "tenant-99"))[0] == 200
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_stays_on_its_engines_and_a_hot_one_spreads() -> None:
+    async with AsyncExitStack() as stack:
+        _, url = await fleet(stack, 4)
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        homes: dict[str, set[str | None]] = {}
+        for round_ in range(3):
+            for name, _ in ADAPTERS:
+                status, backend = await served_by(client, url, name, prompt=f"round {round_} of {name}")
+                assert status == 200
+                homes.setdefault(name, set()).add(backend)
+        # One at a time (no load): each adapter always went to one engine, and the adapters spread over engines.
+        assert all(len(where) == 1 for where in homes.values()), homes
+        assert len({next(iter(where)) for where in homes.values()}) >= 3
+        # Many at once for one adapter: past the load bound it spills to the next engines in its order.
+        hot = await asyncio.gather(*(served_by(client, url, "tenant-0", prompt=f"burst {i}", max_tokens=40)
+                                     for i in range(24)))
+        assert all(status == 200 for status, _ in hot)
+        spread = Counter(backend for _, backend in hot)
+        assert len(spread) >= 2 and spread.most_common(1)[0][0] in homes["tenant-0"], spread
+
+
+@pytest.mark.asyncio
+async def test_requests_and_first_bytes_are_counted_per_adapter() -> None:
+    async with AsyncExitStack() as stack:
+        _, url = await fleet(stack, 1)
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        body = {"model": "tenant-1", "prompt": "hi", "max_tokens": 3, "stream": True}
+        async with client.post(url + "/v1/completions", json=body) as resp:
+            assert [data async for _, data in sse_events(resp)][-1] == "[DONE]"
+        assert (await served_by(client, url, "tenant-2"))[0] == 200
+        assert (await served_by(client, url, MODEL))[0] == 200
+        async with client.get(url + "/metrics") as resp:
+            text = await resp.text()
+    requests = contract.ROUTER_METRIC_ADAPTER_REQUESTS + "_total"
+    assert metric_value(text, requests, adapter="tenant-1", code="200") == 1
+    assert metric_value(text, requests, adapter="tenant-2", code="200") == 1
+    assert metric_value(text, requests, adapter=MODEL, code="200") is None  # the base model is not an adapter
+    assert metric_value(text, contract.ROUTER_METRIC_ADAPTER_TTFT + "_count", adapter="tenant-1") == 1
