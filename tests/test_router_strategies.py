@@ -445,4 +445,6 @@ async def test_dispatcher_auto_queue_scales_with_the_fleet() -> None:
     pool.set_urls([f"http://{i}" for i in range(4)])
     assert Dispatcher(pool, RoundRobin(), ceiling=100).max_queue == 800
     assert Dispatcher(pool, RoundRobin(), ceiling=2).max_queue == 64
-    assert Dispatcher(pool, RoundRobin(), ceiling=16, burst=256).max_queue == 2 * 256 * 4
+    # The ceiling sizes it, not the burst: a short queue answers a backlog with 429s at once rather than holding
+    # hundreds of requests past any latency target (bench_autoscaling measured a longer one worse).
+    assert Dispatcher(pool, RoundRobin(), ceiling=16, burst=256).max_queue == 2 * 16 * 4

@@ -448,7 +448,7 @@ class RouterSpec(ApiModel):
     )
     max_queue: int | None = Field(
         default=None, ge=1, le=1_000_000,
-        description="Requests waiting at the router before it answers 429. Default: twice what the engines may hold (maxConcurrencyPerEngine, or its burst bound, per engine), at least 64.",
+        description="Requests waiting at the router before it answers 429. Default: twice the fleet's concurrency (maxConcurrencyPerEngine per engine), at least 64.",
     )
     queue_timeout_seconds: int | None = Field(
         default=None, ge=1, le=3600, description="How long a request may wait at the router for an engine before 503. Default: 30.",

@@ -76,7 +76,7 @@ def register(subparsers: Any) -> None:
                         "cache below 90%%), moving its limit a quarter per health check; those beyond the ceiling "
                         "count as demand in tensorfleet_router_burst_requests (0: no burst, the ceiling holds)")
     p.add_argument("--max-queue", type=argtypes.non_negative_int, default=0,
-                   help="requests queued at the router before 429 (0: twice what the engines may hold, the burst bound where there is one, at least 64)")
+                   help="requests queued at the router before 429 (0: twice the fleet's concurrency at the ceiling, at least 64)")
     p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
                    help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
                         "before 503; with no engine healthy and none starting it gets 503 at once (default: 30)")

@@ -158,8 +158,7 @@ class Dispatcher:
     def max_queue(self) -> int:
         if self.configured_max_queue:
             return self.configured_max_queue
-        # Twice what the engines may hold: with burst, a backlog the engines would have queued inside them.
-        return max(MIN_AUTO_QUEUE, 2 * self.burst * len(self.pool))
+        return max(MIN_AUTO_QUEUE, 2 * self.ceiling * len(self.pool))
 
     def limit(self, backend: Backend) -> int:
         """Requests BACKEND may have from this router at once now."""
