@@ -200,7 +200,7 @@ _FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestat
 _RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id")
 RETRY_AFTER_SECONDS = "1"
 ADAPTERS_ASK_AGAIN_SECONDS = 1.0   # an unknown model name asks the engines for their adapters at most this often
-ADAPTERS_REFRESH_SECONDS = 10.0    # and they are asked this often anyway, so an unloaded adapter is forgotten
+ADAPTERS_REFRESH_SECONDS = 10.0    # once some are known, they are asked this often, so one unloaded is forgotten
 _ADAPTER = web.RequestKey("adapter", str)  # the request's LoRA adapter, for its metrics
 CHARS_PER_TOKEN = 3  # prompt length estimate: fewer characters per token than English has, so an over-estimate
 SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
@@ -598,9 +598,9 @@ class Router:
             self.strategy.align(b.kv_block_size for b in self.pool)
             if self.prefill is not None:
                 self.prefill.strategy.align(b.kv_block_size for b in self.prefill.pool)
-            if (self._now() - self._adapters_asked >= ADAPTERS_REFRESH_SECONDS
-                    or self._adapters_from != frozenset(b.url for b in self.pool if b.healthy)):
-                await self._refresh_adapters()  # on schedule, or an engine joined or left
+            if self.adapters and (self._now() - self._adapters_asked >= ADAPTERS_REFRESH_SECONDS
+                                  or self._adapters_from != frozenset(b.url for b in self.pool if b.healthy)):
+                await self._refresh_adapters()  # on schedule, or an engine joined or left: an adapter may be gone
             self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
             try:
                 await asyncio.wait_for(self._health_wake.wait(), self.config.health_interval)
@@ -946,8 +946,9 @@ class Router:
         prefill engine's kv_transfer_params to the decode engine; otherwise it goes as it came (the decode engine
         computes the prompt)."""
         assert self.session is not None
-        outcome, params = await stage.run(self.session, call.path, parsed, stage.info(parsed), call.headers,
-                                          call.first_byte_bound)
+        # The prefill half answers after its prompt and one token: bounded as a stream's first byte is.
+        bound = self.first_byte_bound(call.path, {**parsed, "stream": True})
+        outcome, params = await stage.run(self.session, call.path, parsed, stage.info(parsed), call.headers, bound)
         if params is not None:
             data = json.dumps({**parsed, KV_TRANSFER_PARAMS: params}, separators=(",", ":")).encode()
             if not call.body.replace(data):
