@@ -517,9 +517,10 @@ class Router:
                  asyncio.create_task(self._watchdog(), name="router-watchdog")]
         if self.keys is not None:
             tasks.append(asyncio.create_task(self._keys_loop(self.keys), name="router-api-keys"))
-        if self.config.service:
+        if self.config.service or self.config.prefill_service:
             namespace = self.config.namespace or in_cluster_namespace() or "default"
             connection = self.config.kube or Connection.from_environment()
+        if self.config.service:
             watcher = EndpointSliceWatcher(self.config.service, namespace, self._on_discovered, connection=connection,
                                            on_update=self.dispatcher.reevaluate)
             self._watcher = watcher
@@ -528,8 +529,6 @@ class Router:
                 self.demand = DemandLease(self.config.demand_lease, namespace, connection)
                 tasks.append(asyncio.create_task(self._demand_loop(self.demand), name="router-demand"))
         if self.config.prefill_service:
-            namespace = self.config.namespace or in_cluster_namespace() or "default"
-            connection = self.config.kube or Connection.from_environment()
             prefill = EndpointSliceWatcher(self.config.prefill_service, namespace, self._on_prefill_discovered,
                                            connection=connection)
             tasks.append(asyncio.create_task(prefill.run(), name="router-prefill-discovery"))
@@ -566,9 +565,7 @@ class Router:
             self._health_wake.set()
 
     def _update_pool(self) -> None:
-        known = set(self.pool.backends)
-        self.pool.set_urls([*self._static, *self._discovered])
-        if any(url not in known for url in self.pool.backends):
+        if self.pool.set_urls([*self._static, *self._discovered]):
             self._health_wake.set()
         self.dispatcher.reevaluate()
 
@@ -948,7 +945,11 @@ class Router:
         assert self.session is not None
         # The prefill half answers after its prompt and one token: bounded as a stream's first byte is.
         bound = self.first_byte_bound(call.path, {**parsed, "stream": True})
-        outcome, params = await stage.run(self.session, call.path, parsed, stage.info(parsed), call.headers, bound)
+        # The prompt hashed once where the decode side hashed it alike (an adapter's info routes by the adapter).
+        same = (self.strategy.needs_prefix and self.strategy.block_chars == stage.strategy.block_chars
+                and call.info.adapter is None)
+        info = call.info if same else stage.info(parsed)
+        outcome, params = await stage.run(self.session, call.path, parsed, info, call.headers, bound)
         if params is not None:
             data = json.dumps({**parsed, KV_TRANSFER_PARAMS: params}, separators=(",", ":")).encode()
             if not call.body.replace(data):

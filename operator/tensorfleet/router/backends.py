@@ -141,9 +141,9 @@ class BackendPool:
     def __iter__(self) -> Iterator[Backend]:
         return iter(self.backends.values())
 
-    def set_urls(self, urls: Iterable[str]) -> None:
-        """Make the pool exactly `urls`. Requests in flight to a removed engine
-        finish on their own; they hold the Backend object."""
+    def set_urls(self, urls: Iterable[str]) -> bool:
+        """Make the pool exactly `urls`; whether an engine joined (it wants a health check). Requests in
+        flight to a removed engine finish on their own; they hold the Backend object."""
         wanted = list(dict.fromkeys(u.rstrip("/") for u in urls))
         for url in [u for u in self.backends if u not in wanted]:
             backend = self.backends.pop(url)
@@ -156,6 +156,7 @@ class BackendPool:
                 added = True
         if added:
             self._notify_routable()
+        return added
 
     def routable(self, now: float | None = None) -> list[Backend]:
         now = self.clock() if now is None else now

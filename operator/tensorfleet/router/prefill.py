@@ -73,10 +73,8 @@ class PrefillStage:
 
     def set_discovered(self, urls: list[str]) -> bool:
         """The prefill Service's ready endpoints changed; whether an engine joined (it wants a health check)."""
-        known = set(self.pool.backends)
         self.discovered = urls
-        self.pool.set_urls([*self.static, *urls])
-        return any(url not in known for url in self.pool.backends)
+        return self.pool.set_urls([*self.static, *urls])
 
     def info(self, body: Mapping[str, Any]) -> RequestInfo:
         """What the cache-aware choice of a prefill engine needs of BODY: its prompt's block hashes."""

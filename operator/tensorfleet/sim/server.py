@@ -263,9 +263,14 @@ class SimServer:
             return error_response(400, "request body must be a JSON object")
         model = body.get("model")
         if model is not None and model not in (self.config.served_model_name, self.config.model) \
-                and not (self.engine is not None and self.engine.lora is not None and model in self.engine.lora.adapters):
+                and self._adapter(model) is None:
             return error_response(404, f"The model `{model}` does not exist.", param="model")
         return body
+
+    def _adapter(self, model: Any) -> str | None:
+        """MODEL when it names a LoRA adapter this engine serves."""
+        lora = self.engine.lora if self.engine is not None else None
+        return model if lora is not None and isinstance(model, str) and model in lora.adapters else None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -314,8 +319,7 @@ class SimServer:
         wakeup = asyncio.Event()  # the choices' one waiter: this handler
         choices: list[SimRequest] = []
         remote_decode, remote_tokens, arrival = False, 0, None
-        model = body.get("model")
-        lora = model if engine.lora is not None and isinstance(model, str) and model in engine.lora.adapters else None
+        lora = self._adapter(body.get("model"))
         params, transfer = body.get("kv_transfer_params"), self.config.kv_transfer
         if transfer is not None and params is not None:
             if kvtransfer.wants_remote_decode(params) and transfer.produces:
