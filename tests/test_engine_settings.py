@@ -31,6 +31,7 @@ from tensorfleet.engine_settings import (
     CONFIG_FLAG,
     EXECUTOR_FLAG,
     HOST_FLAG,
+    LORA_MODULES_FLAG,
     REFUSED_ENGINE_FLAGS,
     SETTINGS,
     WORKER_ENV_VARS,
@@ -65,6 +66,8 @@ def _pods() -> list[tuple[str, dict[str, str], Role]]:
 
 def _as_env(value: object) -> str:
     """A Role value written back the way the renderer writes it."""
+    if isinstance(value, bool):
+        return json.dumps(value)  # a switch: "true"
     return json.dumps(list(value)) if isinstance(value, tuple) else str(value)
 
 
@@ -136,6 +139,9 @@ def test_every_vllm_flag_carries_its_value(setting: Setting) -> None:
             carried += 1
         elif setting.field == "pipeline_parallel_size" and not role.multi_node:
             assert setting.vllm_flag not in argv, pod
+        elif isinstance(value, bool):  # a switch: the flag alone, once, when on
+            assert argv.count(setting.vllm_flag) == (1 if value else 0), pod
+            carried += value
         elif value is not None:
             assert _value_after(argv, setting.vllm_flag) == _as_env(value) and argv.count(setting.vllm_flag) == 1, pod
             carried += 1
@@ -150,8 +156,12 @@ def test_every_simulator_flag_carries_its_value(setting: Setting) -> None:
     carried = 0
     for pod, role, argv in _engine_pods("simulator"):
         value = getattr(role, setting.field)
-        if value is None:
+        if value is None or value is False:
             assert setting.sim_flag not in argv, pod
+            continue
+        if value is True:  # a switch: the flag alone
+            assert argv.count(setting.sim_flag) == 1, pod
+            carried += 1
             continue
         assert _value_after(argv, setting.sim_flag) == _as_env(value) and argv.count(setting.sim_flag) == 1, pod
         carried += 1
@@ -173,7 +183,7 @@ def test_the_simulator_understands_every_flag_it_is_given() -> None:
         args = build_parser().parse_args(argv[1:])
         assert args.ignored_args == [], pod
         for setting in SETTINGS:
-            if setting.sim_flag is not None:
+            if setting.sim_flag is not None and setting.sim_flag in argv:
                 parsed = getattr(args, setting.sim_flag.lstrip("-").replace("-", "_"))
                 assert parsed == getattr(role, setting.field), f"{pod}: {setting.sim_flag}"
 
@@ -183,7 +193,7 @@ def test_the_simulator_understands_every_flag_it_is_given() -> None:
 
 def test_refused_flags_are_every_vllm_flag_the_operator_sets() -> None:
     from_rows = {flag for s in SETTINGS if s.vllm_flag for flag in (s.vllm_flag, *s.vllm_aliases)}
-    assert set(REFUSED_ENGINE_FLAGS) == from_rows | {EXECUTOR_FLAG, HOST_FLAG, CONFIG_FLAG}
+    assert set(REFUSED_ENGINE_FLAGS) == from_rows | {EXECUTOR_FLAG, HOST_FLAG, CONFIG_FLAG, LORA_MODULES_FLAG}
     assert all(s.refused == (s.vllm_flag is not None) for s in SETTINGS)
     for _, _, argv in _engine_pods("vllm"):
         assert {item for item in argv if item.startswith("-")} <= set(REFUSED_ENGINE_FLAGS)
@@ -270,7 +280,8 @@ def test_other_flags_and_values_pass(item: str) -> None:
 
 def test_an_ambiguous_prefix_names_every_flag_it_could_be() -> None:
     refused = refused_engine_arg("--max")
-    assert refused is not None and set(refused.flags) == {"--max-model-len", "--max-num-seqs"}
+    assert refused is not None and set(refused.flags) == {"--max-model-len", "--max-num-seqs", "--max-loras",
+                                                          "--max-lora-rank", "--max-cpu-loras"}
 
 
 def test_a_flag_and_value_in_one_item_is_checked_by_its_flag() -> None:

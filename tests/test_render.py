@@ -1033,3 +1033,70 @@ def test_a_crashed_engine_leaves_its_last_log_lines_as_the_termination_message(d
     for sts in by_kind(rendered(doc), "StatefulSet"):
         engine = sts["spec"]["template"]["spec"]["containers"][0]
         assert engine["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
+# --- LoRA -----------------------------------------------------------------------
+
+
+def _by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def _engine_env(objects: list[dict[str, Any]]) -> dict[str, str | None]:
+    (sts,) = _by_kind(objects, "StatefulSet")
+    return {v["name"]: v.get("value") for v in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_lora_engines_start_ready_for_adapters_with_the_plans_sizes() -> None:
+    adapters = [{"name": "sql", "source": "org/sql", "rank": 8}, {"name": "chat", "source": "/cache/adapters/chat"}]
+    objects = rendered(document(adapters=adapters))
+    env = _engine_env(objects)
+    plan = make_plan(load_inference_service(document(adapters=adapters)).spec)
+    assert plan.lora is not None
+    assert env[contract.ENV_ENABLE_LORA] == "true" and env[contract.ENV_RUNTIME_LORA_UPDATING] == "True"
+    assert env[contract.ENV_MAX_LORAS] == str(plan.lora.max_loras)
+    assert env[contract.ENV_MAX_LORA_RANK] == str(plan.lora.max_rank) == "16"  # the rank of "chat" is unknown
+    assert env[contract.ENV_MAX_CPU_LORAS] == str(plan.lora.max_cpu_loras)
+    # The adapters themselves are not in the pod: the operator loads them at runtime.
+    assert "org/sql" not in json.dumps(_by_kind(objects, "StatefulSet"))
+    without = _engine_env(rendered(document()))
+    assert not {contract.ENV_ENABLE_LORA, contract.ENV_MAX_LORAS, contract.ENV_RUNTIME_LORA_UPDATING} & set(without)
+
+
+def test_adding_or_removing_an_adapter_changes_no_engine_object() -> None:
+    few = [{"name": f"a{i}", "source": f"org/a{i}"} for i in range(1)]
+    many = [{"name": f"a{i}", "source": f"org/a{i}"} for i in range(12)]
+    engine_kinds = ("StatefulSet", "Service", "PodDisruptionBudget", "NetworkPolicy", "Deployment")
+    for kind in engine_kinds:
+        assert _by_kind(rendered(document(adapters=few)), kind) == _by_kind(rendered(document(adapters=many)), kind), kind
+    # spec.engine.lora alone starts the engines as the first adapter would: adding it restarts nothing either.
+    ready = document(engine={"lora": {}})
+    assert _by_kind(rendered(ready), "StatefulSet") == _by_kind(rendered(document(adapters=few)), "StatefulSet")
+
+
+def test_with_lora_the_engines_admit_the_operator_on_the_engine_port() -> None:
+    def operator_rules(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        (policy,) = [p for p in _by_kind(objects, "NetworkPolicy") if p["metadata"]["name"].endswith("-engine")]
+        return [rule for rule in policy["spec"]["ingress"]
+                for peer in rule["from"] if peer.get("podSelector", {}).get("matchLabels", {}).get(
+                    contract.LABEL_COMPONENT) == contract.COMPONENT_OPERATOR]
+
+    doc = document(adapters=[{"name": "sql", "source": "org/sql"}])
+    isvc = load_inference_service(doc)
+    (rule,) = operator_rules(render(isvc, make_plan(isvc.spec), operator_namespace="tensorfleet-system"))
+    assert rule["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT}]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["tensorfleet-system"]
+    assert peer["podSelector"]["matchLabels"] == {contract.LABEL_NAME: contract.APP_NAME,
+                                                  contract.LABEL_COMPONENT: contract.COMPONENT_OPERATOR}
+    # Not known (a printed render): the operator's pods in any namespace.
+    (rule,) = operator_rules(rendered(doc))
+    assert rule["from"][0]["namespaceSelector"] == {}
+    assert operator_rules(rendered(document())) == []
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_lora_objects_validate_strictly(version: str) -> None:
+    doc = document(adapters=[{"name": "sql", "source": "org/sql"}], engine={"lora": {"maxLoras": 2}})
+    for obj in rendered(doc):
+        kubernetes_validate.validate(obj, version, strict=True)

@@ -107,3 +107,29 @@ async def test_requests_and_first_bytes_are_counted_per_adapter() -> None:
     assert metric_value(text, requests, adapter="tenant-2", code="200") == 1
     assert metric_value(text, requests, adapter=MODEL, code="200") is None  # the base model is not an adapter
     assert metric_value(text, contract.ROUTER_METRIC_ADAPTER_TTFT + "_count", adapter="tenant-1") == 1
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("strategy", ["cache-aware", "least-pending", "round-robin"])
+async def test_an_adapter_goes_only_to_the_engines_that_list_it(strategy: str) -> None:
+    """An engine that does not list an adapter (one just started, before the operator loaded its adapters) gets
+    none of its requests while one that lists it is routable, whatever the strategy; once it lists the adapter
+    (the next refresh), it takes its share."""
+    async with AsyncExitStack() as stack:
+        have = await stack.enter_async_context(lora_engine(seed=0))
+        lacking = await stack.enter_async_context(lora_engine((), seed=1))
+        r = await stack.enter_async_context(router([have, lacking], strategy=strategy))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        sent = [await served_by(client, r.url, "tenant-1", prompt=f"request {i}") for i in range(12)]
+        assert {status for status, _ in sent} == {200}
+        assert {backend for _, backend in sent} == {have}
+        async with client.post(lacking + LOAD_PATH, json={"lora_name": "tenant-1", "lora_path": "org/x"}) as resp:
+            assert resp.status == 200
+        # The router asks the engines again when one it has not heard from lists something new: an unknown name.
+        await asyncio.sleep(1.1)
+        await served_by(client, r.url, "not-an-adapter")
+        results = await asyncio.gather(*(served_by(client, r.url, "tenant-1", prompt=f"again {i}", max_tokens=20)
+                                         for i in range(16)))
+        assert {status for status, _ in results} == {200}
+        if strategy != "cache-aware":  # cache-aware keeps a cold adapter on its home engine, by design
+            assert {backend for _, backend in results} == {have, lacking}

@@ -57,7 +57,7 @@ async def test_adapters_are_served_by_name_and_listed_under_the_base_model() -> 
             ("sql-writer", MODEL, "org/sql-lora")]
         base = await answer(client, url, completion(MODEL, 12))
         tuned = await answer(client, url, completion("support-bot", 12))
-        assert tuned["usage"]["completion_tokens"] == 12 and tuned["model"] == MODEL
+        assert tuned["usage"]["completion_tokens"] == 12 and tuned["model"] == "support-bot" and base["model"] == MODEL
         assert tuned["choices"][0]["text"] != base["choices"][0]["text"]  # a fine-tune answers differently
         async with client.post(url + "/v1/completions", json=completion("not-loaded")) as resp:
             assert resp.status == 404 and "not-loaded" in (await resp.json())["error"]["message"]
@@ -162,3 +162,15 @@ def test_lora_modules_take_vllms_two_forms() -> None:
     for bad in ("support", "=path", "name=", '{"name": "x"}', "{nope"):
         with pytest.raises(LoraError):
             parse_module(bad)
+
+
+
+@pytest.mark.asyncio
+async def test_an_answer_names_the_adapter_it_used_as_vllm_does() -> None:
+    async with lora_sim(LoraConfig(max_loras=1), (("support-bot", "org/support-lora"),)) as (url, _), \
+            aiohttp.ClientSession() as client:
+        for model in ("support-bot", MODEL):
+            async with client.post(url + "/v1/completions", json={**completion(model), "stream": True}) as resp:
+                events = [json.loads(line[6:]) for line in (await resp.text()).splitlines()
+                          if line.startswith("data: {")]
+            assert resp.status == 200 and events and {e["model"] for e in events} == {model}

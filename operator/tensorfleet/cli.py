@@ -117,6 +117,11 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         "activationBytesPerGPU": plan.activation_bytes_per_gpu,
         "nonTorchBytesPerGPU": plan.non_torch_bytes_per_gpu,
         "kvCacheBytesPerGPU": plan.kv_bytes_per_gpu,
+        **({} if plan.lora is None else {
+            "loraSlotBytesPerGPU": plan.lora.weight_bytes_per_gpu,
+            "loraWorkingBytesPerGPU": plan.lora.working_bytes_per_gpu,
+            "loraRankAssumed": plan.lora.rank_assumed,
+        }),
         "maxConcurrency": round(plan.max_concurrency, 2),
         "maxNumSeqs": plan.max_num_seqs,
         "replicas": replicas,
@@ -129,6 +134,25 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
 
 def _gib(value: int) -> str:
     return f"{value / GiB:.1f} GiB"
+
+
+def _size(value: int) -> str:
+    """GiB, or MiB below one GiB (LoRA figures are often a few hundred MiB)."""
+    if value >= GiB:
+        return _gib(value)
+    return f"{value / MiB:.0f} MiB" if value >= 10 * MiB else f"{value / MiB:.1f} MiB"
+
+
+def _lora_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The LoRA slots and working buffers, which come out of the KV cache (none without LoRA)."""
+    lora = plan.lora
+    if lora is None:
+        return []
+    return [
+        ("  LoRA slots", (f"{_size(lora.weight_bytes_per_gpu)} per GPU ({lora.max_loras} x rank {lora.max_rank}; "
+                          f"host memory holds {lora.max_cpu_loras})")),
+        ("  LoRA working", f"{_size(lora.working_bytes_per_gpu)} per GPU (fp32 buffers of the profiling pass)"),
+    ]
 
 
 def plan_table(isvc: InferenceService, plan: Plan) -> str:
@@ -148,7 +172,8 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
         ("  weights", f"{_gib(plan.weight_bytes_per_gpu)} per GPU ({_gib(plan.weight_bytes_total)} in all)"),
         ("  activations", f"{_gib(plan.activation_bytes_per_gpu)} per GPU (profiling peak)"),
         ("  non-torch", f"{_gib(plan.non_torch_bytes_per_gpu)} per GPU (CUDA context, NCCL)"),
-        ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} per GPU"),
+        *_lora_rows(plan),
+        ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} per GPU" + (" (what the LoRA slots leave)" if plan.lora else "")),
         ("KV per token", f"{per_token / 1024:.1f} KiB per GPU"),
         ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica"),
         ("max concurrency", (f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "

@@ -64,6 +64,7 @@ ANNOTATION_WANTED_GROUPS: Final = f"{GROUP}/wanted-groups"
 APP_NAME: Final = "tensorfleet"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_ROUTER: Final = "router"
+COMPONENT_OPERATOR: Final = "operator"  # the chart's operator pods (charts/tensorfleet/templates/_helpers.tpl)
 ROLE_LEADER: Final = "leader"
 ROLE_WORKER: Final = "worker"
 
@@ -153,6 +154,16 @@ ENV_KV_CACHE_DTYPE: Final = "TF_KV_CACHE_DTYPE"
 ENV_MAX_MODEL_LEN: Final = "TF_MAX_MODEL_LEN"
 ENV_GPU_MEMORY_UTILIZATION: Final = "TF_GPU_MEMORY_UTILIZATION"
 ENV_MAX_NUM_SEQS: Final = "TF_MAX_NUM_SEQS"
+# LoRA (spec.adapters, spec.engine.lora): "true" switches it on; the sizes are the plan's.
+ENV_ENABLE_LORA: Final = "TF_ENABLE_LORA"
+ENV_MAX_LORAS: Final = "TF_MAX_LORAS"
+ENV_MAX_LORA_RANK: Final = "TF_MAX_LORA_RANK"
+ENV_MAX_CPU_LORAS: Final = "TF_MAX_CPU_LORAS"
+# vLLM's own: opens /v1/load_lora_adapter and /v1/unload_lora_adapter, through which the
+# operator (controller/adapters.py) loads spec.adapters into running engines.
+ENV_RUNTIME_LORA_UPDATING: Final = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+LORA_LOAD_PATH: Final = "/v1/load_lora_adapter"
+LORA_UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
 # JSON list of strings: extra engine flags, passed through as argv items.
 ENV_EXTRA_ARGS: Final = "TF_EXTRA_ARGS"
 # The GPU type and the planner's KV-cache size: the simulator times itself from

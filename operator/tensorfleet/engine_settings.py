@@ -83,6 +83,16 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             vllm_flag="--gpu-memory-utilization"),
     Setting(contract.ENV_MAX_NUM_SEQS, "max_num_seqs", "spec.engine.maxNumSeqs",
             vllm_flag="--max-num-seqs", sim_flag="--max-num-seqs"),
+    # LoRA: on when spec.adapters lists any (or spec.engine.lora is set); the adapters themselves are loaded
+    # at runtime by the operator (controller/adapters.py), so changing them restarts nothing.
+    Setting(contract.ENV_ENABLE_LORA, "enable_lora", vllm_flag="--enable-lora", sim_flag="--enable-lora",
+            instead="list adapters in spec.adapters, or set spec.engine.lora"),
+    Setting(contract.ENV_MAX_LORAS, "max_loras", "spec.engine.lora.maxLoras",
+            vllm_flag="--max-loras", sim_flag="--max-loras"),
+    Setting(contract.ENV_MAX_LORA_RANK, "max_lora_rank", "spec.engine.lora.maxRank",
+            vllm_flag="--max-lora-rank", sim_flag="--max-lora-rank"),
+    Setting(contract.ENV_MAX_CPU_LORAS, "max_cpu_loras", "spec.engine.lora.maxCpuLoras",
+            vllm_flag="--max-cpu-loras", sim_flag="--max-cpu-loras"),
     # Appended to either command line as given, after the flags above.
     Setting(contract.ENV_EXTRA_ARGS, "extra_args", "spec.engine.args"),
     Setting(contract.ENV_ACCELERATOR, "accelerator", "spec.accelerator.type", sim_flag="--accelerator"),
@@ -102,10 +112,13 @@ HOST_FLAG: Final = "--host"                                # all addresses: vLLM
 # `vllm serve --config FILE` reads flags from a YAML file, any of the above
 # among them, where no check of spec.engine.args can see them.
 CONFIG_FLAG: Final = "--config"
+# Adapters the engine would serve from its start, which the operator would then unload as not listed.
+LORA_MODULES_FLAG: Final = "--lora-modules"
 _OPERATOR_FLAGS: Final = {
     EXECUTOR_FLAG: "set spec.parallelism.pipeline instead (the operator picks Ray for pipeline > 1)",
     HOST_FLAG: "leave it out: the engine listens on all addresses",
     CONFIG_FLAG: "put the flags themselves in spec.engine.args, one per item, where they are checked",
+    LORA_MODULES_FLAG: "list the adapters in spec.adapters instead (the operator loads them without restarts)",
 }
 
 

@@ -248,6 +248,13 @@ class EngineSpec(ApiModel):
         default=120, ge=0, le=3600,
         description="Time a stopping engine gets to finish in-flight requests. Default: 120.",
     )
+    lora: LoraSpec | None = Field(
+        default=None,
+        description=(
+            "LoRA settings of the engines. Set with spec.adapters, or alone to have the engines ready for adapters "
+            "added later without a restart. Default: the planner's, when spec.adapters lists any."
+        ),
+    )
 
     @field_validator("args", mode="before")
     @classmethod
@@ -264,6 +271,101 @@ class EngineSpec(ApiModel):
         for var in value:
             if var.name in WORKER_ENV_VARS:
                 raise ValueError(f"{var.name} is set by the operator and cannot be overridden")
+            if var.name == contract.ENV_RUNTIME_LORA_UPDATING:
+                raise ValueError(f"{var.name} is set by the operator when spec.adapters lists adapters "
+                                 "(it loads them through the engines' API)")
+        return value
+
+
+# --- spec.adapters / spec.engine.lora --------------------------------------------
+
+# The ranks vLLM's --max-lora-rank accepts (vllm/config/lora.py, MaxLoRARanks).
+LORA_RANKS: tuple[int, ...] = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# An OpenAI model name as clients send it: no spaces, no control characters.
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]*$"
+MAX_ADAPTERS = 256
+
+
+class LoraSpec(ApiModel):
+    """How the engines hold LoRA adapters (vLLM's --max-loras, --max-lora-rank, --max-cpu-loras)."""
+
+    max_loras: int | None = Field(
+        default=None, ge=1, le=256,
+        description=(
+            "Adapters an engine holds in GPU memory at once, each in a slot sized for maxRank; a batch mixes at "
+            "most this many (vLLM --max-loras). The slots' memory comes out of the KV cache. Default: the planner's, "
+            "8, fewer when the slots would take more than a tenth of the KV cache (never the number of adapters "
+            "listed, so that adding one restarts nothing)."
+        ),
+    )
+    max_rank: int | None = Field(
+        default=None,
+        description=(
+            f"Largest adapter rank the engines take (vLLM --max-lora-rank; one of {', '.join(map(str, LORA_RANKS))}). "
+            "Default: the smallest of those that holds every adapter's rank, an adapter without `rank` counting as 16."
+        ),
+    )
+    max_cpu_loras: int | None = Field(
+        default=None, ge=1, le=4096,
+        description=(
+            "Adapters an engine keeps in host memory, so bringing one back into a GPU slot needs no read from disk "
+            "(vLLM --max-cpu-loras; at least maxLoras). Default: twice maxLoras."
+        ),
+    )
+
+    @field_validator("max_rank")
+    @classmethod
+    def _rank_supported(cls, value: int | None) -> int | None:
+        if value is not None and value not in LORA_RANKS:
+            higher = [rank for rank in LORA_RANKS if rank >= value]
+            hint = f"; use {higher[0]}" if higher else ""
+            raise ValueError(f"{value} is not a rank vLLM supports ({', '.join(map(str, LORA_RANKS))}){hint}")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_holds_gpu(self) -> LoraSpec:
+        if self.max_cpu_loras is not None and self.max_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"maxCpuLoras {self.max_cpu_loras} is less than maxLoras {self.max_loras}; vLLM needs at least as "
+                "many adapters in host memory as in GPU slots"
+            )
+        return self
+
+
+class AdapterSpec(ApiModel):
+    """One LoRA adapter of the base model, served under its own name."""
+
+    name: str = Field(
+        min_length=1, max_length=256, pattern=ADAPTER_NAME_PATTERN,
+        description="The OpenAI `model` clients send to use this adapter, e.g. sql-assistant. Unique, and not the base model's served name.",
+    )
+    source: str = Field(
+        min_length=1, max_length=512,
+        description=(
+            "Where the engines read the adapter: a Hugging Face repository id (org/name; its default branch, read "
+            "with spec.hfTokenSecretRef's token) or an absolute path inside the model cache volume (spec.cache, "
+            f"mounted at {contract.CACHE_PATH}), e.g. {contract.CACHE_PATH}/adapters/sql."
+        ),
+    )
+    rank: int | None = Field(
+        default=None, ge=1, le=512,
+        description=(
+            "The adapter's rank (`r` in its adapter_config.json), for sizing. Default: spec.engine.lora.maxRank, "
+            "the most an adapter can take."
+        ),
+    )
+
+    @field_validator("source")
+    @classmethod
+    def _source_form(cls, value: str) -> str:
+        if value.startswith("/"):
+            if any(part in ("..", "") for part in value[1:].split("/")) and value != "/":
+                raise ValueError(f"{value!r}: an absolute path without '..' or empty parts, e.g. {contract.CACHE_PATH}/adapters/sql")
+            return value
+        if "://" in value or value.count("/") != 1 or not all(value.split("/")):
+            raise ValueError(
+                f"{value!r} is neither a Hugging Face repository id (org/name) nor an absolute path in the model cache"
+            )
         return value
 
 
@@ -613,6 +715,30 @@ class InferenceServiceSpec(ApiModel):
         default_factory=RolloutSpec,
         description="How a spec change rolls out. Default: surge one replacement group, so serving never drops.",
     )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS,
+        description=(
+            "LoRA adapters of the base model, each served under its own name. The operator loads them into the "
+            "running engines and unloads the ones removed, without restarting them (status.adapters says where "
+            "each is loaded). Going from none to some, or back, restarts the engines once: LoRA is switched on "
+            "at engine start. Default: none."
+        ),
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapter_names_unique(cls, value: list[AdapterSpec]) -> list[AdapterSpec]:
+        names = [adapter.name for adapter in value]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"adapter name {', '.join(repeated)} listed more than once; each name is one OpenAI model")
+        return value
+
+    @property
+    def lora_enabled(self) -> bool:
+        """The engines start with LoRA on: some adapter is listed, or spec.engine.lora asks for it."""
+        return bool(self.adapters) or self.engine.lora is not None
 
 
 # --- status ---------------------------------------------------------------------
@@ -657,6 +783,25 @@ class PlanStatus(ApiModel):
             "with the weight format read from quantization markers in the model id (catalog+id-markers)."
         ),
     )
+    # LoRA (spec.adapters, spec.engine.lora): absent while it is off.
+    max_loras: int | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="Adapters an engine holds in GPU slots at once (vLLM --max-loras), when LoRA is on: "
+                    "spec.engine.lora.maxLoras, or the planner's choice.",
+    )
+    max_lora_rank: int | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="Largest adapter rank the engines take, which sizes every slot (vLLM --max-lora-rank), when LoRA is on.",
+    )
+    max_cpu_loras: int | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="Adapters an engine keeps in host memory (vLLM --max-cpu-loras), when LoRA is on.",
+    )
+    lora_memory_per_gpu: str | None = Field(
+        default=None, exclude_if=lambda value: value is None,
+        description="GPU memory each GPU gives the LoRA slots and their working buffers, taken from the KV cache "
+                    "(kvCacheTokens is what is left), e.g. 0.3Gi; when LoRA is on.",
+    )
 
 
 class ModelFactsStatus(ApiModel):
@@ -692,6 +837,23 @@ class ModelFactsStatus(ApiModel):
     )
 
 
+class AdapterStatus(ApiModel):
+    """Where one LoRA adapter of spec.adapters is loaded (controller/adapters.py)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    name: str = Field(description="The adapter's name in spec.adapters.")
+    state: Literal["Loaded", "Loading", "Failed", "Pending"] = Field(
+        description=(
+            "Loaded: every ready engine serves it. Loading: some ready engines do not yet. Failed: an engine "
+            "refused it (message says why; the operator retries). Pending: no engine is ready to load it."
+        ),
+    )
+    engines: int = Field(default=0, description="Ready engines that serve it.")
+    ready_engines: int = Field(default=0, description="Ready engines in all.")
+    message: str | None = Field(default=None, description="Why it failed, as the engine said, when it did.")
+
+
 class InferenceServiceStatus(ApiModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
@@ -712,6 +874,9 @@ class InferenceServiceStatus(ApiModel):
     plan: PlanStatus | None = Field(default=None, description="The capacity plan in force.")
     model_facts: ModelFactsStatus | None = Field(
         default=None, description="The model facts the plan was made with, pinned until the model named changes.",
+    )
+    adapters: list[AdapterStatus] | None = Field(
+        default=None, description="Each LoRA adapter of spec.adapters: where it is loaded, or why it is not.",
     )
 
 

@@ -104,7 +104,8 @@ class Operator:
         self.cache = Cache(INFERENCE_SERVICE, (*CHILD_KINDS, POD))
         self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), self.cache,
                                      images=config.images, allowed_registries=config.allowed_registries,
-                                     model_facts=config.model_facts)
+                                     model_facts=config.model_facts,
+                                     operator_namespace=os.environ.get(contract.ENV_OPERATOR_POD_NAMESPACE) or None)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()

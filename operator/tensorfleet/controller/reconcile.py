@@ -26,7 +26,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
-from tensorfleet.controller import metrics
+from tensorfleet.controller import adapters, metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.idle import NOT_IDLE, Idle, parse_time
@@ -39,7 +39,7 @@ from tensorfleet.controller.modelfacts import (
     Resolved,
 )
 from tensorfleet.controller.modelfacts import resolve as resolve_facts
-from tensorfleet.controller.observe import Observation, is_terminating, observe
+from tensorfleet.controller.observe import Observation, is_terminating, observe, pod_ready
 from tensorfleet.controller.policy import check_images
 from tensorfleet.controller.rollout import Mode, decide
 from tensorfleet.controller.statefulsets import (
@@ -122,8 +122,13 @@ class Reconciler:
 
     def __init__(self, kube: Kube, events: EventRecorder, cache: Cache, *, now: Callable[[], str] = utc_now,
                  images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = (),
-                 model_facts: ModelFactsConfig = DEFAULT_MODEL_FACTS) -> None:
+                 model_facts: ModelFactsConfig = DEFAULT_MODEL_FACTS, operator_namespace: str | None = None,
+                 adapter_sync: adapters.Sync = adapters.sync) -> None:
         self.kube = kube
+        # Where the operator's pods run (the engines' NetworkPolicy admits them when they load LoRA adapters),
+        # and how adapters reach the engines (controller/adapters.py; tests give their own).
+        self.operator_namespace = operator_namespace
+        self.adapter_sync = adapter_sync
         self.model_facts = model_facts
         # Per InferenceService: model-facts reads that failed in a row, for the retry backoff.
         self._facts_failures: dict[Key, int] = {}
@@ -181,7 +186,8 @@ class Reconciler:
         zero = decide_idle(isvc.spec, status, children[LEASE].get(contract.demand_lease_name(name)),
                            meta.get("creationTimestamp"), parse_time(self.now()) or datetime.datetime.now(datetime.UTC))
         mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"], idle=zero.idle)
-        desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle)
+        desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle,
+                         operator_namespace=self.operator_namespace)
         annotate_wanted_groups(desired, desired_replicas(isvc.spec, idle=zero.idle))
         first_time = status.get("observedGeneration") is None
         # Going to zero or coming back changes the StatefulSets by the operator's own decision: not a revert.
@@ -207,15 +213,27 @@ class Reconciler:
         obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle),
                       self._engine_pods(namespace, name, sts), sts, router, surge=mode.surge)
         await roll_groups(ctx, obs, mode)
+        lora = await self._sync_adapters(isvc, self._engine_pods(namespace, name, sts))
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
-                                   spec_warnings(isvc), zero, facts)
+                                   spec_warnings(isvc), zero, facts, lora)
+        for reason, message in lora.warnings if lora is not None else ():
+            await self.events.warning(body, reason, message)
         if zero.event is not None:
             await self.events.normal(body, *zero.event)
         counts: dict[str, int] = {}
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
         self._record((namespace, name), (counts, ready))
-        return zero.requeue
+        waits = [t for t in (zero.requeue, lora.requeue if lora is not None else None) if t is not None]
+        return min(waits) if waits else None
+
+    async def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> adapters.Outcome | None:
+        """With LoRA: load spec.adapters into every ready engine and unload the rest; None without LoRA."""
+        if not isvc.spec.lora_enabled:
+            return None
+        engines = adapters.ready_engines(pods, pod_ready)
+        results = await self.adapter_sync(engines, isvc.spec.adapters)
+        return adapters.adapter_status(isvc.spec.adapters, results)
 
     def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         """Engine pods from the cache that our StatefulSets control, or that no controller holds yet.
@@ -303,13 +321,15 @@ class Reconciler:
 
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
                       obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str],
-                      zero: Idle = NOT_IDLE, facts: Resolved = NOT_PINNED) -> str:
+                      zero: Idle = NOT_IDLE, facts: Resolved = NOT_PINNED,
+                      lora: adapters.Outcome | None = None) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
                              rollout=mode, conflicts=conflicts, warnings=[*filter(None, [facts.warning]), *warnings],
-                             idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note)
+                             idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note,
+                             adapters=lora.status if lora is not None else None)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet.api.models import Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
+from tensorfleet.api.models import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
 from tensorfleet.controller.diagnose import UNSCHEDULABLE, Diagnosis, causes, diagnose_all
 from tensorfleet.controller.observe import Observation, pod_gpus, pod_unschedulable
 from tensorfleet.controller.rollout import IN_PLACE, STEADY, SURGE_UNSCHEDULABLE, SURGING, Mode
@@ -191,7 +191,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
                    obs: Observation, selector: str, now: str, rollout: Mode = STEADY,
                    conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
                    idle_since: str | None = None, model_facts: ModelFactsStatus | None = None,
-                   facts_note: str | None = None) -> dict[str, Any]:
+                   facts_note: str | None = None, adapters: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
@@ -200,6 +200,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     follow the plan in PlanValid's message (reason PlanAcceptedWithWarnings),
     after `facts_note` (where the model's facts came from). `model_facts` are
     the facts pinned for the model (controller/modelfacts.py); None: none.
+    `adapters`: status.adapters (controller/adapters.py); None without LoRA.
     """
     accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
     message = "; ".join([plan_message(plan), *([facts_note] if facts_note else []),
@@ -221,6 +222,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         plan=plan.to_status(),
         **({"idle_since": idle_since} if idle_since is not None else {}),
         **({"model_facts": model_facts} if model_facts is not None else {}),
+        **({"adapters": [AdapterStatus.model_validate(a) for a in adapters]} if adapters is not None else {}),
     ))
 
 

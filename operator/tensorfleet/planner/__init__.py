@@ -1,5 +1,6 @@
 """Capacity planning: does a model fit, on which layout, and how much KV cache is left."""
 
+from tensorfleet.planner.lora import LoraPlan
 from tensorfleet.planner.plan import Plan, make_plan, valid_tensor_sizes
 
-__all__ = ["Plan", "make_plan", "valid_tensor_sizes"]
+__all__ = ["LoraPlan", "Plan", "make_plan", "valid_tensor_sizes"]

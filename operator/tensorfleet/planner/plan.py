@@ -14,6 +14,11 @@ When `spec.parallelism` leaves tensor or pipeline out, the planner picks the
 smallest layout that fits, following vLLM's distributed-serving guidance:
 grow tensor parallelism inside one node first (up to its GPU count), and only
 then add nodes as pipeline stages, with tensor = GPUs per node.
+
+With LoRA on (spec.adapters, spec.engine.lora), the adapters' GPU slots and
+their working buffers (`lora.py` sizes them) come out of every layout's budget
+before the KV cache, so the layout search picks one with room for both; the
+plan's KV cache is what they leave (Plan.lora, Plan.lora_bytes_per_gpu).
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from dataclasses import dataclass, field, replace
 
 from tensorfleet import vllm_defaults
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec, PlanStatus
+from tensorfleet.api.models import LORA_RANKS, ArchitectureSpec, InferenceServiceSpec, PlanStatus
 from tensorfleet.catalog import GPUType, ModelFacts, catalog_facts, find_gpu, gpu_names, sizes
 from tensorfleet.catalog.facts import from_architecture
 from tensorfleet.catalog.formats import BITS, UNQUANTIZED, family
+from tensorfleet.planner import lora as lora_memory
 from tensorfleet.planner import memory
+from tensorfleet.planner.lora import LoraPlan, LoraSettings
 from tensorfleet.planner.memory import GiB
 
 MAX_PIPELINE = 64
@@ -55,6 +62,7 @@ class Resolved:
     utilization: float
     max_num_seqs: int
     batched_tokens: int
+    lora: LoraSettings | None = None   # None: LoRA off
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,12 @@ class Plan:
     model_source: str = "catalog"       # where the model's facts came from (catalog/facts.py MODEL_SOURCES)
     model_revision: str | None = None   # the commit its config.json was read at, when known
     weight_detail: str = ""             # the weight format in words (method, group size, layers left 16-bit)
+    lora: LoraPlan | None = None        # LoRA as the engines start with it; None: off (spec.lora_enabled)
+
+    @property
+    def lora_bytes_per_gpu(self) -> int:
+        """GPU memory the LoRA slots and their working buffers take from the KV cache, per GPU (0 without LoRA)."""
+        return self.lora.bytes_per_gpu if self.lora is not None else 0
 
     @property
     def gpus_per_replica(self) -> int:
@@ -127,6 +141,12 @@ class Plan:
             max_concurrent_sequences=self.max_concurrent_sequences,
             load_seconds=self.load_seconds,
             model_source=self.model_source,
+            **({} if self.lora is None else {
+                "max_loras": self.lora.max_loras,
+                "max_lora_rank": self.lora.max_rank,
+                "max_cpu_loras": self.lora.max_cpu_loras,
+                "lora_memory_per_gpu": gib(self.lora.bytes_per_gpu),
+            }),
         )
 
 
@@ -169,6 +189,7 @@ def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None) -> Resolved:
         utilization=spec.engine.gpu_memory_utilization,
         max_num_seqs=spec.engine.max_num_seqs or batch.max_num_seqs,
         batched_tokens=batch.max_num_batched_tokens,
+        lora=lora_memory.settings(spec),
     )
 
 
@@ -281,22 +302,36 @@ def valid_tensor_sizes(arch: ArchitectureSpec, gpus_per_node: int) -> list[int]:
     return [t for t in range(1, gpus_per_node + 1) if _tensor_problem(arch, t) is None]
 
 
-def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> Plan:
-    """Size one layout (assumed valid). `plan.fits` says whether it serves."""
+def _kv_tokens(stages: list[memory.Stage], reserve: int) -> tuple[int, memory.Stage]:
+    """KV tokens of the stage with the fewest, and that stage, with RESERVE bytes per GPU beside the weights."""
+    tokens: int | None = None
+    worst = stages[0]
+    for stage in stages:
+        free = reserve - stage.weight_bytes_per_gpu
+        blocks = max(free, 0) // (vllm_defaults.BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
+        stage_tokens = blocks * vllm_defaults.BLOCK_SIZE
+        if tokens is None or stage_tokens < tokens:
+            tokens, worst = stage_tokens, stage
+    return tokens or 0, worst
+
+
+def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max_loras: int | None = None) -> Plan:
+    """Size one layout (assumed valid). `plan.fits` says whether it serves. MAX_LORAS overrides the LoRA slots."""
     arch = r.arch
     stages = memory.facts_stages(r.facts, tensor, pipeline, r.kv_element_bytes, r.max_model_len, r.bits)
     budget = int(memory.cuda_total_bytes(r.gpu.memory_bytes) * r.utilization)
     activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
     non_torch = memory.non_torch_bytes(tensor, pipeline)
-    tokens: int | None = None
-    worst = stages[0]
-    for stage in stages:
-        free = budget - stage.weight_bytes_per_gpu - activation - non_torch
-        blocks = max(free, 0) // (vllm_defaults.BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
-        stage_tokens = blocks * vllm_defaults.BLOCK_SIZE
-        if tokens is None or stage_tokens < tokens:
-            tokens, worst = stage_tokens, stage
+    tokens, worst = _kv_tokens(stages, budget - activation - non_torch)
     notes: list[str] = list(r.facts.notes)
+    lora: LoraPlan | None = None
+    if r.lora is not None:
+        # The LoRA slots come out of every stage's budget, like the activation reserve.
+        kv_without_lora = max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0)
+        lora = lora_memory.size(r.lora, arch, tensor, pipeline, r.batched_tokens, kv_without_lora, max_loras)
+        tokens, worst = _kv_tokens(stages, budget - activation - non_torch - lora.bytes_per_gpu)
+        notes += lora_memory.notes(r.lora, lora, arch)
+    lora_bytes = lora.bytes_per_gpu if lora is not None else 0
     kv_heads = arch.kv_heads or arch.attention_heads
     if arch.mla is None and tensor > kv_heads:
         notes.append(f"tensor {tensor} > {kv_heads} KV heads: each KV head is replicated on {tensor // kv_heads} GPUs")
@@ -316,15 +351,16 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False) -> 
         weight_bytes_per_gpu=max(s.weight_bytes_per_gpu for s in stages),
         activation_bytes_per_gpu=activation,
         non_torch_bytes_per_gpu=non_torch,
-        kv_bytes_per_gpu=max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0),
+        kv_bytes_per_gpu=max(budget - worst.weight_bytes_per_gpu - activation - non_torch - lora_bytes, 0),
         kv_bytes_per_token_per_gpu=max(s.kv_bytes_per_token_per_gpu for s in stages),
-        kv_cache_tokens=tokens or 0,
+        kv_cache_tokens=tokens,
         max_num_seqs=r.max_num_seqs,
         auto_layout=auto,
         notes=tuple(notes),
         model_source=r.facts.source,
         model_revision=r.facts.revision,
         weight_detail=f"{r.weight_format}, quantized at load time" if r.bits is not None else r.facts.weight_format.detail,
+        lora=lora,
     )
 
 
@@ -435,17 +471,55 @@ def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Pl
 
 
 def _does_not_fit(r: Resolved, spec: InferenceServiceSpec, failed: Plan, field_name: str) -> SpecError:
+    if r.lora is not None and size_layout(replace(r, lora=None), failed.tensor, failed.pipeline).fits:
+        return _lora_does_not_fit(r, failed)
     weights_free = failed.budget_bytes_per_gpu - failed.weight_bytes_per_gpu - failed.activation_bytes_per_gpu - failed.non_torch_bytes_per_gpu
     layout = _describe_layout(failed)
     if weights_free <= 0:
+        lora = f" (LoRA slots {gib(failed.lora_bytes_per_gpu)} of it)" if failed.lora is not None else ""
         why = (
             f"{r.model} ({r.weight_format}) needs {gib(failed.weight_bytes_per_gpu)} of weights per GPU at {layout} plus "
-            f"{gib(failed.activation_bytes_per_gpu + failed.non_torch_bytes_per_gpu)} reserve, more than the "
+            f"{gib(failed.activation_bytes_per_gpu + failed.non_torch_bytes_per_gpu + failed.lora_bytes_per_gpu)} "
+            f"reserve{lora}, more than the "
             f"{gib(failed.budget_bytes_per_gpu)} one {r.gpu.name} gives at gpuMemoryUtilization {r.utilization}"
         )
     else:
+        lora = f" beside {gib(failed.lora_bytes_per_gpu)} of LoRA slots" if failed.lora is not None else ""
         why = (
-            f"at {layout} on {r.gpu.name} the KV cache holds {failed.kv_cache_tokens} tokens, "
+            f"at {layout} on {r.gpu.name} the KV cache holds {failed.kv_cache_tokens} tokens{lora}, "
             f"fewer than one sequence of maxModelLen {r.max_model_len}"
         )
     return SpecError(field_name, f"{why}; {_alternatives(r, spec, failed)}")
+
+
+def _lora_does_not_fit(r: Resolved, failed: Plan) -> SpecError:
+    """The layout would serve without LoRA: say what the LoRA slots cost and how many would fit."""
+    assert r.lora is not None and failed.lora is not None
+    lora = failed.lora
+    layout = _describe_layout(failed)
+    fitting = next((n for n in range(lora.max_loras - 1, 0, -1)
+                    if size_layout(r, failed.tensor, failed.pipeline, max_loras=n).fits), 0)
+    why = (
+        f"{lora.max_loras} LoRA slot{'s' if lora.max_loras > 1 else ''} at rank {lora.max_rank} take "
+        f"{gib(failed.lora_bytes_per_gpu)} per GPU at {layout} on {r.gpu.name}, leaving the KV cache "
+        f"{failed.kv_cache_tokens} tokens, fewer than one sequence of maxModelLen {r.max_model_len}"
+    )
+    fixes: list[str] = []
+    if r.lora.max_loras is not None:
+        field_name = "spec.engine.lora.maxLoras"
+        if fitting:
+            fixes.append(f"set maxLoras <= {fitting} (that many slots fit there)")
+        else:
+            why += "; not one slot fits there"
+    else:
+        field_name = "spec.engine.lora.maxRank"
+    if lora.max_rank > LORA_RANKS[0]:
+        fixes.append("lower spec.engine.lora.maxRank (no adapter's rank may exceed it)")
+    if failed.kv_cache_tokens >= 128:
+        fixes.append(f"set spec.model.maxModelLen <= {failed.kv_cache_tokens}")
+    larger = _search(r, None, None)
+    if larger is not None and (larger.tensor, larger.pipeline) != (failed.tensor, failed.pipeline):
+        fixes.append(f"use {_describe_layout(larger)} on {r.gpu.name}")
+    if not fixes:
+        fixes.append("choose a larger GPU type")
+    return SpecError(field_name, f"{why}; {', or '.join(fixes)}")

@@ -49,6 +49,7 @@ def render(
     images: Images = DEFAULT_IMAGES,
     surge: int = 0,
     idle: bool = False,
+    operator_namespace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 
@@ -60,6 +61,8 @@ def render(
     decision; 0 for a printed render).
     idle: the fleet is at zero (minReplicas 0 and no demand for the idle
     period; the operator's decision, controller/idle.py).
+    operator_namespace: where the operator's pods run; with LoRA they load
+    adapters into the engines, and the engines' NetworkPolicy admits them.
     """
     ctx = Context(
         isvc=isvc,
@@ -69,6 +72,7 @@ def render(
         images=images,
         surge=surge,
         idle=idle,
+        operator_namespace=operator_namespace,
     )
     # Dependencies first: identities and RBAC before the pods using them,
     # Services before the pods that resolve them, the NetworkPolicies and the

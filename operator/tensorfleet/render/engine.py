@@ -302,6 +302,7 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         f".{contract.workers_service_name(name)}.$({contract.ENV_NAMESPACE}).svc"
     )
     quantization = spec.model.quantization
+    lora = plan.lora
     # The table's order is the env's: $(VAR) expands only variables defined earlier in the list.
     env = _settings_env({
         contract.ENV_ENGINE_KIND: spec.engine.kind,
@@ -327,6 +328,11 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_MAX_MODEL_LEN: str(plan.max_model_len),
         contract.ENV_GPU_MEMORY_UTILIZATION: str(spec.engine.gpu_memory_utilization),
         contract.ENV_MAX_NUM_SEQS: str(plan.max_num_seqs),
+        # LoRA's sizes are the plan's, and do not follow the adapters listed: adding one restarts nothing.
+        contract.ENV_ENABLE_LORA: "true" if lora is not None else None,
+        contract.ENV_MAX_LORAS: str(lora.max_loras) if lora is not None else None,
+        contract.ENV_MAX_LORA_RANK: str(lora.max_rank) if lora is not None else None,
+        contract.ENV_MAX_CPU_LORAS: str(lora.max_cpu_loras) if lora is not None else None,
         contract.ENV_EXTRA_ARGS: json.dumps(list(spec.engine.args)),
         contract.ENV_ACCELERATOR: plan.accelerator,
         contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),
@@ -334,6 +340,9 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_gpu(ctx) else None,
     })
     env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
+    if lora is not None:
+        # vLLM's own switch (the simulator reads it too): the operator loads spec.adapters through the API.
+        env.append(_value(contract.ENV_RUNTIME_LORA_UPDATING, "True"))
     env += _home_env(ctx)
     token = spec.hf_token_secret_ref
     if token is not None:

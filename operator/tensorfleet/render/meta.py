@@ -39,6 +39,8 @@ class Context:
     images: Images = DEFAULT_IMAGES
     surge: int = 0  # groups beyond spec.replicas during a rollout (the operator decides; see controller/rollout.py)
     idle: bool = False  # the fleet is at zero (minReplicas 0; the operator decides, see controller/idle.py)
+    # Where the operator runs, whose pods load LoRA adapters into the engines (None: not known, any namespace).
+    operator_namespace: str | None = None
 
     @property
     def name(self) -> str:

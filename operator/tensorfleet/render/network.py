@@ -12,6 +12,9 @@ Two policies per InferenceService, both for ingress only:
   - pods of `monitoringNamespaces`, to the engine port (vLLM serves `/metrics`
     beside the API; a NetworkPolicy cannot tell paths apart) and, on GPU
     engines, the GPU gauges' port.
+  - with LoRA adapters, the Tensorfleet operator's pods (in the operator's
+    namespace when it is known), to the engine port: the operator loads and
+    unloads adapters through the engines' API (controller/adapters.py).
 
 `NAME-router`, over the router pods, admits on the router port pods of the
 InferenceService's own namespace, of `clientNamespaces` and of
@@ -82,6 +85,11 @@ def engine_policy(ctx: Context) -> dict[str, Any]:
         # No ports: every port and protocol, between this InferenceService's engine pods only.
         {"from": [{"podSelector": {"matchLabels": engine_selector(ctx.name)}}]},
     ]
+    if ctx.spec.lora_enabled:
+        operator: dict[str, Any] = {"podSelector": {"matchLabels": {
+            contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: contract.COMPONENT_OPERATOR}}}
+        operator.update(_namespaces([ctx.operator_namespace]) if ctx.operator_namespace else {"namespaceSelector": {}})
+        rules.append({"from": [operator], "ports": _ports(contract.ENGINE_PORT)})
     if monitoring:
         scraped = (contract.ENGINE_PORT, contract.WORKER_METRICS_PORT) if is_gpu(ctx) else (contract.ENGINE_PORT,)
         rules.append({"from": [_namespaces(monitoring)], "ports": _ports(*scraped)})

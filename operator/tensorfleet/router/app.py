@@ -476,6 +476,7 @@ class Router:
         self._active = 0  # inference requests being handled
         # LoRA adapters the engines serve (their /v1/models entries with a parent), and when that was last asked.
         self.adapters: frozenset[str] = frozenset()
+        self._adapter_hosts: dict[str, frozenset[str]] = {}  # engine URL -> the adapters it listed
         self._adapters_asked = -math.inf
         self._adapters_from: frozenset[str] = frozenset()  # the engines that answered then
         self._idle = asyncio.Event()
@@ -926,6 +927,7 @@ class Router:
             info = self._request_info(request, parsed)
             if adapter is not None:
                 info.adapter = _adapter_key(adapter)
+                info.hosts = frozenset(url for url, names in self._adapter_hosts.items() if adapter in names)
             call = _Call(path, body, headers, info, self.first_byte_bound(path, parsed),
                          start, tenant=tenant, meter=meter, adapter=adapter,
                          resumable=cfg.stream_resumptions > 0 and resumable(path, parsed, len(body.data)))
@@ -981,6 +983,8 @@ class Router:
         answers = [r for r in results if isinstance(r, set)]
         if answers:  # else ask again at the next chance: no engine could say
             self.adapters = frozenset().union(*answers)
+            self._adapter_hosts = {b.url: frozenset(r) for b, r in zip(healthy, results, strict=True)
+                                   if isinstance(r, set)}
             self._adapters_asked = self._now()
             self._adapters_from = frozenset(b.url for b in healthy)
 

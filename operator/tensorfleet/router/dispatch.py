@@ -199,6 +199,9 @@ class Dispatcher:
                 b.held_back = True
             elif not exclude or b.url not in exclude:
                 candidates.append(b)
+        hosts = info.hosts
+        if hosts is not None and any(b.url in hosts for b in routable):
+            candidates = [b for b in candidates if b.url in hosts]
         if not candidates:
             return None
         backend = self.strategy.pick(candidates, routable, info)

@@ -90,6 +90,10 @@ class RequestInfo:
     opening_blocks: int = 0
     # A LoRA adapter's name, hashed: cache-aware keeps an adapter on the engines that hold it.
     adapter: int | None = None
+    # The engines that list that adapter (their URLs), when the router knows: every strategy sends the request
+    # to one of them while any is routable, not to an engine that would answer 404 (one just started, say,
+    # before the operator loaded its adapters). None: any engine.
+    hosts: frozenset[str] | None = None
 
 
 def _stable_hash(text: str) -> int:

@@ -18,9 +18,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's: enables the load and unload endpoints
-LOAD_PATH = "/v1/load_lora_adapter"
-UNLOAD_PATH = "/v1/unload_lora_adapter"
+from tensorfleet import contract
+
+RUNTIME_UPDATING_ENV = contract.ENV_RUNTIME_LORA_UPDATING  # vLLM's: enables the load and unload endpoints
+LOAD_PATH = contract.LORA_LOAD_PATH
+UNLOAD_PATH = contract.LORA_UNLOAD_PATH
 
 
 class LoraError(ValueError):
@@ -91,6 +93,9 @@ class LoraState:
             raise LoraError(f"The lora adapter '{name}' has already been loaded.")
         if name == self.served_name:
             raise LoraError(f"The lora adapter '{name}' has the base model's served name.")
+        if path.startswith("/") and not Path(path).exists():
+            # vLLM reads a local path as it is, and a Hub id from the Hub (which the simulator cannot reach).
+            raise LoraError(f"Loading lora {name} failed: No adapter found for {path}")
         rank = adapter_rank(path, self.config.max_rank)
         if rank > self.config.max_rank:
             raise LoraError(f"LoRA rank {rank} is greater than max_lora_rank {self.config.max_rank}.")

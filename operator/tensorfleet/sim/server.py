@@ -345,7 +345,7 @@ class SimServer:
                 engine.abort(choice)
             return error_response(400, str(exc), param=exc.param)
         answer.id = f"{'chatcmpl' if answer.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        answer.model = self.config.served_model_name
+        answer.model = lora or self.config.served_model_name  # vLLM names the adapter a request used
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}

@@ -27,6 +27,7 @@ class FakeWorkloads:
         self.ready = ready or (lambda pod: True)
         self.interval = interval
         self._task: asyncio.Task[None] | None = None
+        self._addresses = 0  # pod IPs handed out
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._loop())
@@ -107,6 +108,10 @@ class FakeWorkloads:
             pod["status"] = {**pod.get("status", {}), "phase": "Running" if want else "Pending",
                              "conditions": [{"type": "Ready", "status": "True" if want else "False",
                                              "lastTransitionTime": rfc3339_now()}]}
+            if want and not pod["status"].get("podIP"):
+                # The kubelet reports the pod's address once its sandbox runs; one per pod, never reused.
+                self._addresses += 1
+                pod["status"]["podIP"] = f"10.244.{self._addresses // 250}.{self._addresses % 250 + 1}"
             changed = True
         if changed:
             return await self.emulator.upsert("v1", "pods", pod)

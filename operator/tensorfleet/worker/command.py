@@ -68,7 +68,11 @@ def _in_order(first: tuple[str, ...]) -> list[Setting]:
 
 
 def _flag(argv: list[str], flag: str, value: object | None) -> None:
-    if value is not None:
+    """FLAG VALUE; a switch (a bool) is the flag alone when true; None and false add nothing."""
+    if isinstance(value, bool):
+        if value:
+            argv.append(flag)
+    elif value is not None:
         argv += [flag, str(value)]
 
 

@@ -56,6 +56,10 @@ class Role(BaseModel):
     max_model_len: int | None = Field(default=None, ge=1)
     gpu_memory_utilization: float | None = Field(default=None, gt=0, le=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
+    enable_lora: bool = False
+    max_loras: int | None = Field(default=None, ge=1)
+    max_lora_rank: int | None = Field(default=None, ge=1)
+    max_cpu_loras: int | None = Field(default=None, ge=1)
     extra_args: tuple[str, ...] = ()
     accelerator: str | None = None
     kv_cache_tokens: int | None = Field(default=None, ge=0)
