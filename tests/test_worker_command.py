@@ -298,8 +298,10 @@ def test_every_var_the_renderer_sets_is_read_by_the_launcher() -> None:
     # Set by the renderer for vLLM and huggingface_hub themselves (HOME and USER: GPU engines
     # run as a uid stock vLLM images have no passwd entry for); the launcher passes them through.
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: vLLM's (and the simulator's) own switch, with LoRA.
+    # VLLM_NIXL_SIDE_CHANNEL_*: vLLM's, with spec.prefill.
     passed_through = {contract.ENV_HF_HOME, contract.ENV_HF_TOKEN, contract.ENV_HOME, contract.ENV_USER,
-                      contract.ENV_RUNTIME_LORA_UPDATING}
+                      contract.ENV_RUNTIME_LORA_UPDATING, contract.ENV_NIXL_SIDE_CHANNEL_HOST,
+                      contract.ENV_NIXL_SIDE_CHANNEL_PORT}
     for case, env, user in _all_rendered_envs():
         recording = RecordingEnv(env)
         role_from_env(recording)

@@ -46,9 +46,14 @@ def rendered_engine_containers(doc: dict[str, Any]) -> list[tuple[int, dict[str,
     for obj in objects:
         if obj["kind"] != "StatefulSet":
             continue
-        stage = int(obj["metadata"]["labels"][contract.LABEL_STAGE])
+        labels = obj["metadata"]["labels"]
+        # A prefill pool's StatefulSets (spec.prefill) number their stages apart from the decode pool's.
+        stage = int(labels.get(contract.LABEL_STAGE, labels.get(contract.LABEL_PREFILL_STAGE, -1)))
         out.append((stage, obj["spec"]["template"]["spec"]["containers"][0], obj))
     return sorted(out, key=lambda item: item[0])
+
+
+POD_IP = "10.244.1.7"  # what the kubelet fills in for status.podIP
 
 
 def kubelet_env(container: dict[str, Any], *, namespace: str, pod_name: str, pod_index: int | None,
@@ -75,6 +80,8 @@ def kubelet_env(container: dict[str, Any], *, namespace: str, pod_name: str, pod
                 env[name] = pod_name
             elif path == f"metadata.labels['{contract.LABEL_POD_INDEX}']":
                 env[name] = "" if pod_index is None else str(pod_index)
+            elif path == "status.podIP":
+                env[name] = POD_IP
             else:
                 raise AssertionError(f"unexpected fieldRef {path}")
         elif "secretKeyRef" in source:

@@ -129,6 +129,12 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         "modelRevision": plan.model_revision,
         "weightDetail": plan.weight_detail,
         "notes": list(plan.notes),
+        **({} if plan.prefill is None or isvc.spec.prefill is None else {"prefill": {
+            **plan.prefill.to_status().model_dump(by_alias=True),
+            "replicas": isvc.spec.prefill.replicas,
+            "totalGPUs": isvc.spec.prefill.replicas * plan.prefill.gpus_per_replica,
+            "kvConnector": plan.kv_connector,
+        }}),
     }
 
 
@@ -152,6 +158,20 @@ def _lora_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  LoRA slots", (f"{_size(lora.weight_bytes_per_gpu)} per GPU ({lora.max_loras} x rank {lora.max_rank}; "
                           f"host memory holds {lora.max_cpu_loras})")),
         ("  LoRA working", f"{_size(lora.working_bytes_per_gpu)} per GPU (fp32 buffers of the profiling pass)"),
+    ]
+
+
+def _prefill_rows(isvc: InferenceService, plan: Plan) -> list[tuple[str, str]]:
+    """With spec.prefill: the prefill pool beside the decode pool the rows above describe."""
+    pool, spec = plan.prefill, isvc.spec.prefill
+    if pool is None or spec is None:
+        return []
+    return [
+        ("prefill pool", (f"{spec.replicas} x tensor {pool.tensor} on {pool.accelerator} "
+                          f"({spec.replicas * pool.gpus_per_replica} GPUs; the rows above are the decode pool)")),
+        ("  weights", f"{_gib(pool.weight_bytes_per_gpu)} per GPU"),
+        ("  KV cache size", f"{pool.kv_cache_tokens:,} tokens per engine"),
+        ("kv transfer", f"{plan.kv_connector} (kv_role kv_both, side channel port {contract.NIXL_SIDE_CHANNEL_PORT})"),
     ]
 
 
@@ -183,6 +203,7 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
                      + (f", autoscaling {isvc.spec.autoscaling.min_replicas}-{isvc.spec.autoscaling.max_replicas}"
                         if isvc.spec.autoscaling else "")),
     ]
+    rows += _prefill_rows(isvc, plan)
     rows += [("note", note) for note in plan.notes]
     width = max(len(key) for key, _ in rows)
     lines = [f"InferenceService {isvc.namespace}/{isvc.name}"]

@@ -50,6 +50,13 @@ LABEL_VERSION: Final = "app.kubernetes.io/version"
 LABEL_INFERENCE_SERVICE: Final = f"{GROUP}/inference-service"
 LABEL_STAGE: Final = f"{GROUP}/stage"
 LABEL_ROLE: Final = f"{GROUP}/role"
+# With spec.prefill: which pool an engine pod serves (`tensorfleet.dev/role` already says leader or worker, and
+# the decode pool's selectors name `tensorfleet.dev/stage`, which prefill pods do not carry: they carry
+# LABEL_PREFILL_STAGE, so no selector of the decode pool ever matches them).
+LABEL_POOL: Final = f"{GROUP}/pool"
+LABEL_PREFILL_STAGE: Final = f"{GROUP}/prefill-stage"
+POOL_PREFILL: Final = "prefill"
+POOL_DECODE: Final = "decode"
 # Set by the StatefulSet controller on every pod since Kubernetes 1.28.
 LABEL_POD_INDEX: Final = "apps.kubernetes.io/pod-index"
 
@@ -162,6 +169,15 @@ ENV_MAX_CPU_LORAS: Final = "TF_MAX_CPU_LORAS"
 # vLLM's own: opens /v1/load_lora_adapter and /v1/unload_lora_adapter, through which the
 # operator (controller/adapters.py) loads spec.adapters into running engines.
 ENV_RUNTIME_LORA_UPDATING: Final = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+# Prefill/decode disaggregation (spec.prefill, spec.kvTransfer): the connector config both pools get, as
+# `--kv-transfer-config` JSON, and NIXL's side channel (vLLM's own variables), on a named container port.
+ENV_KV_TRANSFER_CONFIG: Final = "TF_KV_TRANSFER_CONFIG"
+ENV_NIXL_SIDE_CHANNEL_HOST: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_NIXL_SIDE_CHANNEL_PORT: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+NIXL_SIDE_CHANNEL_PORT: Final = 5600
+NIXL_PORT_NAME: Final = "nixl"
+KV_CONNECTORS: Final = ("NixlConnector",)   # what the router's two-phase protocol speaks (docs/disaggregation.md)
+DEFAULT_KV_CONNECTOR: Final = "NixlConnector"
 LORA_LOAD_PATH: Final = "/v1/load_lora_adapter"
 LORA_UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
 # JSON list of strings: extra engine flags, passed through as argv items.
@@ -352,6 +368,16 @@ ROUTER_API_KEYS_PATH: Final = "/etc/tensorfleet/api-keys"
 # --- Object names (DESIGN.md's naming contract) ----------------------------
 def stage_name(name: str, stage: int) -> str:
     return f"{name}-stage-{stage}"
+
+
+def prefill_stage_name(name: str, stage: int) -> str:
+    """The prefill pool's StatefulSet (spec.prefill): `NAME-prefill-stage-K`."""
+    return f"{name}-prefill-stage-{stage}"
+
+
+def prefill_engine_service_name(name: str) -> str:
+    """The headless Service of the prefill pool's ready leaders, which the routers discover."""
+    return f"{name}-prefill-engine"
 
 
 def workers_service_name(name: str) -> str:

@@ -45,11 +45,15 @@ class Setting:
     vllm_aliases: tuple[str, ...] = ()  # vLLM's other spellings of vllm_flag
     # What a refused vllm_flag tells the user to do, when not "set `source` instead".
     instead: str | None = None
+    # False for a flag the operator sets only for some specs, which spec.engine.args may pass otherwise (the
+    # planner refuses it where both would: --kv-transfer-config beside spec.prefill).
+    always_refused: bool = True
 
     @property
     def refused(self) -> bool:
-        """Whether `spec.engine.args` may not pass this setting's vLLM flag: true of every one the operator sets."""
-        return self.vllm_flag is not None
+        """Whether `spec.engine.args` may never pass this setting's vLLM flag: true of every one the operator
+        always owns."""
+        return self.vllm_flag is not None and self.always_refused
 
 
 SETTINGS: Final[tuple[Setting, ...]] = (
@@ -93,6 +97,10 @@ SETTINGS: Final[tuple[Setting, ...]] = (
             vllm_flag="--max-lora-rank", sim_flag="--max-lora-rank"),
     Setting(contract.ENV_MAX_CPU_LORAS, "max_cpu_loras", "spec.engine.lora.maxCpuLoras",
             vllm_flag="--max-cpu-loras", sim_flag="--max-cpu-loras"),
+    # Prefill/decode disaggregation: the connector config, JSON, the same for both pools.
+    # Colocated engines may still pass their own (say, LMCache's KV offloading) in spec.engine.args.
+    Setting(contract.ENV_KV_TRANSFER_CONFIG, "kv_transfer_config", "spec.kvTransfer.connector",
+            vllm_flag="--kv-transfer-config", sim_flag="--kv-transfer-config", always_refused=False),
     # Appended to either command line as given, after the flags above.
     Setting(contract.ENV_EXTRA_ARGS, "extra_args", "spec.engine.args"),
     Setting(contract.ENV_ACCELERATOR, "accelerator", "spec.accelerator.type", sim_flag="--accelerator"),
@@ -125,7 +133,7 @@ _OPERATOR_FLAGS: Final = {
 def _refused() -> dict[str, str]:
     refused: dict[str, str] = {}
     for setting in SETTINGS:
-        if setting.vllm_flag is None:
+        if setting.vllm_flag is None or not setting.refused:
             continue
         if setting.instead is None and setting.source is None:
             raise ValueError(f"{setting.env}: its vLLM flag is refused in spec.engine.args, so it needs `source` or `instead`")

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from tensorfleet import contract
 from tensorfleet.api.errors import SpecError, from_validation_error, one_line, quote
-from tensorfleet.api.models import MAX_NAME_LENGTH, InferenceService
+from tensorfleet.api.models import MAX_DISAGGREGATED_NAME_LENGTH, MAX_NAME_LENGTH, InferenceService
 from tensorfleet.api.strict import check_document
 
 
@@ -46,6 +46,14 @@ def load_inference_service(document: Any, *, strict: bool = False, ignore_status
         raise SpecError(
             "metadata.name",
             f"{quote(name)} is {len(name)} characters; at most {MAX_NAME_LENGTH} so that generated pod and revision names stay valid",
+        )
+    spec = document.get("spec")
+    if isinstance(name, str) and isinstance(spec, dict) and spec.get("prefill") is not None \
+            and len(name) > MAX_DISAGGREGATED_NAME_LENGTH:
+        raise SpecError(
+            "metadata.name",
+            f"{quote(name)} is {len(name)} characters; with spec.prefill at most {MAX_DISAGGREGATED_NAME_LENGTH}, "
+            "so that the prefill pool's pod and revision names (NAME-prefill-stage-K-...) stay valid",
         )
     try:
         return InferenceService.model_validate(document)

@@ -274,6 +274,9 @@ class EngineSpec(ApiModel):
             if var.name == contract.ENV_RUNTIME_LORA_UPDATING:
                 raise ValueError(f"{var.name} is set by the operator when spec.adapters lists adapters "
                                  "(it loads them through the engines' API)")
+            if var.name in (contract.ENV_NIXL_SIDE_CHANNEL_HOST, contract.ENV_NIXL_SIDE_CHANNEL_PORT):
+                raise ValueError(f"{var.name} is set by the operator with spec.prefill (the pod's address and "
+                                 f"port {contract.NIXL_SIDE_CHANNEL_PORT})")
         return value
 
 
@@ -669,6 +672,46 @@ class RolloutSpec(ApiModel):
     )
 
 
+# --- spec.prefill / spec.kvTransfer -----------------------------------------------
+
+# The longest NAME with a prefill pool: `NAME-prefill-stage-K-<10-char revision hash>` must stay a label value.
+MAX_DISAGGREGATED_NAME_LENGTH = 35
+
+
+class PrefillSpec(ApiModel):
+    """A pool of engines that only compute prompts, handing their KV cache to the decode pool (spec.replicas...)."""
+
+    replicas: int = Field(
+        default=1, ge=1, le=1000,
+        description=(
+            "Prefill engines (groups). The operator holds this count; the HPA scales the decode pool only, and the "
+            "router sends a prompt to a decode engine itself while every prefill engine is busy. Default: 1."
+        ),
+    )
+    parallelism: ParallelismSpec = Field(
+        default_factory=ParallelismSpec,
+        description="Tensor parallelism of one prefill engine (pipeline must be 1). Omit to let the planner choose.",
+    )
+    accelerator: AcceleratorSpec | None = Field(
+        default=None,
+        description=(
+            "GPUs of the prefill pool, e.g. compute-bound prefill on H100 beside memory-bound decode on H200. "
+            "Default: spec.accelerator."
+        ),
+    )
+
+
+class KvTransferSpec(ApiModel):
+    connector: Literal["NixlConnector"] = Field(
+        default=contract.DEFAULT_KV_CONNECTOR,
+        description=(
+            "vLLM's KV connector between the pools, passed as --kv-transfer-config with kv_role kv_both. "
+            "NixlConnector (vLLM's NIXL: GPU to GPU over UCX/RDMA) is the one whose two-phase protocol the router "
+            "speaks. Default: NixlConnector."
+        ),
+    )
+
+
 # --- spec -----------------------------------------------------------------------
 
 
@@ -714,6 +757,18 @@ class InferenceServiceSpec(ApiModel):
     rollout: RolloutSpec = Field(
         default_factory=RolloutSpec,
         description="How a spec change rolls out. Default: surge one replacement group, so serving never drops.",
+    )
+    prefill: PrefillSpec | None = Field(
+        default=None,
+        description=(
+            "Prefill/decode disaggregation: a separate pool computes the prompts and hands their KV cache to the "
+            "engines above (replicas, parallelism, accelerator and autoscaling then describe the decode pool), "
+            "so long prompts stop stalling running decodes. Omit for colocated engines. docs/disaggregation.md."
+        ),
+    )
+    kv_transfer: KvTransferSpec | None = Field(
+        default=None,
+        description="How KV moves between the pools, with spec.prefill. Default: NixlConnector.",
     )
     adapters: list[AdapterSpec] = Field(
         default_factory=list, max_length=MAX_ADAPTERS,

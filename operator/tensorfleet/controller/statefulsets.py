@@ -46,7 +46,8 @@ def annotate_wanted_groups(desired: list[dict[str, Any]], wanted: int) -> None:
     whether the wanted count moved; `StatefulSetHandler.changed` reads this.
     """
     for obj in desired:
-        if obj.get("kind") == STATEFUL_SET.kind:
+        prefill = obj["metadata"].get("labels", {}).get(contract.LABEL_POOL) == contract.POOL_PREFILL
+        if obj.get("kind") == STATEFUL_SET.kind and not prefill:  # the prefill pool holds its own count
             obj["metadata"].setdefault("annotations", {})[WANTED_GROUPS] = str(wanted)
 
 

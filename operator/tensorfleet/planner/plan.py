@@ -1,6 +1,6 @@
 """Does a model fit on these GPUs, and how many requests can it hold?
 
-`make_plan(spec, facts)` resolves the model and GPU facts, checks the parallel
+`plan_pool(spec, facts)` (through `disagg.make_plan`, the entry point) resolves the model and GPU facts, checks the parallel
 layout against the rules vLLM enforces, sizes memory with `memory.py`, and
 either returns a Plan or raises SpecError naming the field and what would fit.
 
@@ -92,6 +92,8 @@ class Plan:
     model_revision: str | None = None   # the commit its config.json was read at, when known
     weight_detail: str = ""             # the weight format in words (method, group size, layers left 16-bit)
     lora: LoraPlan | None = None        # LoRA as the engines start with it; None: off (spec.lora_enabled)
+    prefill: Plan | None = None         # with spec.prefill: the prefill pool's plan (planner/disagg.py)
+    kv_connector: str | None = None     # with spec.prefill: the KV connector both pools run
 
     @property
     def lora_bytes_per_gpu(self) -> int:
@@ -443,8 +445,8 @@ def _check_layout(r: Resolved, tensor: int | None, pipeline: int | None) -> None
         )
 
 
-def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
-    """Plan one replica. Raises SpecError with the field and a layout that fits.
+def plan_pool(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
+    """Plan one replica of the pool SPEC describes. Raises SpecError with the field and a layout that fits.
 
     FACTS are the model's, read from its config.json by the caller
     (`tensorfleet.modelinfo.resolve_model`); without them the catalog answers.

@@ -33,14 +33,22 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
 from tensorfleet.catalog import find_gpu
 from tensorfleet.engine_settings import SETTINGS
-from tensorfleet.render.meta import Context, metadata, pod_labels, resources_block, stage_selector
+from tensorfleet.render.meta import (
+    Context,
+    metadata,
+    pod_labels,
+    prefill_context,
+    prefill_stage_selector,
+    resources_block,
+    stage_selector,
+)
 
 CONTAINER_NAME = "engine"
 REVISION_HISTORY_LIMIT = 3
@@ -77,15 +85,28 @@ def is_gpu(ctx: Context) -> bool:
 
 
 def statefulsets(ctx: Context) -> list[dict[str, Any]]:
-    return [statefulset(ctx, stage) for stage in range(ctx.plan.pipeline)]
+    """The engine StatefulSets: one per pipeline stage, and with spec.prefill the prefill pool's after them."""
+    prefill = prefill_context(ctx)
+    if prefill is None:
+        return [statefulset(ctx, stage) for stage in range(ctx.plan.pipeline)]
+    decode = replace(ctx, pool=contract.POOL_DECODE)
+    return [*(statefulset(decode, stage) for stage in range(ctx.plan.pipeline)),
+            *(statefulset(prefill, stage) for stage in range(prefill.plan.pipeline))]
 
 
 def _role(stage: int) -> str:
     return contract.ROLE_LEADER if stage == 0 else contract.ROLE_WORKER
 
 
-def _stage_labels(stage: int) -> dict[str, str]:
-    return {contract.LABEL_STAGE: str(stage), contract.LABEL_ROLE: _role(stage)}
+def _stage_labels(ctx: Context, stage: int) -> dict[str, str]:
+    """A stage's labels; a prefill pod's stage is LABEL_PREFILL_STAGE, so the decode pool's selectors miss it."""
+    if ctx.pool == contract.POOL_PREFILL:
+        return {contract.LABEL_PREFILL_STAGE: str(stage), contract.LABEL_ROLE: _role(stage),
+                contract.LABEL_POOL: contract.POOL_PREFILL}
+    labels = {contract.LABEL_STAGE: str(stage), contract.LABEL_ROLE: _role(stage)}
+    if ctx.pool is not None:
+        labels[contract.LABEL_POOL] = ctx.pool
+    return labels
 
 
 def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
@@ -94,14 +115,18 @@ def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
     # The operator replaces whole groups itself (controller/rollout.py): the
     # StatefulSet controller would roll each stage on its own, mixing versions
     # inside a group, and take a pod down before its replacement has loaded.
+    prefill = ctx.pool == contract.POOL_PREFILL
     body: dict[str, Any] = {
-        "replicas": desired_replicas(spec, idle=ctx.idle) + ctx.surge,
+        # The prefill pool holds spec.prefill.replicas (no HPA scales it), and idles with the fleet.
+        "replicas": (0 if prefill and ctx.idle else desired_replicas(spec, idle=ctx.idle) + ctx.surge),
         "serviceName": contract.workers_service_name(ctx.name),
         # Groups load for minutes; ordered start-up would serialise that.
         "podManagementPolicy": "Parallel",
         "revisionHistoryLimit": REVISION_HISTORY_LIMIT,
-        "selector": {"matchLabels": stage_selector(ctx.name, stage)},
-        "updateStrategy": {"type": "OnDelete"},
+        "selector": {"matchLabels": (prefill_stage_selector if prefill else stage_selector)(ctx.name, stage)},
+        # Prefill engines are single-stage: the StatefulSet controller replaces them one at a time, and the
+        # routers send prompts to decode engines meanwhile (no group to keep together, no request lost).
+        "updateStrategy": {"type": "RollingUpdate"} if prefill else {"type": "OnDelete"},
         "template": _pod_template(ctx, stage),
     }
     if cache.size:
@@ -113,7 +138,8 @@ def statefulset(ctx: Context, stage: int) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": metadata(ctx, contract.stage_name(ctx.name, stage), contract.COMPONENT_ENGINE, _stage_labels(stage)),
+        "metadata": metadata(ctx, (contract.prefill_stage_name if prefill else contract.stage_name)(ctx.name, stage),
+                             contract.COMPONENT_ENGINE, _stage_labels(ctx, stage)),
         "spec": body,
     }
 
@@ -159,7 +185,7 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
     if tolerations:
         pod["tolerations"] = tolerations
     return {
-        "metadata": {"labels": {**pod_labels(ctx.name, contract.COMPONENT_ENGINE), **_stage_labels(stage)}},
+        "metadata": {"labels": {**pod_labels(ctx.name, contract.COMPONENT_ENGINE), **_stage_labels(ctx, stage)}},
         "spec": pod,
     }
 
@@ -225,6 +251,9 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
     ports = [_port(contract.PORT_NAME_RAY, contract.RAY_PORT)]
     if stage == 0:
         ports.insert(0, _port(contract.PORT_NAME_HTTP, contract.ENGINE_PORT))
+        if ctx.plan.kv_connector is not None:
+            # NIXL's side channel, where the other pool's engines read this one's KV cache.
+            ports.insert(1, _port(contract.NIXL_PORT_NAME, contract.NIXL_SIDE_CHANNEL_PORT))
     if is_gpu(ctx):
         # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
         ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
@@ -333,6 +362,9 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_MAX_LORAS: str(lora.max_loras) if lora is not None else None,
         contract.ENV_MAX_LORA_RANK: str(lora.max_rank) if lora is not None else None,
         contract.ENV_MAX_CPU_LORAS: str(lora.max_cpu_loras) if lora is not None else None,
+        # Both pools run the connector as kv_both: the router's first request makes an engine a producer.
+        contract.ENV_KV_TRANSFER_CONFIG: (json.dumps({"kv_connector": plan.kv_connector, "kv_role": "kv_both"},
+                                                     separators=(",", ":")) if plan.kv_connector else None),
         contract.ENV_EXTRA_ARGS: json.dumps(list(spec.engine.args)),
         contract.ENV_ACCELERATOR: plan.accelerator,
         contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),
@@ -343,6 +375,10 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
     if lora is not None:
         # vLLM's own switch (the simulator reads it too): the operator loads spec.adapters through the API.
         env.append(_value(contract.ENV_RUNTIME_LORA_UPDATING, "True"))
+    if plan.kv_connector is not None:
+        # NIXL's side channel (vLLM's variables): the pod's own address, which the other pool's engines dial.
+        env.append(_field(contract.ENV_NIXL_SIDE_CHANNEL_HOST, "status.podIP"))
+        env.append(_value(contract.ENV_NIXL_SIDE_CHANNEL_PORT, str(contract.NIXL_SIDE_CHANNEL_PORT)))
     env += _home_env(ctx)
     token = spec.hf_token_secret_ref
     if token is not None:

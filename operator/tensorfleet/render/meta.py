@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tensorfleet import contract
@@ -41,6 +41,9 @@ class Context:
     idle: bool = False  # the fleet is at zero (minReplicas 0; the operator decides, see controller/idle.py)
     # Where the operator runs, whose pods load LoRA adapters into the engines (None: not known, any namespace).
     operator_namespace: str | None = None
+    # With spec.prefill: which pool this context renders (contract.POOL_PREFILL or POOL_DECODE); None:
+    # colocated engines. The prefill pool's context carries that pool's spec and plan (prefill_context).
+    pool: str | None = None
 
     @property
     def name(self) -> str:
@@ -85,6 +88,27 @@ def _instance_selector(name: str) -> dict[str, str]:
 
 def stage_selector(name: str, stage: int) -> dict[str, str]:
     return {**_instance_selector(name), contract.LABEL_STAGE: str(stage)}
+
+
+def prefill_stage_selector(name: str, stage: int) -> dict[str, str]:
+    """The prefill pool's stage-K pods: they carry LABEL_PREFILL_STAGE, never LABEL_STAGE, so no selector of the
+    decode pool (stage_selector, leader_selector: the scale subresource's) matches them."""
+    return {**_instance_selector(name), contract.LABEL_PREFILL_STAGE: str(stage)}
+
+
+def prefill_context(ctx: Context) -> Context | None:
+    """The prefill pool's render context: the spec with spec.prefill's replicas, parallelism and accelerator in
+    place of the decode pool's, and the prefill plan; None without spec.prefill."""
+    prefill, plan = ctx.spec.prefill, ctx.plan.prefill
+    if prefill is None or plan is None:
+        return None
+    spec = ctx.spec.model_copy(update={
+        "replicas": prefill.replicas, "autoscaling": None, "parallelism": prefill.parallelism,
+        "accelerator": prefill.accelerator or ctx.spec.accelerator,
+    })
+    isvc = ctx.isvc.model_copy(update={"spec": spec})
+    return replace(ctx, isvc=isvc, plan=replace(plan, kv_connector=ctx.plan.kv_connector), surge=0,
+                   pool=contract.POOL_PREFILL)
 
 
 def leader_selector(name: str) -> dict[str, str]:

@@ -129,6 +129,8 @@ def _container(ctx: Context) -> dict[str, Any]:
         "command": list(contract.ROUTER_COMMAND),
         "args": [
             "--service", contract.engine_service_name(ctx.name),
+            # With spec.prefill, each request's prompt goes to the prefill pool first (docs/disaggregation.md).
+            *(["--prefill-service", contract.prefill_engine_service_name(ctx.name)] if ctx.spec.prefill else []),
             "--namespace", ctx.namespace,
             "--strategy", router.strategy,
             "--port", str(contract.ROUTER_PORT),

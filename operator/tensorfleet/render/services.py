@@ -1,11 +1,18 @@
-"""The three Services: Ray bootstrap DNS, leader discovery, and the user-facing endpoint."""
+"""The Services: Ray bootstrap DNS, leader discovery (and the prefill pool's), and the user-facing endpoint."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.render.meta import Context, engine_selector, leader_selector, metadata, router_selector
+from tensorfleet.render.meta import (
+    Context,
+    engine_selector,
+    leader_selector,
+    metadata,
+    prefill_stage_selector,
+    router_selector,
+)
 
 
 def _port(name: str, port: int, target: str) -> dict[str, Any]:
@@ -41,6 +48,16 @@ def engine_service(ctx: Context) -> dict[str, Any]:
     })
 
 
+def prefill_engine_service(ctx: Context) -> dict[str, Any]:
+    """With spec.prefill: the prefill pool's ready leaders, which the routers discover (--prefill-service)."""
+    return _service(ctx, contract.prefill_engine_service_name(ctx.name), contract.COMPONENT_ENGINE, {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": False,
+        "selector": prefill_stage_selector(ctx.name, 0),
+        "ports": [_port(contract.PORT_NAME_HTTP, contract.ENGINE_PORT, contract.PORT_NAME_HTTP)],
+    })
+
+
 def router_service(ctx: Context) -> dict[str, Any]:
     return _service(ctx, ctx.name, contract.COMPONENT_ROUTER, {
         "type": "ClusterIP",
@@ -50,4 +67,5 @@ def router_service(ctx: Context) -> dict[str, Any]:
 
 
 def services(ctx: Context) -> list[dict[str, Any]]:
-    return [workers_service(ctx), engine_service(ctx), router_service(ctx)]
+    prefill = [prefill_engine_service(ctx)] if ctx.spec.prefill is not None else []
+    return [workers_service(ctx), engine_service(ctx), *prefill, router_service(ctx)]

@@ -1,0 +1,90 @@
+"""Prefill/decode disaggregation: two pools of one model, planned apart and checked to exchange KV.
+
+`make_plan` is the planner's entry point. Without spec.prefill it plans the
+one pool (`plan.plan_pool`). With it, the spec's own parallelism and
+accelerator describe the decode pool and spec.prefill the prefill pool; each
+is planned as a pool of its own (its GPU type, its tensor size), and the
+decode Plan carries the prefill one (`Plan.prefill`) and the connector
+(`Plan.kv_connector`).
+
+What makes two pools able to exchange KV, checked here so the engines never
+start to find out: the same model and weights (one spec.model, so always),
+the same KV-cache element type (one spec.engine.kvCacheDtype, and the compute
+dtype it follows when `auto`: a prefill pool on a GPU without bfloat16 beside a
+bfloat16 decode pool is refused), and single-stage engines on both sides
+(the operator runs NIXL between tensor-parallel engines; vLLM's compatibility
+matrix supports different tensor sizes on the two sides for dense and MoE
+models, which is allowed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tensorfleet import contract
+from tensorfleet.api.errors import SpecError
+from tensorfleet.api.models import InferenceServiceSpec, ParallelismSpec
+from tensorfleet.catalog import ModelFacts
+from tensorfleet.engine_settings import BY_FIELD, vllm_flag_name
+from tensorfleet.planner.plan import Plan, plan_pool
+
+PREFILL = "spec.prefill"
+KV_TRANSFER_FLAG = BY_FIELD["kv_transfer_config"].vllm_flag
+# A field of the decode pool's spec, as an error about the prefill pool must name it.
+_RENAMED = (("spec.parallelism", f"{PREFILL}.parallelism"), ("spec.accelerator", f"{PREFILL}.accelerator"))
+
+
+def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
+    """Plan the InferenceService: its one pool, or with spec.prefill its decode pool carrying the prefill pool's
+    plan. Raises SpecError naming the field."""
+    prefill = spec.prefill
+    if prefill is None:
+        if spec.kv_transfer is not None:
+            raise SpecError("spec.kvTransfer", "applies only with spec.prefill (a prefill pool to move KV from); "
+                                               "add spec.prefill or remove spec.kvTransfer")
+        return plan_pool(spec, facts)
+    if spec.adapters or spec.engine.lora is not None:
+        raise SpecError("spec.adapters", "LoRA adapters are not served by disaggregated pools yet; remove "
+                                         "spec.adapters and spec.engine.lora, or spec.prefill")
+    for index, item in enumerate(spec.engine.args):
+        if vllm_flag_name(item) == KV_TRANSFER_FLAG:
+            raise SpecError(f"spec.engine.args[{index}]",
+                            f"{item[:60]!r}: with spec.prefill the operator sets {KV_TRANSFER_FLAG} on both pools; "
+                            "choose the connector with spec.kvTransfer.connector")
+    for field, parallelism in (("spec.parallelism", spec.parallelism), (f"{PREFILL}.parallelism", prefill.parallelism)):
+        if parallelism.pipeline not in (None, 1):
+            raise SpecError(f"{field}.pipeline", f"{parallelism.pipeline} stages: with spec.prefill both pools run "
+                                                 "single-stage engines (tensor parallelism only, up to a node's GPUs); "
+                                                 "set pipeline 1 or a larger GPU type")
+    single = ParallelismSpec(tensor=spec.parallelism.tensor, pipeline=1)
+    decode = plan_pool(spec.model_copy(update={"parallelism": single, "prefill": None}), facts)
+    prefill_spec = spec.model_copy(update={
+        "parallelism": ParallelismSpec(tensor=prefill.parallelism.tensor, pipeline=1),
+        "accelerator": prefill.accelerator or spec.accelerator, "prefill": None, "autoscaling": None,
+    })
+    try:
+        pool = plan_pool(prefill_spec, facts)
+    except SpecError as exc:
+        raise _renamed(exc) from None
+    if pool.dtype != decode.dtype:
+        raise SpecError(f"{PREFILL}.accelerator.type",
+                        f"the prefill pool would compute in {pool.dtype} on {pool.accelerator} and the decode pool in "
+                        f"{decode.dtype} on {decode.accelerator}: their KV caches could not be exchanged; choose GPU "
+                        f"types that both run {decode.dtype}, or set spec.model.dtype: float16")
+    if pool.kv_cache_dtype != decode.kv_cache_dtype:
+        raise SpecError(f"{PREFILL}.accelerator.type",
+                        f"the prefill pool's KV cache would hold {pool.kv_cache_dtype} and the decode pool's "
+                        f"{decode.kv_cache_dtype}: they could not be exchanged")
+    connector = spec.kv_transfer.connector if spec.kv_transfer is not None else contract.DEFAULT_KV_CONNECTOR
+    return _with(decode, pool, connector)
+
+
+def _with(decode: Plan, prefill: Plan, connector: str) -> Plan:
+    return replace(decode, prefill=prefill, kv_connector=connector)
+
+
+def _renamed(exc: SpecError) -> SpecError:
+    for old, new in _RENAMED:
+        if exc.field == old or exc.field.startswith(old + "."):
+            return SpecError(new + exc.field[len(old):], exc.message)
+    return exc
