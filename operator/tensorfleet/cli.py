@@ -24,7 +24,7 @@ from tensorfleet.api.errors import one_line
 from tensorfleet.api.manifest import MAX_INPUT_BYTES, ManifestError, parse_manifests
 from tensorfleet.catalog import GPUS, MODELS, ModelFacts
 from tensorfleet.extras import MissingExtra
-from tensorfleet.planner import Plan, make_plan
+from tensorfleet.planner import Plan, make_plan, sizing
 from tensorfleet.planner.memory import GiB, MiB, cuda_total_bytes
 
 EXIT_INVALID = 1
@@ -237,13 +237,112 @@ def _model_facts(args: argparse.Namespace) -> FactsFor:
     return facts_for
 
 
+SIZING_FLAGS = ("rate", "users", "think_seconds", "prompt_tokens", "output_tokens", "ttft_p99", "itl_p99",
+                "prefill_accelerator", "kv_transfer_gbps")
+
+
+def _workload(args: argparse.Namespace) -> tuple[sizing.Workload, sizing.Targets] | None:
+    """(Workload, Targets) from `plan`'s sizing flags, None when none is given; UsageError naming a missing one."""
+    if all(getattr(args, name) is None for name in SIZING_FLAGS):
+        return None
+    if args.rate is None and args.users is None:
+        raise UsageError("--rate: sizing needs --rate REQUESTS_PER_S or --users N")
+    if args.think_seconds is not None and args.users is None:
+        raise UsageError("--think-seconds: applies only with --users")
+    for flag in ("prompt_tokens", "output_tokens", "ttft_p99", "itl_p99"):
+        if getattr(args, flag) is None:
+            raise UsageError(f"--{flag.replace('_', '-')}: required to size a fleet (with --rate or --users)")
+    workload = sizing.Workload(prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens, rate=args.rate,
+                               users=args.users, think_seconds=args.think_seconds or 0.0)
+    targets = sizing.Targets(ttft_p99=args.ttft_p99, itl_p99=args.itl_p99)
+    try:
+        workload.check()
+        targets.check()
+    except sizing.SizingError as exc:
+        raise UsageError(str(exc)) from None
+    return workload, targets
+
+
+def _sizing_for(args: argparse.Namespace, isvc: InferenceService, plan: Plan, facts: ModelFacts | None,
+                wanted: tuple[sizing.Workload, sizing.Targets]) -> sizing.Sizing:
+    """The sizing of ISVC for the workload: colocated on the decode pool's GPUs (and the prefill pool's, when
+    they differ), disaggregated with spec.prefill's pool or one on --prefill-accelerator (default: the decode GPU)."""
+    from tensorfleet.api.models import AcceleratorSpec, ParallelismSpec, PrefillSpec
+
+    spec = isvc.spec
+    arch = sizing.model_arch(spec, facts)
+    if arch is None:
+        raise UsageError(f"{isvc.name}: sizing needs the model's architecture (spec.model.architecture)")
+    prefill_plan = plan.prefill
+    if prefill_plan is None or args.prefill_accelerator is not None:
+        base = spec.prefill or PrefillSpec(parallelism=ParallelismSpec(tensor=spec.parallelism.tensor or plan.tensor))
+        accelerator = (AcceleratorSpec(type=args.prefill_accelerator) if args.prefill_accelerator
+                       else base.accelerator or spec.accelerator)
+        single = ParallelismSpec(tensor=plan.tensor, pipeline=1)
+        try:
+            split = make_plan(spec.model_copy(update={
+                "parallelism": single, "kv_transfer": None,
+                "prefill": base.model_copy(update={"accelerator": accelerator})}), facts)
+        except SpecError as exc:
+            field = "--prefill-accelerator" if args.prefill_accelerator else exc.field
+            raise UsageError(f"{isvc.name}: {field}: {exc.message}") from None
+        prefill_plan = split.prefill
+    assert prefill_plan is not None
+    decode = sizing.engine_for(plan, arch)
+    prefill = sizing.engine_for(prefill_plan, arch)
+    colocated = (decode,) if prefill.accelerator == decode.accelerator else (decode, prefill)
+    try:
+        return sizing.size(wanted[0], wanted[1], decode, prefill, colocated,
+                           link_gbps=sizing.DEFAULT_LINK_GBPS if args.kv_transfer_gbps is None
+                           else args.kv_transfer_gbps)
+    except sizing.SizingError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def sizing_table(result: sizing.Sizing) -> str:
+    """The `sizing` block of `plan`'s table output."""
+    t = result.targets
+    lines = ["  sizing",
+             f"    workload       {result.workload.describe()}",
+             (f"    targets        TTFT p99 {t.ttft_p99:g} s, ITL p99 {t.itl_p99 * 1e3:g} ms "
+              f"(KV link {result.link_gbps:g} Gbit/s per GPU)")]
+    for layout in (*result.colocated, result.disaggregated):
+        lines.append(f"    {layout.kind:<14} {layout.describe()}")
+        if not layout.feasible:
+            continue
+        lines.append(f"    {'':<14} at {layout.rate:,.1f} requests/s: TTFT p99 {layout.ttft_p99:.2f} s, "
+                     f"ITL p99 {layout.itl_p99 * 1e3:.0f} ms")
+        for pool in layout.pools:
+            batch = (f"decode batch {pool.decode_batch} (p99 {pool.decode_batch_p99}, bound by {pool.limit}), "
+                     if pool.role != "prefill" else "")
+            lines.append(f"    {'':<14} {pool.role}: {batch}--max-num-batched-tokens {pool.batched_tokens}, "
+                         f"step {pool.step_seconds * 1e3:.0f} ms")
+    lines.append(f"    choice         {result.choice}: {result.why}")
+    return "\n".join(lines)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    loaded = _load(args.file, _model_facts(args))
+    wanted = _workload(args)
+    facts_for = _model_facts(args)
+    seen: dict[int, ModelFacts | None] = {}
+
+    def recording(isvc: InferenceService) -> tuple[ModelFacts | None, str | None]:
+        facts, note = facts_for(isvc)
+        seen[id(isvc)] = facts
+        return facts, note
+
+    loaded = _load(args.file, recording)
+    sized = [None if wanted is None else _sizing_for(args, isvc, plan, seen.get(id(isvc)), wanted)
+             for _, isvc, plan in loaded]
     if args.output == "json":
-        for _, isvc, plan in loaded:
-            print(json.dumps(plan_summary(isvc, plan), indent=2))
+        for (_, isvc, plan), result in zip(loaded, sized, strict=True):
+            summary = plan_summary(isvc, plan)
+            if result is not None:
+                summary["sizing"] = result.to_json()
+            print(json.dumps(summary, indent=2))
     else:
-        print("\n\n".join(plan_table(isvc, plan) for _, isvc, plan in loaded))
+        print("\n\n".join(plan_table(isvc, plan) + ("" if result is None else "\n" + sizing_table(result))
+                           for (_, isvc, plan), result in zip(loaded, sized, strict=True)))
     return 0
 
 
@@ -323,6 +422,20 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--offline", action="store_true",
                       help="do not ask the Hugging Face Hub for config.json (like HF_HUB_OFFLINE=1): use the local "
                            "Hugging Face cache, else the built-in catalog")
+    workload = plan.add_argument_group("sizing for a workload (docs/disaggregation.md)")
+    load = workload.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, metavar="RPS", help="requests per second (Poisson arrivals)")
+    load.add_argument("--users", type=int, metavar="N",
+                      help="concurrent users, each sending a request, waiting for the answer, then thinking")
+    workload.add_argument("--think-seconds", type=float, metavar="S", help="a user's think time (default 0)")
+    workload.add_argument("--prompt-tokens", type=int, metavar="N", help="mean prompt tokens")
+    workload.add_argument("--output-tokens", type=int, metavar="N", help="mean output tokens")
+    workload.add_argument("--ttft-p99", type=float, metavar="S", help="time-to-first-token target, p99, seconds")
+    workload.add_argument("--itl-p99", type=float, metavar="S", help="inter-token latency target, p99, seconds")
+    workload.add_argument("--prefill-accelerator", metavar="TYPE",
+                        help="GPU type of the prefill pool to size (default: spec.prefill's, else spec.accelerator)")
+    workload.add_argument("--kv-transfer-gbps", type=float, metavar="GBPS",
+                        help="KV link per GPU between the pools, Gbit/s (default 100, as the simulator)")
     plan.set_defaults(func=_cmd_plan)
 
     render = commands.add_parser("render", help="print the Kubernetes objects an InferenceService becomes")

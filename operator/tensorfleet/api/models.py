@@ -923,6 +923,12 @@ class InferenceServiceStatus(ApiModel):
         ),
     )
     ready_replicas: int | None = Field(default=None, description="Groups whose every stage pod is ready.")
+    prefill_replicas: int | None = Field(default=None, description="With spec.prefill: prefill engines that exist.")
+    ready_prefill_replicas: int | None = Field(
+        default=None,
+        description="With spec.prefill: prefill engines that are ready. While fewer than wanted, decode engines "
+                    "compute the prompts the prefill pool cannot take.",
+    )
     updated_replicas: int | None = Field(default=None, description="Groups running the current spec.")
     selector: str | None = Field(default=None, description="Label selector of the leader pods (for the scale subresource and HPA).")
     endpoint: str | None = Field(default=None, description="OpenAI base URL inside the cluster.")

@@ -113,6 +113,12 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
+def _prefill_counts(sts: dict[str, Any] | None) -> tuple[int, int]:
+    """(existing, ready) prefill engines, as the prefill pool's StatefulSet reports them."""
+    status = (sts or {}).get("status") or {}
+    return int(status.get("replicas") or 0), int(status.get("readyReplicas") or 0)
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -214,8 +220,10 @@ class Reconciler:
                       self._engine_pods(namespace, name, sts), sts, router, surge=mode.surge)
         await roll_groups(ctx, obs, mode)
         lora = await self._sync_adapters(isvc, self._engine_pods(namespace, name, sts))
+        prefill = (_prefill_counts(live_after.get((STATEFUL_SET.kind, contract.prefill_stage_name(name, 0))))
+                   if isvc.spec.prefill is not None else None)
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
-                                   spec_warnings(isvc), zero, facts, lora)
+                                   spec_warnings(isvc), zero, facts, lora, prefill)
         for reason, message in lora.warnings if lora is not None else ():
             await self.events.warning(body, reason, message)
         if zero.event is not None:
@@ -322,14 +330,14 @@ class Reconciler:
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
                       obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str],
                       zero: Idle = NOT_IDLE, facts: Resolved = NOT_PINNED,
-                      lora: adapters.Outcome | None = None) -> str:
+                      lora: adapters.Outcome | None = None, prefill: tuple[int, int] | None = None) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
                              rollout=mode, conflicts=conflicts, warnings=[*filter(None, [facts.warning]), *warnings],
                              idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note,
-                             adapters=lora.status if lora is not None else None)
+                             adapters=lora.status if lora is not None else None, prefill=prefill)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -191,7 +191,8 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
                    obs: Observation, selector: str, now: str, rollout: Mode = STEADY,
                    conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
                    idle_since: str | None = None, model_facts: ModelFactsStatus | None = None,
-                   facts_note: str | None = None, adapters: Sequence[dict[str, Any]] | None = None) -> dict[str, Any]:
+                   facts_note: str | None = None, adapters: Sequence[dict[str, Any]] | None = None,
+                   prefill: tuple[int, int] | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
@@ -201,6 +202,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     after `facts_note` (where the model's facts came from). `model_facts` are
     the facts pinned for the model (controller/modelfacts.py); None: none.
     `adapters`: status.adapters (controller/adapters.py); None without LoRA.
+    `prefill`: (existing, ready) prefill engines, with spec.prefill; None without.
     """
     accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
     message = "; ".join([plan_message(plan), *([facts_note] if facts_note else []),
@@ -223,6 +225,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         **({"idle_since": idle_since} if idle_since is not None else {}),
         **({"model_facts": model_facts} if model_facts is not None else {}),
         **({"adapters": [AdapterStatus.model_validate(a) for a in adapters]} if adapters is not None else {}),
+        **({"prefill_replicas": prefill[0], "ready_prefill_replicas": prefill[1]} if prefill is not None else {}),
     ))
 
 

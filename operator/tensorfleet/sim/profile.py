@@ -47,6 +47,13 @@ from dataclasses import dataclass, replace
 from tensorfleet import vllm_defaults
 from tensorfleet.api import SpecError
 from tensorfleet.catalog import find_gpu, find_model, gpu_names, sizes
+from tensorfleet.catalog.roofline import (
+    BANDWIDTH_EFFICIENCY,
+    COMPUTE_EFFICIENCY,
+    PEAK_TFLOPS,
+    STEP_OVERHEAD_SECONDS,
+    TENSOR_PARALLEL_OVERHEAD_SECONDS,
+)
 
 log = logging.getLogger("tensorfleet.sim")
 
@@ -55,21 +62,8 @@ DEFAULT_ACCELERATOR = "L4"
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_KV_CACHE_TOKENS = 32768
 
-BANDWIDTH_EFFICIENCY = 0.8
-COMPUTE_EFFICIENCY = 0.5
-STEP_OVERHEAD_SECONDS = 0.002
-# Tensor parallelism adds two all-reduces per layer; NVLink makes that
-# roughly a fixed cost per step at serving batch sizes.
-TENSOR_PARALLEL_OVERHEAD_SECONDS = 0.0005
 # The KV-cache dtype the timing assumes: the model's own (vLLM's `auto`).
 KV_CACHE_DTYPE = "auto"
-
-# Dense bf16/fp16 tensor-core peak (datasheet, without sparsity), TFLOPS.
-# The catalog has no compute figures; only the simulator needs them.
-PEAK_TFLOPS: dict[str, float] = {
-    "A100-40GB": 312, "A100-80GB": 312, "H100-80GB": 989, "H100-NVL-94GB": 835, "H200-141GB": 989,
-    "B200-180GB": 2250, "L40S": 362, "L40": 181, "L4": 121, "A10G": 70, "A10": 125, "T4": 65,
-}
 
 
 @dataclass(frozen=True)
