@@ -141,6 +141,18 @@ def engine_pods(name: str, namespace: str) -> list[dict[str, Any]]:
     return items("pods", namespace, selector)
 
 
+def router_url(name: str, namespace: str) -> str:
+    """The base URL of one Ready router pod of NAME, on its pod IP (the pod runner's pods are reachable here)."""
+    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
+
+    def ready_ip() -> str | None:
+        for pod in items("pods", namespace, selector):
+            if (condition(pod, "Ready") or {}).get("status") == "True" and pod["status"].get("podIP"):
+                return str(pod["status"]["podIP"])
+        return None
+    return f"http://{eventually('a Ready router pod', ready_ip, timeout=120)}:{contract.ROUTER_PORT}"
+
+
 def nodes() -> dict[str, dict[str, Any]]:
     return {n["metadata"]["name"]: n for n in items("nodes", None)}
 

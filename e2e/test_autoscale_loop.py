@@ -19,7 +19,7 @@ import urllib.request
 from typing import Any
 
 import pytest
-from kube import apply, condition, eventually, example, get, items, kubectl, kubectl_result, wait_ready
+from kube import apply, condition, eventually, example, get, items, kubectl, kubectl_result, router_url, wait_ready
 
 from tensorfleet import contract
 
@@ -34,17 +34,6 @@ MAX_TOKENS = 120
 def _stack_or_skip() -> None:
     if "v1beta1.custom.metrics.k8s.io" not in kubectl("get", "apiservices", "-o", "name"):
         pytest.skip("no custom-metrics API in this cluster (e2e/cluster up without the monitoring stack)")
-
-
-def _router_url(name: str, namespace: str) -> str:
-    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
-
-    def ready_ip() -> str | None:
-        for pod in items("pods", namespace, selector):
-            if (condition(pod, "Ready") or {}).get("status") == "True" and pod["status"].get("podIP"):
-                return str(pod["status"]["podIP"])
-        return None
-    return f"http://{eventually('a Ready router pod', ready_ip, timeout=120)}:{contract.ROUTER_PORT}"
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> tuple[int, bytes]:
@@ -81,7 +70,7 @@ def test_sustained_overload_behind_a_low_router_ceiling_scales_out_on_the_real_h
     name = doc["metadata"]["name"]
     apply(doc)
     wait_ready(name, namespace)
-    url = _router_url(name, namespace)
+    url = router_url(name, namespace)
     model = doc["spec"]["model"]["servedName"]
     status, _ = _post(url, {"model": model, "prompt": "hello", "max_tokens": 4}, timeout=30)
     assert status == 200, "the router pod answers on its pod IP"
@@ -137,7 +126,7 @@ def test_a_request_to_an_idle_service_is_answered_after_a_cold_start_and_the_fle
     stages = doc["spec"]["parallelism"]["pipeline"]
     apply(doc)
     wait_ready(name, namespace)
-    url = _router_url(name, namespace)
+    url = router_url(name, namespace)
     model = doc["spec"]["model"]["servedName"]
 
     def at_zero() -> bool:

@@ -10,7 +10,7 @@ import json
 import urllib.request
 from typing import Any
 
-from kube import apply, condition, engine_pods, eventually, example, items, nodes, wait_ready
+from kube import apply, condition, engine_pods, eventually, example, items, nodes, router_url, wait_ready
 from test_pods import _runner
 
 from tensorfleet import contract
@@ -63,17 +63,6 @@ def test_the_gpu_example_runs_each_pool_on_its_gpu_type(namespace: str) -> None:
     assert addresses(contract.engine_service_name(name)) == decode_ips
 
 
-def _router_url(name: str, namespace: str) -> str:
-    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
-
-    def ready_ip() -> str | None:
-        for pod in items("pods", namespace, selector):
-            if _ready(pod) and pod["status"].get("podIP"):
-                return str(pod["status"]["podIP"])
-        return None
-    return f"http://{eventually('a Ready router pod', ready_ip, timeout=120)}:{contract.ROUTER_PORT}"
-
-
 def _metric(url: str, name: str, **labels: str) -> float:
     with urllib.request.urlopen(url + contract.METRICS_PATH, timeout=10) as response:
         text = response.read().decode()
@@ -92,7 +81,7 @@ def test_the_simulator_example_serves_in_two_phases_through_the_router(namespace
     wait_ready(name, namespace)
     eventually("the prefill engine Ready", lambda: all(_ready(p) for p in _pools(name, namespace)[contract.POOL_PREFILL])
                and _pools(name, namespace)[contract.POOL_PREFILL] or None, timeout=180)
-    router = _router_url(name, namespace)
+    router = router_url(name, namespace)
     served = doc["spec"]["model"]["servedName"]
     prefill_ip = _pools(name, namespace)[contract.POOL_PREFILL][0]["status"]["podIP"]
     engine = f"http://{prefill_ip}:{contract.ENGINE_PORT}"

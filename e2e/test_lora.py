@@ -14,23 +14,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from kube import apply, condition, eventually, example, get, items, kubectl_result, wait_ready
+from kube import apply, engine_pods, eventually, example, get, kubectl_result, router_url, wait_ready
 from test_pods import _runner
 
 from tensorfleet import contract
 
 EXAMPLE = "simulator-lora.yaml"
-
-
-def _router_url(name: str, namespace: str) -> str:
-    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
-
-    def ready_ip() -> str | None:
-        for pod in items("pods", namespace, selector):
-            if (condition(pod, "Ready") or {}).get("status") == "True" and pod["status"].get("podIP"):
-                return str(pod["status"]["podIP"])
-        return None
-    return f"http://{eventually('a Ready router pod', ready_ip, timeout=120)}:{contract.ROUTER_PORT}"
 
 
 def _call(url: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
@@ -54,9 +43,8 @@ def _adapter_states(name: str, namespace: str) -> dict[str, tuple[str, int]]:
     return {a["name"]: (a["state"], a["engines"]) for a in status.get("adapters") or []}
 
 
-def _engine_pods(name: str, namespace: str) -> dict[str, str]:
-    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
-    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in items("pods", namespace, selector)}
+def _engine_pod_uids(name: str, namespace: str) -> dict[str, str]:
+    return {p["metadata"]["name"]: p["metadata"]["uid"] for p in engine_pods(name, namespace)}
 
 
 def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(namespace: str) -> None:
@@ -72,14 +60,14 @@ def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(names
     eventually("every adapter loaded on every engine",
                lambda: _adapter_states(name, namespace) == {a: ("Loaded", replicas) for a in adapters} or None,
                timeout=180)
-    router = _router_url(name, namespace)
+    router = router_url(name, namespace)
     eventually("the router lists the base model and every adapter",
                lambda: _models(router) == {served: None, **{a: served for a in adapters}} or None, timeout=60)
     for adapter in adapters:
         status, body = _call(router, "/v1/completions", {"model": adapter, "prompt": "hello", "max_tokens": 4})
         assert status == 200 and body["model"] == adapter, body
 
-    pods = _engine_pods(name, namespace)
+    pods = _engine_pod_uids(name, namespace)
     assert len(pods) == replicas
     generation = get("statefulset", contract.stage_name(name, 0), namespace)["metadata"]["generation"]
     added = {"name": "translator", "source": "example-org/llama-8b-translate-lora", "rank": 16}
@@ -92,7 +80,7 @@ def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(names
                lambda: _call(router, "/v1/completions", {"model": "translator", "prompt": "hi", "max_tokens": 2})[0]
                == 200 or None, timeout=60)
     assert "translator" in _models(router)
-    assert _engine_pods(name, namespace) == pods, "adding an adapter recreated engine pods"
+    assert _engine_pod_uids(name, namespace) == pods, "adding an adapter recreated engine pods"
     assert get("statefulset", contract.stage_name(name, 0), namespace)["metadata"]["generation"] == generation
 
     # Removing one unloads it from the engines: the router answers 404 for it, naming it, once it has asked again.
@@ -105,7 +93,7 @@ def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(names
         status, body = _call(router, "/v1/completions", {"model": "summarizer", "prompt": "x", "max_tokens": 1})
         return (status == 404 and "summarizer" in body["error"]["message"]) or None
     eventually("the router refuses the removed adapter", refused, timeout=60)
-    assert _engine_pods(name, namespace) == pods
+    assert _engine_pod_uids(name, namespace) == pods
 
 
 def test_bad_adapter_specs_are_refused_at_apply_naming_the_field(namespace: str) -> None:

@@ -216,10 +216,10 @@ class Reconciler:
         sts = {k: live_after[key] for k in range(plan.pipeline)
                if (key := (STATEFUL_SET.kind, contract.stage_name(name, k))) in live_after}
         router = live_after.get((DEPLOYMENT.kind, contract.router_name(name)))
-        obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle),
-                      self._engine_pods(namespace, name, sts), sts, router, surge=mode.surge)
+        pods = self._engine_pods(namespace, name, sts)
+        obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle), pods, sts, router, surge=mode.surge)
         await roll_groups(ctx, obs, mode)
-        lora = await self._sync_adapters(isvc, self._engine_pods(namespace, name, sts))
+        lora = await self._sync_adapters(isvc, pods)
         prefill = (_prefill_counts(live_after.get((STATEFUL_SET.kind, contract.prefill_stage_name(name, 0))))
                    if isvc.spec.prefill is not None else None)
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),

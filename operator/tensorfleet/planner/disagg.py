@@ -80,7 +80,7 @@ def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Pl
 
 
 def _with(decode: Plan, prefill: Plan, connector: str) -> Plan:
-    return replace(decode, prefill=prefill, kv_connector=connector)
+    return replace(decode, prefill=replace(prefill, kv_connector=connector), kv_connector=connector)
 
 
 def _renamed(exc: SpecError) -> SpecError:

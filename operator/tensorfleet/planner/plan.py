@@ -93,7 +93,7 @@ class Plan:
     weight_detail: str = ""             # the weight format in words (method, group size, layers left 16-bit)
     lora: LoraPlan | None = None        # LoRA as the engines start with it; None: off (spec.lora_enabled)
     prefill: Plan | None = None         # with spec.prefill: the prefill pool's plan (planner/disagg.py)
-    kv_connector: str | None = None     # with spec.prefill: the KV connector both pools run
+    kv_connector: str | None = None     # with spec.prefill: the KV connector both pools run (set on both plans)
 
     @property
     def lora_bytes_per_gpu(self) -> int:

@@ -107,8 +107,7 @@ def prefill_context(ctx: Context) -> Context | None:
         "accelerator": prefill.accelerator or ctx.spec.accelerator,
     })
     isvc = ctx.isvc.model_copy(update={"spec": spec})
-    return replace(ctx, isvc=isvc, plan=replace(plan, kv_connector=ctx.plan.kv_connector), surge=0,
-                   pool=contract.POOL_PREFILL)
+    return replace(ctx, isvc=isvc, plan=plan, surge=0, pool=contract.POOL_PREFILL)
 
 
 def leader_selector(name: str) -> dict[str, str]:
