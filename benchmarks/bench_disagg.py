@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -76,6 +77,7 @@ from common import (
     metric_sum,
     percentile,
     scrape,
+    stream_chat,
     table,
     wait_healthy,
     write_results,
@@ -266,46 +268,13 @@ class Answer:
 
 
 async def stream(http: aiohttp.ClientSession, url: str, ask: Ask, scale: float, timeout: float) -> Answer:
-    """One streaming chat; every content event's arrival is timed."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": ask.prompt}], "max_tokens": ask.max_tokens,
-            "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    answer = Answer(sent=ask.at)
-    last: float | None = None
-    try:
-        async with http.post(url + "/v1/chat/completions", json=body,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            answer.status = resp.status
-            if resp.status != 200:
-                answer.error = (await resp.text())[:200]
-                return answer
-            buffer = b""
-            async for chunk in resp.content.iter_any():
-                now = time.perf_counter()
-                buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if event == b"data: [DONE]":
-                        answer.done = True
-                        continue
-                    if not event.startswith(b"data: "):
-                        continue
-                    data = json.loads(event[6:])
-                    if "error" in data:
-                        answer.error = str(data["error"].get("message"))[:200]
-                        continue
-                    if data.get("usage"):
-                        answer.tokens = data["usage"]["completion_tokens"]
-                    for choice in data.get("choices", []):
-                        if choice.get("delta", {}).get("content"):
-                            if last is None:
-                                answer.ttft = (now - start) / scale
-                            else:
-                                answer.gaps.append((now - last) / scale)
-                            last = now
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        answer.error = f"{exc.__class__.__name__}: {exc}"
-    return answer
+    """One streaming chat; every content event's arrival is timed (common.stream_chat), in simulated seconds."""
+    result = await stream_chat(http, url, [{"role": "user", "content": ask.prompt}], ask.max_tokens,
+                               timeout=timeout, model=MODEL)
+    times = result.token_times
+    return Answer(sent=ask.at, status=result.status, ttft=times[0] / scale if times else None,
+                  gaps=[(later - earlier) / scale for earlier, later in itertools.pairwise(times)],
+                  tokens=result.tokens, done=result.done, error=result.error)
 
 
 async def open_loop(url: str, asks: Sequence[Ask], scale: float, drain: float) -> list[Answer]:

@@ -55,6 +55,7 @@ from common import (
     metric_sum,
     percentile,
     scrape,
+    stream_chat,
     table,
     wait_healthy,
     write_results,
@@ -158,39 +159,9 @@ def arrivals(seed: int, rate: float, count: int, seconds: float) -> list[Call]:
 
 
 async def stream(http: aiohttp.ClientSession, url: str, call: Call, timeout: float = 300.0) -> StreamResult:
-    """One streaming chat for CALL's adapter; times the first token and the whole answer."""
-    body = {"model": call.adapter, "messages": [{"role": "user", "content": call.prompt}],
-            "max_tokens": call.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
-    result = StreamResult(status=0, sent_at=start)
-    try:
-        async with http.post(url + "/v1/chat/completions", json=body,
-                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            result.status = resp.status
-            result.backend = resp.headers.get("x-tensorfleet-backend", "")
-            if resp.status != 200:
-                result.error = (await resp.read()).decode(errors="replace")[:200]
-            else:
-                buffer = b""
-                async for chunk in resp.content.iter_any():
-                    buffer += chunk
-                    while b"\n\n" in buffer:
-                        event, buffer = buffer.split(b"\n\n", 1)
-                        if event == b"data: [DONE]":
-                            result.done = True
-                        elif event.startswith(b"data: "):
-                            data = json.loads(event[6:])
-                            if "error" in data:
-                                result.error = data["error"]["message"]
-                            if data.get("usage"):
-                                result.tokens = data["usage"]["completion_tokens"]
-                            if result.ttft is None and any(c.get("delta", {}).get("content")
-                                                           for c in data.get("choices", [])):
-                                result.ttft = time.perf_counter() - start
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        result.error = f"{exc.__class__.__name__}: {exc}"
-    result.total = time.perf_counter() - start
-    return result
+    """One streaming chat for CALL's adapter (its name is the model)."""
+    return await stream_chat(http, url, [{"role": "user", "content": call.prompt}], call.max_tokens,
+                             timeout=timeout, model=call.adapter)
 
 
 def ok(d: Done) -> bool:

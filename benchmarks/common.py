@@ -185,12 +185,14 @@ class StreamResult:
     done: bool = False               # the stream ended with [DONE]
     backend: str = ""
     sent_at: float = 0.0
+    token_times: list[float] = field(default_factory=list)  # seconds after sending, of each content event
 
 
 async def stream_chat(session: aiohttp.ClientSession, url: str, messages: list[dict[str, Any]], max_tokens: int,
-                      headers: dict[str, str] | None = None, timeout: float = 300.0) -> StreamResult:
-    """One streaming chat request; times the first token and the whole answer."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": True,
+                      headers: dict[str, str] | None = None, timeout: float = 300.0,
+                      model: str = MODEL) -> StreamResult:
+    """One streaming chat request for MODEL; times the first token, every content event and the whole answer."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     result = StreamResult(status=0, sent_at=start)
@@ -226,8 +228,9 @@ async def stream_chat(session: aiohttp.ClientSession, url: str, messages: list[d
                     for choice in data.get("choices", []):
                         content = choice.get("delta", {}).get("content")
                         if content:
+                            result.token_times.append(time.perf_counter() - start)
                             if result.ttft is None:
-                                result.ttft = time.perf_counter() - start
+                                result.ttft = result.token_times[0]
                             parts.append(content)
             result.text = "".join(parts)
     except (TimeoutError, aiohttp.ClientError) as exc:
