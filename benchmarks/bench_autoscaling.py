@@ -836,7 +836,9 @@ def png_path(name: str) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, a short ramp (a smoke test, not figures)")
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=3, help="how many seeds")
+    parser.add_argument("--first-seed", type=int, default=1,
+                        help="the first seed (seeds run from it upward; the results file names them)")
     parser.add_argument("--signals", nargs="*", default=list(SIGNALS), choices=(*SIGNALS, *EXTRA_SIGNALS))
     parser.add_argument("--capacity-rps", type=float, help="skip the capacity run (simulated requests/s of one replica)")
     parser.add_argument("--no-plot", action="store_true")
@@ -852,7 +854,7 @@ def main() -> None:
     plan = make_plan(spec)
     sigs = signals(spec, plan)
     phases = ((60.0, LIGHT), (240.0, PEAK), (60.0, LIGHT)) if args.quick else PHASES
-    seeds = [1] if args.quick else list(range(1, args.seeds + 1))
+    seeds = [1] if args.quick else list(range(args.first_seed, args.first_seed + args.seeds))
     print(f"plan: {plan.kv_cache_tokens} KV tokens, max-num-seqs {plan.max_num_seqs}, load {plan.load_seconds} s; "
           f"router concurrency: {', '.join(f'{s.name} {s.concurrency}' for s in sigs.values())}", flush=True)
     if args.capacity_rps:
@@ -866,6 +868,8 @@ def main() -> None:
     # Only the full default run writes the figures the README shows.
     name = ("autoscaling-quick" if args.quick else "autoscaling") if args.signals == list(SIGNALS) \
         else "autoscaling-" + "+".join(args.signals)
+    if not args.quick and seeds[0] != 1:
+        name += f"-seeds{seeds[0]}-{seeds[-1]}"
     # The load time a pod takes is the plan's; the simulator's own process start is part of it.
     startup_delay_wall = max(0.0, plan.load_seconds * TIME_SCALE - capacity["process_start_wall_s"])
     runs = []

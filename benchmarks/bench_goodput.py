@@ -21,16 +21,18 @@ Goodput: requests per second answered with a first token within TTFT_TARGET
 request is never good. Router CPU: user + system time of the router
 process(es) over the run, per request.
 
-    python benchmarks/bench_goodput.py [--quick] [--seeds 3] [--loads 1.0 1.2] ...
+    python benchmarks/bench_goodput.py [--quick] [--seeds 3] [--loads 1.0 1.2] ... [--resume]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from common import (
@@ -251,38 +253,77 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def load_saved(name: str, seconds: float) -> dict[str, Any] | None:
+    """The results file a --resume run continues, refused where its runs are not comparable with this one's."""
+    from common import RESULTS
+
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    saved: dict[str, Any] = json.loads(path.read_text())
+    if saved.get("quick") or saved.get("seconds_per_run") != seconds or saved.get("time_scale") != TIME_SCALE:
+        raise SystemExit(f"bench_goodput: {path} holds runs of {saved.get('seconds_per_run')} s at time scale "
+                         f"{saved.get('time_scale')} (quick={saved.get('quick')}); this run is {seconds:g} s at "
+                         f"{TIME_SCALE:g}: pass the same --seconds, or another --name")
+    return saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed, short runs (a smoke test, not figures)")
     parser.add_argument("--seconds", type=float, help="wall seconds of arrivals per run (default 60)")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--strategies", nargs="*", default=list(STRATEGIES), choices=contract.ROUTER_STRATEGIES)
+    parser.add_argument("--two-router-strategies", nargs="*", choices=contract.ROUTER_STRATEGIES,
+                        default=[*BASELINES, contract.DEFAULT_ROUTER_STRATEGY],
+                        help="the strategies (of --strategies) also run behind two routers")
     parser.add_argument("--loads", nargs="*", type=float, default=list(LOADS))
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--replicas", nargs="*", type=int, default=[1, 2], choices=(1, 2))
     parser.add_argument("--capacity", nargs="*", default=[], metavar="WORKLOAD=RPS",
                         help="skip a capacity run: simulated requests/s of the fleet on that workload")
     parser.add_argument("--name", default="goodput", help="results/NAME.json (and NAME.png)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in results/NAME.json (and its measured capacities), run only "
+                             "the missing ones; the report covers them all")
     args = parser.parse_args()
     seconds = args.seconds or (20.0 if args.quick else 60.0)
     seeds = [1] if args.quick else list(range(1, args.seeds + 1))
     plan = plan_of()
+    saved = load_saved(args.name, seconds) if args.resume and not args.quick else None
     given = {k: float(v) for k, v in (x.split("=", 1) for x in args.capacity)}
-    capacity: dict[str, float] = {}
+    capacity: dict[str, float] = dict(saved["capacity"]) if saved else {}
+    for workload, rps in given.items():
+        if workload in capacity and capacity[workload] != rps:
+            raise SystemExit(f"bench_goodput: --capacity {workload}={rps:g} differs from the {capacity[workload]:g} "
+                             f"the resumed runs were offered load against")
+        capacity[workload] = rps
     for workload in args.workloads:
-        if workload in given:
-            capacity[workload] = given[workload]
-        else:
+        if workload not in capacity:
             print(f"measuring the fleet's capacity on the {workload} workload...", flush=True)
             capacity[workload] = measure_capacity(plan, workload, 30.0 if args.quick else 90.0)
         print(f"  {workload}: {capacity[workload]:.2f} requests/s (simulated)", flush=True)
-    runs = []
+    runs: list[dict[str, Any]] = list(saved["runs"]) if saved else []
+    done = {(r["workload"], r["strategy"], r["replicas"], r["load"], r["seed"]) for r in runs}
+    if saved:
+        print(f"resuming {len(runs)} run(s) from results/{args.name}.json", flush=True)
+
+    def save() -> Path:
+        rows = group(runs)
+        return write_results(args.name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
+                                         "seconds_per_run": seconds, "capacity": capacity,
+                                         "ceiling": plan.engine_concurrency(2048), "ttft_target_s": TTFT_TARGET,
+                                         "itl_target_s": ITL_TARGET, "rows": rows, "goals": evaluate(rows),
+                                         "runs": runs})
+
     for workload in args.workloads:
         for load in args.loads:
             for seed in seeds:
                 for replicas in args.replicas:
                     for strategy in args.strategies:
-                        if replicas == 2 and strategy not in (*BASELINES, contract.DEFAULT_ROUTER_STRATEGY):
+                        if replicas == 2 and strategy not in args.two_router_strategies:
+                            continue
+                        if (workload, strategy, replicas, load, seed) in done:
                             continue
                         run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed, seconds)
                         runs.append(run)
@@ -292,10 +333,14 @@ def main() -> None:
                               f"p99 {run['ttft_p99_s']:.2f}  hit {run['hit_rate']:.0%}  "
                               f"cpu {run['router_cpu_ms_per_request']:.2f} ms/req  failed {run['failed']}",
                               flush=True)
+                        if not args.quick:
+                            save()  # a long matrix survives an interruption: --resume goes on from here
     rows = group(runs)
+    seed_counts = sorted({r["seeds"] for r in rows})
     print()
     print(f"{ENGINES} simulated L4 engines (Llama-3.1-8B); router ceiling {plan.engine_concurrency(2048)} per engine; "
-          f"targets: TTFT {TTFT_TARGET:g} s, ITL {ITL_TARGET:g} s; median over {len(seeds)} seed(s), simulated time")
+          f"targets: TTFT {TTFT_TARGET:g} s, ITL {ITL_TARGET:g} s; {seconds:g} s per run; median over "
+          f"{'/'.join(map(str, seed_counts))} seed(s), simulated time")
     print(table(["workload", "load", "routers", "strategy", "goodput TTFT/s", "share TTFT", "goodput ITL/s",
                  "share ITL", "TTFT p50 s", "TTFT p99 s", "prefix hit", "router CPU ms/req", "failed"],
                 [[r["workload"], f"{int(r['load'] * 100)}%", r["replicas"], r["strategy"], r["goodput_ttft_rps"],
@@ -311,10 +356,9 @@ def main() -> None:
         png = RESULTS.parent / f"{args.name}.png" if args.name == "goodput" else RESULTS / f"{args.name}.png"
         plot(rows, str(png))
         print(f"wrote {png}")
-    path = write_results(args.name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
-                                     "seconds_per_run": seconds, "capacity": capacity,
-                                     "ceiling": plan.engine_concurrency(2048), "ttft_target_s": TTFT_TARGET,
-                                     "itl_target_s": ITL_TARGET, "rows": rows, "goals": goals, "runs": runs})
+    path = save() if not args.quick else write_results(args.name + "-quick", {
+        "quick": True, "time_scale": TIME_SCALE, "engines": ENGINES, "seconds_per_run": seconds,
+        "capacity": capacity, "rows": rows, "goals": goals, "runs": runs})
     print(f"wrote {path}")
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.api.models import RouterSpec
-from tensorfleet.prompts import opening_chars, prompt_text
+from tensorfleet.prompts import goes_on, opening_chars, prompt_text
 from tensorfleet.router.backends import (
     CLOSED,
     HALF_OPEN,
@@ -23,6 +23,7 @@ from tensorfleet.router.backends import (
 )
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.strategies import (
+    HOME_SLACK_CHARS,
     STRATEGIES,
     CacheAware,
     LeastPending,
@@ -133,8 +134,11 @@ def chat(*turns: str, system: str = "You answer questions about the fleet. " * 8
 
 
 def info_of(body: dict[str, object], block: int = 128) -> RequestInfo:
-    hashes, opening, inside = hash_prompt(prompt_text(body), opening_chars(body), block)
-    return RequestInfo(prefix_hashes=hashes, opening=opening, opening_blocks=inside)
+    """What the router's app makes of a request body for a prefix strategy."""
+    text, chars = prompt_text(body), opening_chars(body)
+    hashes, opening, inside = hash_prompt(text, chars, block)
+    return RequestInfo(prefix_hashes=hashes, opening=opening, opening_blocks=inside, prompt_chars=len(text),
+                       continues=goes_on(text, chars))
 
 
 def test_prompt_hashes_are_stable_across_processes_and_chained() -> None:
@@ -193,6 +197,52 @@ def test_cache_aware_keeps_a_conversation_on_one_engine_and_replicas_agree() -> 
         homes[i] = chosen.pop()
     spread = Counter(homes.values())
     assert len(spread) == 4 and min(spread.values()) >= 4, spread
+
+
+def test_a_chat_goes_on_past_its_opening_once_it_holds_more_than_its_first_user_message() -> None:
+    for body, later in ((chat("first question"), False), (chat("first question", "an answer", "second"), True),
+                        (chat("first question", "an answer"), True)):
+        assert goes_on(prompt_text(body), opening_chars(body)) is later
+    assert not goes_on(prompt_text({"prompt": "a completion"}), None)
+
+
+def test_cache_aware_places_a_first_turn_by_the_prompt_work_queued_ahead_of_it() -> None:
+    strategy, pool = CacheAware(), backends(4)
+    first = info_of(chat("a question " * 50))
+    home = CacheAware().pick(pool, pool, first)     # an idle fleet: the home, for any replica
+    assert strategy.pick(pool, pool, first) is home
+    # The home is computing other prompts: the first turn goes where less prompt work waits, the least of it.
+    home.prefill_chars = HOME_SLACK_CHARS + 1
+    busy = {b.url: 5000.0 * (i + 1) for i, b in enumerate(pool) if b is not home}
+    for b in pool:
+        b.prefill_chars = busy.get(b.url, b.prefill_chars)
+    least = min((b for b in pool if b is not home), key=lambda b: b.prefill_chars)
+    assert least.prefill_chars > home.prefill_chars and strategy.pick(pool, pool, first) is home
+    least.prefill_chars = 0.0
+    assert strategy.pick(pool, pool, first) is least
+    # Within the slack the home keeps it, so replicas that see slightly different loads still agree.
+    least.prefill_chars = 1.0
+    assert strategy.pick(pool, pool, first) is home
+    # A later turn of a conversation this router has not seen goes home whatever its prefill: its KV is there.
+    home.prefill_chars = 10 * HOME_SLACK_CHARS
+    later = info_of(chat("a question " * 50, "an answer " * 20, "and then?"))
+    assert later.continues and not first.continues
+    assert strategy.pick(pool, pool, later) is home
+    assert strategy.pick(pool, pool, first) is least
+
+
+def test_cache_aware_counts_a_shared_prefix_this_router_sent_as_work_already_done() -> None:
+    strategy, pool = CacheAware(), backends(2)
+    system = "a long shared system prompt " * 200   # ~5,600 characters: far more than the slack
+    warm = info_of(chat("one tenant's question", system=system))
+    other = info_of(chat("another question", system=system))
+    home = CacheAware().pick(pool, pool, other)
+    cold = next(b for b in pool if b is not home)
+    strategy.routed(cold, warm)                      # the system prompt's blocks went to `cold` before
+    # Its cost there is the prompt past the shared blocks; at home (nothing sent there), the whole prompt.
+    assert strategy.prefill_cost(cold, other) < other.prompt_chars - len(system) + 256
+    assert strategy.prefill_cost(home, other) == other.prompt_chars
+    assert strategy.pick(pool, pool, other) is cold
 
 
 def test_cache_aware_spills_over_a_saturated_home_and_follows_the_conversation_there() -> None:
@@ -325,6 +375,36 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="m"} 9.0
 
 
 # --- dispatcher ---------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a", "http://b"])
+    dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, max_queue=4, queue_timeout=5)
+    first = info_of(chat("a question " * 100))
+    a = await dispatcher.acquire(first)
+    assert a.prefill_chars == first.prefill_charge == first.prompt_chars > 0
+    dispatcher.discharge(a, first)                   # its first byte came back
+    assert a.prefill_chars == 0 and first.prefill_charge == 0
+    dispatcher.release(a, first)                     # nothing charged twice
+    assert a.prefill_chars == 0 and a.in_flight == 0
+    # Released without a first byte (the engine failed, the client left): the charge goes with the slot.
+    second = info_of(chat("another question " * 100))
+    b = await dispatcher.acquire(second)
+    dispatcher.release(b, second)
+    assert b.prefill_chars == 0
+    # A waiter granted a slot just as it was cancelled gives back the slot and its charge.
+    holders = [info_of(chat(f"hold {n} " * 50)) for n in range(2)]
+    held = [await dispatcher.acquire(info) for info in holders]
+    waiting = info_of(chat("a waiting question " * 100))
+    waiter = asyncio.create_task(dispatcher.acquire(waiting))
+    await asyncio.sleep(0)
+    dispatcher.release(held[0], holders[0])          # the slot, and the waiter's charge, pass to the waiter
+    assert held[0].prefill_chars == waiting.prefill_charge > 0
+    waiter.cancel()
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert held[0].in_flight == 0 and held[0].prefill_chars == 0 and waiting.prefill_charge == 0
 
 
 @pytest.mark.asyncio

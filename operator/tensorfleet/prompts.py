@@ -39,11 +39,20 @@ def _render_message(message: Mapping[str, Any]) -> str:
     return f"{ROLE_OPEN}{message.get('role', 'user')}\n{content_text(message.get('content'))}{ROLE_CLOSE}\n"
 
 
+GENERATION_PROMPT = f"{ROLE_OPEN}assistant\n"  # what a chat prompt ends with: the header the answer follows
+
+
 def render_chat(messages: Iterable[Mapping[str, Any]]) -> str:
     """The prompt a chat template would build, ending with the assistant header."""
     parts = [_render_message(m) for m in messages if isinstance(m, Mapping)]
-    parts.append(f"{ROLE_OPEN}assistant\n")
+    parts.append(GENERATION_PROMPT)
     return "".join(parts)
+
+
+def goes_on(text: str, opening: int | None) -> bool:
+    """Whether a chat prompt (`prompt_text`) holds more than its opening (`opening_chars`): an answer, or any
+    message, after the first user message, so an earlier turn of the conversation was served somewhere."""
+    return opening is not None and len(text) - len(GENERATION_PROMPT) > opening
 
 
 def opening_chars(body: Mapping[str, Any]) -> int | None:

@@ -158,7 +158,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
-from tensorfleet.prompts import content_text, opening_chars, prompt_text
+from tensorfleet.prompts import content_text, goes_on, opening_chars, prompt_text
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 from tensorfleet.router.backends import (
     CLOSED,
@@ -782,8 +782,10 @@ class Router:
             key = request.headers.get(contract.SESSION_HEADER) or body.get("user")
             info.session_key = key if isinstance(key, str) and key else None
         elif self.strategy.needs_prefix:
-            info.prefix_hashes, info.opening, info.opening_blocks = hash_prompt(
-                prompt_text(body), opening_chars(body), self.strategy.block_chars)
+            text, opening = prompt_text(body), opening_chars(body)
+            info.prefix_hashes, info.opening, info.opening_blocks = hash_prompt(text, opening, self.strategy.block_chars)
+            info.prompt_chars = len(text)
+            info.continues = goes_on(text, opening)
         return info
 
     def first_byte_bound(self, path: str, body: Mapping[str, Any]) -> float | None:
@@ -1113,7 +1115,7 @@ class Router:
                 response.force_close()
                 return response
             finally:
-                self.dispatcher.release(backend)
+                self.dispatcher.release(backend, call.info)
                 self.metrics.attempt_done(backend.url, code)
             if broken is not None:
                 return await self._resume(request, call, broken)
@@ -1156,6 +1158,7 @@ class Router:
                 raise _Failed("timeout", f"no answer within {call.first_byte_bound or 0:g}s", fault=None) from None
             finally:
                 attempt.timer = None
+                self.dispatcher.discharge(backend, call.info)
             # This engine answered without a 5xx: those that answered this same request with one were at fault.
             for suspect in call.suspects:
                 self.pool.record_failure(suspect)
@@ -1382,7 +1385,7 @@ class Router:
                                          "incomplete, retry the request", type_="ServiceUnavailableError")
                 return response
             finally:
-                self.dispatcher.release(backend)
+                self.dispatcher.release(backend, call.info)
                 self.metrics.attempt_done(backend.url, code)
 
     async def _finish(self, response: web.StreamResponse, data: bytes) -> None:

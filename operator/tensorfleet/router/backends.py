@@ -62,6 +62,9 @@ class Backend:
     kv_cache_tokens: int | None = None
     kv_block_size: int | None = None   # tokens per KV block (vllm:cache_config_info)
     others: float = 0.0                # requests on the engine at the last scrape that were not ours
+    # Prompt characters this engine has yet to compute for this router: the uncached part of each request sent
+    # here that has not had its first byte back (cache-aware places a conversation's first turn by it).
+    prefill_chars: float = 0.0
     # Admission (dispatch.py): requests this router sends here at once, within [ceiling, burst]; 0 until the
     # dispatcher sets it. `held_back`: a request found it at that limit since the last scrape.
     limit: int = 0

@@ -208,6 +208,9 @@ class Dispatcher:
         if backend.state != CLOSED:
             self.pool.begin_probe(backend)
         backend.in_flight += 1
+        if info.prompt_chars:
+            info.prefill_charge = self.strategy.prefill_cost(backend, info)
+            backend.prefill_chars += info.prefill_charge
         self.strategy.routed(backend, info)
         if self.on_routed is not None:
             self.on_routed(backend)
@@ -250,7 +253,7 @@ class Dispatcher:
             # Cancelled (client gone) just as a slot was granted: give it back.
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
-                self.release(future.result())
+                self.release(future.result(), info)
             raise
         finally:
             waiter.timer.cancel()
@@ -296,7 +299,18 @@ class Dispatcher:
         if not waiter.future.done():
             waiter.future.set_exception(QueueTimeout())
 
-    def release(self, backend: Backend) -> None:
+    @staticmethod
+    def discharge(backend: Backend, info: RequestInfo) -> None:
+        """The request's first byte came back from BACKEND (or it never will): its prompt is no longer work queued
+        there."""
+        if info.prefill_charge:
+            backend.prefill_chars = max(backend.prefill_chars - info.prefill_charge, 0.0)
+            info.prefill_charge = 0.0
+
+    def release(self, backend: Backend, info: RequestInfo | None = None) -> None:
+        """BACKEND's slot, taken for the request INFO describes, is free again."""
+        if info is not None:
+            self.discharge(backend, info)
         backend.in_flight -= 1
         if self.on_routed is not None:
             self.on_routed(backend)

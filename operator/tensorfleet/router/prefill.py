@@ -97,7 +97,7 @@ class PrefillStage:
         try:
             return await self._exchange(session, backend, path, half, headers, timeout)
         finally:
-            self.dispatcher.release(backend)
+            self.dispatcher.release(backend, info)
 
     async def _exchange(self, session: aiohttp.ClientSession, backend: Backend, path: str, half: dict[str, Any],
                         headers: Mapping[str, str], timeout: float | None) -> tuple[str, dict[str, Any] | None]:

@@ -38,6 +38,13 @@ cache-aware   (the default) stays on the engine that holds the conversation's
                 shared state, and only the conversations of an engine that
                 comes or goes move; a saturated home passes the request to the
                 next engine in the same order;
+              - a first turn (no engine holds the conversation yet) goes home
+                unless the home has more prompt to compute ahead of it than the
+                least busy engine, by HOME_SLACK_CHARS: its first token waits
+                for that work (prompt characters of this router's requests
+                there that have no first byte back, less the blocks this router
+                sent the engine before), so a new conversation is not queued
+                behind long prefills while another engine is free;
               - where this router has sent a longer run of the prompt's blocks
                 to another engine (the conversation spilled over there), that
                 engine wins; a prompt that is not a chat goes where its longest
@@ -76,6 +83,9 @@ MIN_BLOCK_CHARS = 128          # finer blocks cost more hashing per request than
 PREFIX_BLOCK_CHARS = MIN_BLOCK_CHARS  # ~32 tokens of English per block: two default KV blocks
 PREFIX_MAX_BLOCKS = 256        # hash at most the first 256 blocks (32k characters at the default)
 DEFAULT_INDEX_BLOCKS = 8192    # per engine, until its KV capacity is scraped
+# A conversation's first turn goes to its home unless the home has this much more prompt to compute ahead of
+# it than the least busy engine (about 512 tokens: a short prompt's prefill).
+HOME_SLACK_CHARS = 2048
 _MASK64 = (1 << 64) - 1
 
 
@@ -88,6 +98,12 @@ class RequestInfo:
     # The conversation's opening (through its first user message): its hash, and the whole blocks inside it.
     opening: int | None = None
     opening_blocks: int = 0
+    # The rendered prompt's length in characters, and whether the chat goes on past its opening (an assistant
+    # turn, or more, after the first user message): a first turn's KV is on no engine yet.
+    prompt_chars: int = 0
+    continues: bool = False
+    # Prompt characters charged to the engine picked for this request until its first byte (dispatch.py).
+    prefill_charge: float = 0.0
     # A LoRA adapter's name, hashed: cache-aware keeps an adapter on the engines that hold it.
     adapter: int | None = None
     # The engines that list that adapter (their URLs), when the router knows: every strategy sends the request
@@ -193,6 +209,10 @@ class Strategy:
     def routed(self, backend: Backend, info: RequestInfo) -> None:
         """Called once a request is sent to `backend`."""
 
+    def prefill_cost(self, backend: Backend, info: RequestInfo) -> float:
+        """Prompt characters `backend` would compute for this request: all of them, as far as this strategy knows."""
+        return info.prompt_chars
+
     def forget(self, backend: Backend) -> None:
         """Called when an engine leaves the pool."""
 
@@ -278,6 +298,12 @@ class PrefixAware(Strategy):
                 break
             count += 1
         return count
+
+    def prefill_cost(self, backend: Backend, info: RequestInfo) -> float:
+        """Prompt characters beyond the leading blocks this router sent to `backend` (which it may hold cached)."""
+        if not info.prompt_chars:
+            return 0.0
+        return max(info.prompt_chars - self.matched(backend, info.prefix_hashes) * self.block_chars, 0)
 
     def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
         hashes = info.prefix_hashes
@@ -372,7 +398,17 @@ class CacheAware(PrefixAware):
                     sent, sent_match = backend, match
         if sent is not None:
             return sent
-        # A conversation new to this router: its home by rendezvous, or the next engine in its order.
+        if not info.continues:
+            # A first turn: no engine holds this conversation's KV yet (at most a shared system prompt, which
+            # prefill_cost counts), so what its first token waits for is the prompt work queued on the engine
+            # ahead of it, its own uncached part included. Among the engines within HOME_SLACK_CHARS of the
+            # least of that, the earliest in the conversation's rendezvous order: its home whenever the home is
+            # not busy computing other prompts, so router replicas agree wherever the load leaves the choice.
+            costs = [(b.prefill_chars + self.prefill_cost(b, info), b) for b in under]
+            least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
+            return max((b for cost, b in costs if cost <= least), key=lambda b: _mix(opening ^ self._salt(b.url)))
+        # A later turn of a conversation new to this router (another replica served its start): its home by
+        # rendezvous, or the next engine in its order.
         return max(under, key=lambda b: _mix(opening ^ self._salt(b.url)))
 
     def routed(self, backend: Backend, info: RequestInfo) -> None:
