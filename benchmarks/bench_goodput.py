@@ -247,7 +247,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel(f"goodput: requests/s with TTFT <= {TTFT_TARGET * 1000:.0f} ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Goodput by routing strategy (4 simulated L4 engines; median of seeds, bars: range)")
+    fig.suptitle(f"Goodput by routing strategy\n{ENGINES} simulated L4 engines; median of seeds, bars: range",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
