@@ -309,9 +309,9 @@ def main() -> None:
     if saved:
         print(f"resuming {len(runs)} run(s) from results/{args.name}.json", flush=True)
 
-    def save() -> Path:
+    def save(name: str = args.name) -> Path:
         rows = group(runs)
-        return write_results(args.name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
+        return write_results(name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
                                          "seconds_per_run": seconds, "capacity": capacity,
                                          "ceiling": plan.engine_concurrency(2048), "ttft_target_s": TTFT_TARGET,
                                          "itl_target_s": ITL_TARGET, "rows": rows, "goals": evaluate(rows),
@@ -357,9 +357,7 @@ def main() -> None:
         png = RESULTS.parent / f"{args.name}.png" if args.name == "goodput" else RESULTS / f"{args.name}.png"
         plot(rows, str(png))
         print(f"wrote {png}")
-    path = save() if not args.quick else write_results(args.name + "-quick", {
-        "quick": True, "time_scale": TIME_SCALE, "engines": ENGINES, "seconds_per_run": seconds,
-        "capacity": capacity, "rows": rows, "goals": goals, "runs": runs})
+    path = save(args.name + "-quick" if args.quick else args.name)
     print(f"wrote {path}")
 
 

@@ -389,6 +389,12 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     assert a.prefill_chars == 0 and first.prefill_charge == 0
     dispatcher.release(a, first)                     # nothing charged twice
     assert a.prefill_chars == 0 and a.in_flight == 0
+    # A strategy that never reads the charge is spared computing it.
+    blind = Dispatcher(pool, PrefixAware(), ceiling=1, max_queue=4, queue_timeout=5)
+    other = info_of(chat("a question " * 100))
+    c = await blind.acquire(other)
+    assert c.prefill_chars == 0 and other.prefill_charge == 0
+    blind.release(c, other)
     # Released without a first byte (the engine failed, the client left): the charge goes with the slot.
     second = info_of(chat("another question " * 100))
     b = await dispatcher.acquire(second)

@@ -208,7 +208,7 @@ class Dispatcher:
         if backend.state != CLOSED:
             self.pool.begin_probe(backend)
         backend.in_flight += 1
-        if info.prompt_chars:
+        if info.prompt_chars and self.strategy.places_by_prefill:
             info.prefill_charge = self.strategy.prefill_cost(backend, info)
             backend.prefill_chars += info.prefill_charge
         self.strategy.routed(backend, info)

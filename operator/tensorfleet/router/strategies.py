@@ -198,6 +198,7 @@ def _least_loaded(backends: Sequence[Backend], counter: Iterator[int], load: Cal
 class Strategy:
     name = "base"
     needs_prefix = False
+    places_by_prefill = False   # reads Backend.prefill_chars: the dispatcher charges each request's prompt to it
     block_chars = PREFIX_BLOCK_CHARS   # for strategies that need the prompt's block hashes
 
     def align(self, kv_block_sizes: Iterable[int | None]) -> None:
@@ -348,6 +349,7 @@ class PrefixAware(Strategy):
 
 class CacheAware(PrefixAware):
     name = "cache-aware"
+    places_by_prefill = True
 
     def __init__(self) -> None:
         super().__init__()
