@@ -24,6 +24,7 @@ from tensorfleet.router.backends import (
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.strategies import (
     HOME_SLACK_CHARS,
+    PREFIX_BLOCK_CHARS,
     STRATEGIES,
     CacheAware,
     LeastPending,
@@ -113,7 +114,7 @@ def test_prefix_aware_follows_the_prompt_and_respects_load() -> None:
 
 
 def test_prefix_index_is_bounded_by_engine_kv_capacity() -> None:
-    backend = Backend("http://e:8000", kv_cache_tokens=3200)  # 100 blocks of 128 chars
+    backend = Backend("http://e:8000", kv_cache_tokens=6400)  # 100 blocks of 256 chars
     strategy = PrefixAware()
     for i in range(50):
         strategy.routed(backend, RequestInfo(prefix_hashes=prefix_hashes(f"doc {i} " * 200)))
@@ -133,7 +134,7 @@ def chat(*turns: str, system: str = "You answer questions about the fleet. " * 8
     return {"messages": messages}
 
 
-def info_of(body: dict[str, object], block: int = 128) -> RequestInfo:
+def info_of(body: dict[str, object], block: int = PREFIX_BLOCK_CHARS) -> RequestInfo:
     """What the router's app makes of a request body for a prefix strategy."""
     text, chars = prompt_text(body), opening_chars(body)
     hashes, opening, inside = hash_prompt(text, chars, block)
@@ -147,25 +148,30 @@ def test_prompt_hashes_are_stable_across_processes_and_chained() -> None:
 
     text = "a shared system prompt " * 40 + "then a question"
     code = ("from tensorfleet.router.strategies import hash_prompt; "
-            f"print(hash_prompt({text!r}, 300))")
+            f"print(hash_prompt({text!r}, 300, 128))")
     # Another interpreter with another hash seed computes the same hashes: router replicas agree.
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "12345", "PATH": ""})
-    assert other.stdout.strip() == str(hash_prompt(text, 300))
-    hashes, opening, inside = hash_prompt(text, 300)
+    assert other.stdout.strip() == str(hash_prompt(text, 300, 128))
+    hashes, opening, inside = hash_prompt(text, 300, 128)
     assert len(hashes) == len(text) // 128 and inside == 300 // 128 == 2
     # A prompt that shares the first 300 characters shares the blocks inside them and the opening, nothing after.
-    other_hashes, other_opening, _ = hash_prompt(text[:300] + "x" * 400, 300)
+    other_hashes, other_opening, _ = hash_prompt(text[:300] + "x" * 400, 300, 128)
     assert other_hashes[:2] == hashes[:2] and other_hashes[2] != hashes[2] and other_opening == opening
-    assert hash_prompt(text, 301)[1] != opening
+    assert hash_prompt(text, 301, 128)[1] != opening
     # Multi-byte text is hashed as UTF-8, with the opening counted in characters.
     accented = "é" * 200
-    assert hash_prompt(accented, 100)[2] == 1  # 100 characters are 200 bytes: one whole 128-byte block
+    assert hash_prompt(accented, 100, 128)[2] == 1  # 100 characters are 200 bytes: one whole 128-byte block
+    # The opening's hash is the CRC-32 of its bytes, whatever the script.
+    import zlib
+    for sample in (text, accented, "a question about ünïcode " * 30):
+        assert hash_prompt(sample, 250)[1] == zlib.crc32(sample[:250].encode())
 
 
 def test_hash_blocks_are_whole_kv_blocks() -> None:
-    assert block_chars(None) == block_chars(16) == 128
-    assert block_chars(32) == 128 and block_chars(64) == 256 and block_chars(1) == 128 and block_chars(48) == 192
+    assert block_chars(None) == block_chars(16) == PREFIX_BLOCK_CHARS == 256
+    assert block_chars(32) == block_chars(64) == block_chars(1) == 256
+    assert block_chars(48) == 384 and block_chars(128) == 512
 
 
 def test_the_opening_is_the_chat_through_its_first_user_message() -> None:
@@ -245,6 +251,49 @@ def test_cache_aware_counts_a_shared_prefix_this_router_sent_as_work_already_don
     assert strategy.pick(pool, pool, other) is cold
 
 
+class _CountingCacheAware(CacheAware):
+    """Cache-aware that counts its prefix matches (each is a walk over the prompt's blocks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.walks = 0
+
+    def matched(self, backend: Backend, hashes: typing.Sequence[int]) -> int:
+        self.walks += 1
+        return super().matched(backend, hashes)
+
+
+def test_cache_aware_matches_a_prompt_once_per_engine_for_a_pick_and_its_charge() -> None:
+    strategy, pool = _CountingCacheAware(), BackendPool()
+    pool.set_urls([f"http://e{i}" for i in range(4)])
+    opening = info_of(chat("what is a KV cache?"))
+    dispatcher = Dispatcher(pool, strategy, ceiling=8)
+    assert dispatcher.try_acquire(opening) is not None
+    assert strategy.walks == 4                # each engine once for the first turn's cost; the charge reuses it
+    later = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?"))
+    strategy.walks = 0
+    backend = dispatcher.try_acquire(later)
+    assert backend is not None and strategy.walks == 1   # only the engine holding the conversation
+    # Charged the prompt past the blocks the first turn sent there, as matched before this one was routed.
+    assert 0 < later.prefill_charge < later.prompt_chars
+    assert later.prefill_charge == later.prompt_chars - later.matches[backend.url] * strategy.block_chars
+
+
+def test_a_remembered_prefix_match_goes_stale_when_the_index_changes() -> None:
+    strategy, pool = CacheAware(), backends(2)
+    warm = info_of(chat("a question", system="a shared system prompt " * 40))
+    other = info_of(chat("another question", system="a shared system prompt " * 40))
+    assert strategy.match(pool[0], other) == 0
+    strategy.routed(pool[0], warm)
+    shared = strategy.match(pool[0], other)
+    assert shared > 0                                # routed: no longer 0
+    strategy.forget(pool[0])
+    assert strategy.match(pool[0], other) == 0       # forgotten: 0 again
+    strategy.routed(pool[1], warm)
+    assert CacheAware().match(pool[1], other) == 0   # another strategy's index: its own figure
+    assert strategy.match(pool[1], other) == shared
+
+
 def test_cache_aware_spills_over_a_saturated_home_and_follows_the_conversation_there() -> None:
     strategy = CacheAware()
     pool = backends(4)
@@ -306,9 +355,9 @@ def test_the_index_follows_the_engines_block_size() -> None:
     backend = Backend("http://e:8000")
     strategy.routed(backend, info_of(chat("q")))
     strategy.align([16, 16, None])
-    assert strategy.block_chars == 128 and strategy._index
-    strategy.align([64, 64, 16])
-    assert strategy.block_chars == 256 and not strategy._index
+    assert strategy.block_chars == 256 and strategy._index
+    strategy.align([48, 48, 16])
+    assert strategy.block_chars == 384 and not strategy._index
 
 
 def test_prompt_text_covers_chat_and_completions() -> None:

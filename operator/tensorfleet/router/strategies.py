@@ -79,14 +79,20 @@ LOAD_SLACK = 2             # ... plus this many requests
 VIRTUAL_NODES = 100        # ring points per engine; spreads keys within ~10%
 CHARS_PER_TOKEN = 4
 DEFAULT_KV_BLOCK_TOKENS = 16   # vLLM's default --block-size
-MIN_BLOCK_CHARS = 128          # finer blocks cost more hashing per request than they find
-PREFIX_BLOCK_CHARS = MIN_BLOCK_CHARS  # ~32 tokens of English per block: two default KV blocks
-PREFIX_MAX_BLOCKS = 256        # hash at most the first 256 blocks (32k characters at the default)
+# Each block costs a few steps of Python per request (its hash, its match, its place in the index), so a block is
+# coarser than the engine's: on an 8.5 KB conversation the default cost 21% more router CPU than least-pending with
+# 128-character blocks, 18% with 256 (benchmarks/README.md, section 7), and the part of a prompt an engine holds is
+# still known within 64 tokens.
+MIN_BLOCK_CHARS = 256
+PREFIX_BLOCK_CHARS = MIN_BLOCK_CHARS  # ~64 tokens of English per block: four default KV blocks
+PREFIX_MAX_BLOCKS = 256        # hash at most the first 256 blocks (64k characters at the default)
 DEFAULT_INDEX_BLOCKS = 8192    # per engine, until its KV capacity is scraped
 # A conversation's first turn goes to its home unless the home has this much more prompt to compute ahead of
 # it than the least busy engine (about 512 tokens: a short prompt's prefill).
 HOME_SLACK_CHARS = 2048
 _MASK64 = (1 << 64) - 1
+# Versions of the prefix indexes, unique across strategies: a prefix match remembered under one is stale under any other.
+_EPOCHS = itertools.count()
 
 
 @dataclass
@@ -104,6 +110,10 @@ class RequestInfo:
     continues: bool = False
     # Prompt characters charged to the engine picked for this request until its first byte (dispatch.py).
     prefill_charge: float = 0.0
+    # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
+    # follows it; valid while the strategy's index is as it was (`matches_epoch`, see PrefixAware.match).
+    matches: dict[str, int] = field(default_factory=dict)
+    matches_epoch: int = -1
     # A LoRA adapter's name, hashed: cache-aware keeps an adapter on the engines that hold it.
     adapter: int | None = None
     # The engines that list that adapter (their URLs), when the router knows: every strategy sends the request
@@ -129,19 +139,21 @@ def hash_prompt(text: str, opening: int | None = None, block: int = PREFIX_BLOCK
     """(hashes of the prompt's full blocks, each the CRC-32 of everything up to its end; the hash of its first
     OPENING characters, None without; how many full blocks lie inside those)."""
     data = text.encode()
-    view = memoryview(data)
     end = min(len(data), block * max_blocks)
     out: list[int] = []
+    append, crc = out.append, zlib.crc32   # the loop runs per 128 bytes of every prompt: no attribute lookups
     h = 0
     for start in range(0, end - block + 1, block):
-        h = zlib.crc32(view[start:start + block], h)
-        out.append(h)
+        h = crc(data[start:start + block], h)
+        append(h)
     if opening is None or opening <= 0:
         return out, None, 0
-    cut = len(text[:opening].encode()) if opening < len(text) else len(data)
+    if opening >= len(text):
+        cut = len(data)
+    else:   # the opening's length in bytes: its length in characters when the prompt is ASCII (a flag, no scan)
+        cut = opening if text.isascii() else len(text[:opening].encode())
     inside = min(cut // block, len(out))
-    tail = view[inside * block:cut]
-    return out, zlib.crc32(tail, out[inside - 1] if inside else 0), inside
+    return out, crc(data[inside * block:cut], out[inside - 1] if inside else 0), inside
 
 
 def prefix_hashes(text: str) -> list[int]:
@@ -283,6 +295,7 @@ class PrefixAware(Strategy):
     def __init__(self) -> None:
         self._fallback = LeastPending()
         self._index: dict[str, OrderedDict[int, None]] = {}
+        self._epoch = next(_EPOCHS)   # a new one whenever _index changes (match)
 
     def capacity(self, backend: Backend) -> int:
         if backend.kv_cache_tokens:
@@ -300,11 +313,22 @@ class PrefixAware(Strategy):
             count += 1
         return count
 
+    def match(self, backend: Backend, info: RequestInfo) -> int:
+        """`matched` for this request's prompt, remembered on `info` until this index next changes."""
+        memo = info.matches
+        if info.matches_epoch != self._epoch:
+            memo.clear()
+            info.matches_epoch = self._epoch
+        count = memo.get(backend.url)
+        if count is None:
+            count = memo[backend.url] = self.matched(backend, info.prefix_hashes)
+        return count
+
     def prefill_cost(self, backend: Backend, info: RequestInfo) -> float:
         """Prompt characters beyond the leading blocks this router sent to `backend` (which it may hold cached)."""
         if not info.prompt_chars:
             return 0.0
-        return max(info.prompt_chars - self.matched(backend, info.prefix_hashes) * self.block_chars, 0)
+        return max(info.prompt_chars - self.match(backend, info) * self.block_chars, 0)
 
     def pick(self, candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> Backend:
         hashes = info.prefix_hashes
@@ -329,22 +353,28 @@ class PrefixAware(Strategy):
         if wanted != self.block_chars:
             self.block_chars = wanted
             self._index.clear()  # hashes of other block sizes never match again
+            self._epoch = next(_EPOCHS)
 
     def routed(self, backend: Backend, info: RequestInfo) -> None:
+        self._epoch = next(_EPOCHS)   # (CacheAware adds the opening after this)
         if not info.prefix_hashes:
             return
         index = self._index.setdefault(backend.url, OrderedDict())
         # Head last, so it is the most recently used: the engine frees a
         # prompt's tail blocks first, and the head is what other prompts share.
+        touch = index.move_to_end
         for h in reversed(info.prefix_hashes):
-            index[h] = None
-            index.move_to_end(h)
+            if h in index:
+                touch(h)
+            else:
+                index[h] = None   # a new key goes in last
         capacity = self.capacity(backend)
         while len(index) > capacity:
             index.popitem(last=False)
 
     def forget(self, backend: Backend) -> None:
         self._index.pop(backend.url, None)
+        self._epoch = next(_EPOCHS)
 
 
 class CacheAware(PrefixAware):
@@ -383,7 +413,7 @@ class CacheAware(PrefixAware):
             best: Backend | None = None
             best_key = (0, 0.0)
             for backend in under:
-                match = self.matched(backend, hashes) if hashes else 0
+                match = self.match(backend, info) if hashes else 0
                 key = (match, -backend.estimated_load())
                 if match and (best is None or key > best_key):
                     best, best_key = backend, key
@@ -395,7 +425,7 @@ class CacheAware(PrefixAware):
         for backend in under:
             index = self._index.get(backend.url)
             if index is not None and opening in index:
-                match = self.matched(backend, hashes)
+                match = self.match(backend, info)
                 if match > sent_match:
                     sent, sent_match = backend, match
         if sent is not None:
