@@ -81,7 +81,7 @@ CHARS_PER_TOKEN = 4
 DEFAULT_KV_BLOCK_TOKENS = 16   # vLLM's default --block-size
 # Each block costs a few steps of Python per request (its hash, its match, its place in the index), so a block is
 # coarser than the engine's: on an 8.5 KB conversation the default cost 21% more router CPU than least-pending with
-# 128-character blocks, 18% with 256 (benchmarks/README.md, section 7), and the part of a prompt an engine holds is
+# 128-character blocks, 17% with 256 (benchmarks/README.md, section 7), and the part of a prompt an engine holds is
 # still known within 64 tokens.
 MIN_BLOCK_CHARS = 256
 PREFIX_BLOCK_CHARS = MIN_BLOCK_CHARS  # ~64 tokens of English per block: four default KV blocks
@@ -141,7 +141,7 @@ def hash_prompt(text: str, opening: int | None = None, block: int = PREFIX_BLOCK
     data = text.encode()
     end = min(len(data), block * max_blocks)
     out: list[int] = []
-    append, crc = out.append, zlib.crc32   # the loop runs per 128 bytes of every prompt: no attribute lookups
+    append, crc = out.append, zlib.crc32   # the loop runs per block of every prompt: no attribute lookups
     h = 0
     for start in range(0, end - block + 1, block):
         h = crc(data[start:start + block], h)
