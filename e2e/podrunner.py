@@ -1568,13 +1568,16 @@ class Runner:
 def cmd_run(args: argparse.Namespace) -> int:
     state = Path(args.state)
     runner = Runner(state, Path(args.kubeconfig), args.kubectl, args.image)
-    stop = threading.Event()
+    # The stop signal's handler writes a byte to a pipe the main thread reads. It
+    # takes no lock: a handler that called threading.Event.set() could wait
+    # forever on the lock of the Event.wait() it interrupted.
+    wake_read, wake_write = os.pipe()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: os.write(wake_write, b"\0"))
     runner.prepare()
     (state / PID_FILE).write_text(f"{os.getpid()}\n")
     threading.Thread(target=runner.watch, name="watch", daemon=True).start()
-    stop.wait()
+    os.read(wake_read, 1)   # until a stop signal (a signal's interruption of the read is retried)
     log_line("stopping: every pod's containers, then their network namespaces")
     runner.shutdown()
     log_line("stopped")

@@ -18,7 +18,9 @@ from tensorfleet.sim.profile import make_profile
 from tensorfleet.sim.server import SimConfig, SimServer
 from tensorfleet.testing.loopback import MODEL, metric_value, router, sse_events
 
-ADAPTERS = tuple((f"tenant-{i}", f"org/tenant-{i}-lora") for i in range(8))
+# An adapter's home engine is a rendezvous hash over the engines' URLs, whose ports are random here: with 24
+# adapters on 4 engines, the chance that their homes cover fewer than 3 engines is about 4e-7 (with 8 it was 2%).
+ADAPTERS = tuple((f"tenant-{i}", f"org/tenant-{i}-lora") for i in range(24))
 
 
 @asynccontextmanager

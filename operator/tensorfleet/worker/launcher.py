@@ -89,7 +89,7 @@ class Launcher:
             self.state.phase(statefile.PHASE_WAITING_CLUSTER,
                              f"{role.pipeline_parallel_size} nodes, {role.expected_gpus} GPUs")
             raywait.wait_for_cluster(
-                role, self.environ, stop=self.signals.event, timeout=self.options.cluster_timeout,
+                role, self.environ, stop=self.signals, timeout=self.options.cluster_timeout,
                 poll=self.options.poll, log_every=self.options.log_every, log=self.log,
             )
             argv = command.engine_argv(role)
@@ -103,7 +103,7 @@ class Launcher:
         host, port = role.leader_address or "", role.leader_port
         self.state.phase(statefile.PHASE_WAITING_LEADER, f"{host}:{port}")
         addresses = raywait.wait_for_leader(
-            role, stop=self.signals.event, timeout=self.options.leader_timeout,
+            role, stop=self.signals, timeout=self.options.leader_timeout,
             poll=self.options.poll, log_every=self.options.log_every, log=self.log,
         )
         argv = command.idle_argv() if role.simulator else command.ray_worker_argv(role)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from tensorfleet.worker import command
 from tensorfleet.worker.errors import EXIT_NOT_FOUND, EXIT_TIMEOUT, WorkerError
@@ -30,6 +30,14 @@ _GPU_LINE = re.compile(r"^([0-9.]+)\s*/\s*([0-9.]+)\s+GPU$")
 
 class Stopped(Exception):
     """A stop signal arrived while waiting."""
+
+
+class StopWait(Protocol):
+    """What the waits here sleep on: the launcher's Signals (or a threading.Event)."""
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to timeout seconds; True once a stop is asked for."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -130,7 +138,7 @@ def wait_for_cluster(
     role: Role,
     env: Mapping[str, str],
     *,
-    stop: threading.Event,
+    stop: StopWait,
     timeout: float,
     poll: float,
     log_every: float,
@@ -162,7 +170,7 @@ def wait_for_cluster(
 def wait_for_leader(
     role: Role,
     *,
-    stop: threading.Event,
+    stop: StopWait,
     timeout: float,
     poll: float,
     log_every: float,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 import os
+import select
 import signal
 import subprocess
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,16 +29,31 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class Signals:
-    """Counts stop signals; `event` wakes every wait in the launcher."""
+    """Counts stop signals and wakes the launcher's waits; no lock is taken in the handler.
+
+    A Python signal handler runs on the main thread between two bytecodes,
+    possibly while that thread holds a lock: `threading.Event.set` there can
+    wait forever on the Event's own lock, taken by a `wait` or `clear` the
+    signal interrupted (a launcher stuck on SIGTERM until the grace period's
+    SIGKILL). So the handler only counts and writes a byte to a pipe, and
+    `wait` sleeps in select() on that pipe: a signal that lands before or
+    during the select still ends it at once.
+    """
 
     def __init__(self) -> None:
-        self.event = threading.Event()
         self.count = 0
         self.last: int | None = None
+        self._handled = 0
+        self._pipe: tuple[int, int] | None = None
         # What signal.signal returns: a handler, SIG_DFL/SIG_IGN, or None (not installed from Python).
         self._previous: dict[int, Callable[[int, FrameType | None], object] | int | signal.Handlers | None] = {}
 
     def install(self) -> Signals:
+        if self._pipe is None:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._pipe = (read, write)
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -47,11 +62,45 @@ class Signals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         self.count += 1
         self.last = signum
-        self.event.set()
+        if self._pipe is not None:
+            try:
+                os.write(self._pipe[1], b"\0")
+            except OSError:
+                pass   # the pipe is full of wake-ups nobody has read yet: one more adds nothing
+
+    @property
+    def pending(self) -> bool:
+        """A stop signal has arrived since the last `handled()`."""
+        return self.count > self._handled
+
+    def handled(self) -> None:
+        """Every signal so far has been acted on: the next `wait` sleeps until a new one."""
+        self._handled = self.count
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to timeout seconds or until a stop signal is pending; return whether one is."""
+        if self.pending:
+            return True
+        if self._pipe is None:
+            time.sleep(timeout)
+            return self.pending
+        read = self._pipe[0]
+        ready, _, _ = select.select([read], [], [], timeout)
+        if ready:
+            try:
+                while os.read(read, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        return self.pending
 
     @property
     def stopping(self) -> bool:
@@ -138,10 +187,10 @@ def run_child(
                 log(f"stopping `{argv[0]}` (pid {proc.pid}): the leader is gone")
                 _send(proc, signal.SIGTERM)
                 forwarded = 1
-        signals.event.wait(poll)
+        signals.wait(poll)
         if signals.stopping:
-            # Keep the event set only while a new signal is unhandled.
-            signals.event.clear()
+            # Wake early again only for a signal that arrives after this one.
+            signals.handled()
 
 
 def in_flight(port: int, timeout: float = 2.0) -> int | None:
