@@ -462,6 +462,76 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     assert held[0].in_flight == 0 and held[0].prefill_chars == 0 and waiting.prefill_charge == 0
 
 
+async def _grant_order(dispatcher: Dispatcher, infos: list[RequestInfo], held: Backend,
+                       held_info: RequestInfo | None = None) -> list[int]:
+    """Queue INFOS (in this order) behind the one slot HELD, then free it again and again: the indexes of INFOS
+    in the order they got the slot."""
+    tasks = []
+    for info in infos:
+        tasks.append(asyncio.create_task(dispatcher.acquire(info)))
+        await asyncio.sleep(0)
+    order: list[int] = []
+    current = held_info
+    for _ in infos:
+        dispatcher.release(held, current)
+        await asyncio.sleep(0)
+        done = [i for i, t in enumerate(tasks) if t.done() and i not in order]
+        assert len(done) == 1, done
+        order.append(done[0])
+        current = infos[done[0]]
+    return order
+
+
+@pytest.mark.asyncio
+async def test_cache_aware_gives_a_free_slot_to_the_waiter_with_the_least_prompt_work() -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a"])
+    long, short, middle = (info_of(chat(f"question {n} " * words)) for n, words in ((0, 400), (1, 20), (2, 100)))
+    dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, queue_timeout=30)
+    holder = info_of(chat("the request running now " * 10))
+    a = await dispatcher.acquire(holder)
+    # The shortest prompt first: at saturation it is the one most likely to get its first token in time.
+    assert await _grant_order(dispatcher, [long, short, middle], a, holder) == [1, 2, 0]
+
+    # Work, not length: a later turn of a conversation this engine holds computes only its new message.
+    pool = BackendPool()
+    pool.set_urls(["http://a"])
+    strategy = CacheAware()
+    dispatcher = Dispatcher(pool, strategy, ceiling=1, queue_timeout=30)
+    talk = "the fleet's history in detail " * 60
+    opening = info_of(chat(talk))
+    a = await dispatcher.acquire(opening)
+    follow_up = info_of(chat(talk, "an answer " * 20, "and one more question " * 5))
+    stranger = info_of(chat("a new conversation, shorter in all " * 40))
+    assert stranger.prompt_chars < follow_up.prompt_chars
+    assert strategy.prefill_cost(a, follow_up) < strategy.prefill_cost(a, stranger)
+    assert await _grant_order(dispatcher, [stranger, follow_up], a, opening) == [1, 0]
+
+
+@pytest.mark.asyncio
+async def test_a_waiter_that_waited_the_order_age_goes_first_and_other_strategies_keep_arrival_order() -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a"])
+    long, short = info_of(chat("question " * 400)), info_of(chat("question " * 20))
+    # Past the order age the oldest goes first whatever its prompt: nobody waits behind cheaper work forever.
+    dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, queue_timeout=30, order_age=0.05)
+    a = await dispatcher.acquire(RequestInfo())
+    tasks = [asyncio.create_task(dispatcher.acquire(info)) for info in (long, short)]
+    await asyncio.sleep(0.1)
+    dispatcher.release(a)
+    await asyncio.sleep(0)
+    assert tasks[0].done() and not tasks[1].done()
+    dispatcher.release(a, long)
+    assert await tasks[1] is a
+    # Round-robin and least-pending serve the queue in arrival order.
+    for strategy in (RoundRobin(), LeastPending()):
+        pool = BackendPool()
+        pool.set_urls(["http://a"])
+        dispatcher = Dispatcher(pool, strategy, ceiling=1, queue_timeout=30)
+        a = await dispatcher.acquire(RequestInfo())
+        assert await _grant_order(dispatcher, [long, short], a) == [0, 1]
+
+
 @pytest.mark.asyncio
 async def test_dispatcher_ceiling_queue_429_and_deadline() -> None:
     pool = BackendPool()

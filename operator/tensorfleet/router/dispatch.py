@@ -67,6 +67,7 @@ KV_HIGH_WATER = 0.9
 # queue until its next scheduler step, so one seen there is routine.
 ENGINE_QUEUEING = 2
 LIMIT_STEP = 0.25  # the fraction an engine's limit moves by at a scrape
+ORDER_SCAN = 64    # waiters a strategy that orders the queue compares for each free slot
 
 
 class QueueFull(Exception):
@@ -105,11 +106,12 @@ class _Waiter:
     future: asyncio.Future[Backend]
     tenant: str | None = None
     timer: asyncio.TimerHandle | None = None
+    since: float = 0.0   # loop time it began to wait
 
 
 class Dispatcher:
     def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, burst: int = 0, max_queue: int = 0,
-                 queue_timeout: float = 30.0,
+                 queue_timeout: float = 30.0, order_age: float | None = None,
                  unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool
         self.strategy = strategy
@@ -117,6 +119,7 @@ class Dispatcher:
         self.burst = max(ceiling, burst)  # at most this many per engine while it has room; ceiling: no burst
         self.configured_max_queue = max_queue
         self.queue_timeout = queue_timeout
+        self.order_age = queue_timeout / 2 if order_age is None else order_age
         # Given the engines a request already failed on: why it cannot wait for one (None: it may queue).
         self.unavailable = unavailable
         # Each tenant's waiters in arrival order; a tenant has an entry only while it has waiters.
@@ -244,7 +247,7 @@ class Dispatcher:
         if self.pending >= self.max_queue:
             self._displace(tenant)
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(info, exclude, loop.create_future(), tenant)
+        waiter = _Waiter(info, exclude, loop.create_future(), tenant, since=loop.time())
         waiter.timer = loop.call_later(self.queue_timeout if timeout is None else timeout, self._expire, waiter)
         self._queues.setdefault(tenant, OrderedDict())[waiter] = None
         try:
@@ -332,7 +335,10 @@ class Dispatcher:
     def _serve(self, queue: OrderedDict[_Waiter, None]) -> bool | None:
         """Give a free slot to the oldest waiter of QUEUE that can use one: whether one got it, None when no
         engine has a free slot."""
-        for waiter in list(queue):
+        waiters = list(queue)
+        if self.strategy.orders_queue and len(waiters) > 1:
+            waiters = self._cheapest_first(waiters)
+        for waiter in waiters:
             if waiter.future.done():
                 self._remove(waiter)
                 continue
@@ -346,6 +352,27 @@ class Dispatcher:
             waiter.future.set_result(backend)
             return True
         return False
+
+
+    def _cheapest_first(self, waiters: list[_Waiter]) -> list[_Waiter]:
+        """WAITERS (in arrival order) in the order to offer a free slot: those that have waited order_age
+        first, oldest first; then, of the first ORDER_SCAN, the least prompt work on a free engine first."""
+        free = [b for b in self.pool.routable() if b.in_flight < self.limit(b)]
+        if not free:
+            return waiters
+        now = asyncio.get_running_loop().time()
+        head, rest = waiters[:ORDER_SCAN], waiters[ORDER_SCAN:]
+        aged = [w for w in head if now - w.since >= self.order_age]
+        if len(aged) == len(head):
+            return waiters
+        prefill_cost = self.strategy.prefill_cost
+
+        def cost(waiter: _Waiter) -> float:
+            return min((prefill_cost(b, waiter.info) for b in free if b.url not in waiter.exclude),
+                       default=math.inf)
+
+        fresh = sorted((w for w in head if now - w.since < self.order_age), key=cost)
+        return aged + fresh + rest
 
 
 class BodyBudget:

@@ -211,6 +211,7 @@ class Strategy:
     name = "base"
     needs_prefix = False
     places_by_prefill = False   # reads Backend.prefill_chars: the dispatcher charges each request's prompt to it
+    orders_queue = False        # the dispatcher offers a free slot to the waiter with the least prefill_cost first
     block_chars = PREFIX_BLOCK_CHARS   # for strategies that need the prompt's block hashes
 
     def align(self, kv_block_sizes: Iterable[int | None]) -> None:
@@ -380,6 +381,7 @@ class PrefixAware(Strategy):
 class CacheAware(PrefixAware):
     name = "cache-aware"
     places_by_prefill = True
+    orders_queue = True
 
     def __init__(self) -> None:
         super().__init__()
