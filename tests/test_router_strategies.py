@@ -580,6 +580,27 @@ async def test_dispatcher_retry_excludes_tried_engines() -> None:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("strategy", ["round-robin", "cache-aware"])
+async def test_a_waiter_for_an_adapter_on_a_busy_engine_does_not_hold_up_the_queue(strategy: str) -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a", "http://b"])
+    dispatcher = Dispatcher(pool, STRATEGIES[strategy](), ceiling=1, queue_timeout=5)
+    adapter = RequestInfo(hosts=frozenset({"http://a"}), prompt_chars=100)   # only engine a lists its adapter
+    held = [await dispatcher.acquire(RequestInfo()) for _ in range(2)]
+    on_a = next(b for b in held if b.url == "http://a")
+    on_b = next(b for b in held if b.url == "http://b")
+    first = asyncio.create_task(dispatcher.acquire(adapter))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(dispatcher.acquire(RequestInfo(prompt_chars=5000)))
+    await asyncio.sleep(0)
+    dispatcher.release(on_b)          # engine b frees: the adapter's request cannot use it, the next one can
+    assert await asyncio.wait_for(second, 1) is on_b
+    assert not first.done()
+    dispatcher.release(on_a)
+    assert await asyncio.wait_for(first, 1) is on_a
+
+
+@pytest.mark.asyncio
 async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_it_queues() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])

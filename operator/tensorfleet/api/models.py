@@ -556,7 +556,11 @@ class RouterSpec(ApiModel):
         description="Requests waiting at the router before it answers 429. Default: twice the fleet's concurrency (maxConcurrencyPerEngine per engine), at least 64.",
     )
     queue_timeout_seconds: int | None = Field(
-        default=None, ge=1, le=3600, description="How long a request may wait at the router for an engine before 503. Default: 30.",
+        default=None, ge=1, le=3600, description=(
+            "How long a request may wait at the router for an engine before 503. Default: 30. With the cache-aware "
+            "strategy the queue goes cheapest first (least uncached prompt), and a request waits behind cheaper ones "
+            "for at most half of this."
+        ),
     )
     resources: ResourceRequirements | None = Field(default=None, description="Router container resources. Default: 250m CPU, 256Mi memory.")
     auth: RouterAuthSpec | None = Field(

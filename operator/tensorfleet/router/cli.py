@@ -79,7 +79,8 @@ def register(subparsers: Any) -> None:
                    help="requests queued at the router before 429 (0: twice the fleet's concurrency at the ceiling, at least 64)")
     p.add_argument("--queue-timeout", type=argtypes.positive_float, default=30.0,
                    help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
-                        "before 503; with no engine healthy and none starting it gets 503 at once (default: 30)")
+                        "before 503; with no engine healthy and none starting it gets 503 at once; with cache-aware, "
+                        "cheaper requests may go first for at most half of it (default: 30)")
     zero = p.add_argument_group("scale from zero (autoscaling.minReplicas 0; router/demand.py)")
     zero.add_argument("--demand-lease", metavar="NAME",
                       help="Lease (in --namespace) to renew when requests arrive, at once when one finds no engine: "

@@ -7,13 +7,23 @@ where they can still go to whichever engine frees a slot first. The queue is
 bounded: when it is full a request is refused at once (429 with Retry-After)
 rather than piling up memory and latency, and a request that waits longer
 than the deadline gets 503. Waiters are served in arrival order; one that
-cannot use the free engine (it already failed there) lets the next one go.
+cannot use the free engine (it already failed there, or the engine lacks
+its LoRA adapter) lets the next one go.
+
+A strategy that `orders_queue` (cache-aware) has a free slot offered first to
+the waiter with the least prompt work there (`prefill_cost`: its prompt less
+what the engine may hold cached), of the ORDER_SCAN longest-waiting: at
+saturation that is the request most likely to get its first token in time,
+and a conversation whose engine is busy waits for it instead of computing its
+history elsewhere. A waiter passed over for `order_age` (half the queue
+timeout) goes before every cheaper one, oldest first, so sustained overload
+delays long prompts by a bounded time rather than starving them.
 
 Tenants (API keys, router/tenants.py; without keys every request is the one
-tenant None, and the queue is the FIFO above): each tenant's waiters are kept
-in their own arrival order, and a free slot goes to the tenant served least
-recently, so a tenant with one request waiting gets one of the next slots
-whatever another has queued. When the queue is full, a request whose tenant
+tenant None, and the queue is the one above): each tenant's waiters are kept
+in their own arrival order (and offered a slot in the strategy's order), and a
+free slot goes to the tenant served least recently, so a tenant with one
+request waiting gets one of the next slots whatever another has queued. When the queue is full, a request whose tenant
 has fewer waiters than the tenant with the most takes the place of that
 tenant's newest waiter, which gets the 429 instead: a flooding tenant fills
 the queue only while nobody else needs it. Requests already on engines are
@@ -333,8 +343,8 @@ class Dispatcher:
                 return  # free slots only on engines the waiters already failed on
 
     def _serve(self, queue: OrderedDict[_Waiter, None]) -> bool | None:
-        """Give a free slot to the oldest waiter of QUEUE that can use one: whether one got it, None when no
-        engine has a free slot."""
+        """Give a free slot to the first waiter of QUEUE (oldest first, or in the strategy's order) that can use
+        one: whether one got it, None when no engine has a free slot."""
         waiters = list(queue)
         if self.strategy.orders_queue and len(waiters) > 1:
             waiters = self._cheapest_first(waiters)
@@ -344,20 +354,21 @@ class Dispatcher:
                 continue
             backend = self._pick(waiter.info, waiter.exclude)
             if backend is None:
-                if not waiter.exclude or not self._has_capacity():
+                if not self._has_capacity():
                     return None
-                continue  # only engines this waiter already failed on are free
+                continue  # the free engines are ones this waiter failed on, or lack its adapter
             self._remove(waiter)
             self._granted(waiter.tenant)
             waiter.future.set_result(backend)
             return True
         return False
 
-
     def _cheapest_first(self, waiters: list[_Waiter]) -> list[_Waiter]:
         """WAITERS (in arrival order) in the order to offer a free slot: those that have waited order_age
-        first, oldest first; then, of the first ORDER_SCAN, the least prompt work on a free engine first."""
-        free = [b for b in self.pool.routable() if b.in_flight < self.limit(b)]
+        first, oldest first; then, of the first ORDER_SCAN, the least prompt work on a free engine they may use
+        first (one that cannot use any goes last); then the rest in arrival order."""
+        routable = self.pool.routable()
+        free = [b for b in routable if b.in_flight < self.limit(b)]
         if not free:
             return waiters
         now = asyncio.get_running_loop().time()
@@ -366,10 +377,16 @@ class Dispatcher:
         if len(aged) == len(head):
             return waiters
         prefill_cost = self.strategy.prefill_cost
+        listed = {b.url for b in routable}
+
+        def usable(backend: Backend, waiter: _Waiter) -> bool:
+            # As _pick: not an engine it failed on, and one that lists its adapter if any routable engine does.
+            hosts = waiter.info.hosts
+            return backend.url not in waiter.exclude and (
+                hosts is None or backend.url in hosts or hosts.isdisjoint(listed))
 
         def cost(waiter: _Waiter) -> float:
-            return min((prefill_cost(b, waiter.info) for b in free if b.url not in waiter.exclude),
-                       default=math.inf)
+            return min((prefill_cost(b, waiter.info) for b in free if usable(b, waiter)), default=math.inf)
 
         fresh = sorted((w for w in head if now - w.since < self.order_age), key=cost)
         return aged + fresh + rest
