@@ -23,11 +23,12 @@ Tenants (API keys, router/tenants.py; without keys every request is the one
 tenant None, and the queue is the one above): each tenant's waiters are kept
 in their own arrival order (and offered a slot in the strategy's order), and a
 free slot goes to the tenant served least recently, so a tenant with one
-request waiting gets one of the next slots whatever another has queued. When the queue is full, a request whose tenant
-has fewer waiters than the tenant with the most takes the place of that
-tenant's newest waiter, which gets the 429 instead: a flooding tenant fills
-the queue only while nobody else needs it. Requests already on engines are
-never interrupted: another tenant's request waits for the next slot to free.
+request waiting gets one of the next slots whatever another has queued. When
+the queue is full, a request whose tenant has fewer waiters than the tenant
+with the most takes the place of that tenant's newest waiter, which gets the
+429 instead: a flooding tenant fills the queue only while nobody else needs it.
+Requests already on engines are never interrupted: another tenant's request
+waits for the next slot to free.
 
 Queueing is for engines that will free a slot or come up soon. The router
 hands the dispatcher an `unavailable` check: when it says no engine can take
@@ -206,15 +207,13 @@ class Dispatcher:
 
     def _pick(self, info: RequestInfo, exclude: frozenset[str]) -> Backend | None:
         routable = self.pool.routable()
-        candidates = []
+        free = []
         for b in routable:
             if b.in_flight >= (b.limit or self.ceiling):
                 b.held_back = True
-            elif not exclude or b.url not in exclude:
-                candidates.append(b)
-        hosts = info.hosts
-        if hosts is not None and any(b.url in hosts for b in routable):
-            candidates = [b for b in candidates if b.url in hosts]
+            else:
+                free.append(b)
+        candidates = self._usable(free, routable, info, exclude)
         if not candidates:
             return None
         backend = self.strategy.pick(candidates, routable, info)
@@ -228,6 +227,16 @@ class Dispatcher:
         if self.on_routed is not None:
             self.on_routed(backend)
         return backend
+
+    @staticmethod
+    def _usable(backends: list[Backend], routable: list[Backend], info: RequestInfo,
+                exclude: frozenset[str]) -> list[Backend]:
+        """Of BACKENDS, those the request may go to: not one it already failed on (EXCLUDE), and one that lists
+        its LoRA adapter if any routable engine does."""
+        hosts = info.hosts
+        if hosts is not None and any(b.url in hosts for b in routable):
+            backends = [b for b in backends if b.url in hosts]
+        return [b for b in backends if b.url not in exclude] if exclude else backends
 
     def try_acquire(self, info: RequestInfo) -> Backend | None:
         """A slot on an engine now, or None (nothing is queued): for callers with somewhere else to go."""
@@ -377,16 +386,10 @@ class Dispatcher:
         if len(aged) == len(head):
             return waiters
         prefill_cost = self.strategy.prefill_cost
-        listed = {b.url for b in routable}
-
-        def usable(backend: Backend, waiter: _Waiter) -> bool:
-            # As _pick: not an engine it failed on, and one that lists its adapter if any routable engine does.
-            hosts = waiter.info.hosts
-            return backend.url not in waiter.exclude and (
-                hosts is None or backend.url in hosts or hosts.isdisjoint(listed))
 
         def cost(waiter: _Waiter) -> float:
-            return min((prefill_cost(b, waiter.info) for b in free if usable(b, waiter)), default=math.inf)
+            usable = self._usable(free, routable, waiter.info, waiter.exclude)
+            return min((prefill_cost(b, waiter.info) for b in usable), default=math.inf)
 
         fresh = sorted((w for w in head if now - w.since < self.order_age), key=cost)
         return aged + fresh + rest
