@@ -112,9 +112,10 @@ class Cluster:
         return self._spawn(name, ["sim", "--host", HOST, "--port", str(port), "--served-model-name", MODEL,
                                   "--time-scale", str(time_scale), "--log-level", "warning", *extra], port)
 
-    def router(self, backends: Sequence[Proc | str], *extra: str, strategy: str = "least-pending") -> Proc:
+    def router(self, backends: Sequence[Proc | str], *extra: str, strategy: str = "least-pending",
+               port: int | None = None) -> Proc:
         # --backend-header: results record which engine answered; --drain-delay 0: nothing to drain at the end.
-        port = free_port()
+        port = port or free_port()
         args = ["router", "--host", HOST, "--port", str(port), "--model", MODEL, "--strategy", strategy,
                 "--log-level", "warning", "--backend-header", "--drain-delay", "0", *extra]
         for backend in backends:

@@ -156,6 +156,44 @@ def test_a_router_pod_answers_from_the_simulator_pod_it_found_in_the_endpointsli
         assert marker not in router_log, router_log[-2000:]
 
 
+def test_router_pods_find_each_other_and_share_where_they_sent_each_prompt(namespace: str) -> None:
+    _runner()
+    name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1)
+    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
+    routers = eventually("two ready router pods", lambda: (p := [r for r in items("pods", namespace, selector)
+                                                                 if _ready(r)]) and len(p) == 2 and p, timeout=SHORT)
+    urls = [f"http://{r['status']['podIP']}:{contract.ROUTER_PORT}" for r in routers]
+    model = doc["spec"]["model"]["servedName"]
+
+    def placements(url: str) -> dict[str, float]:
+        code, text = _http(f"{url}{contract.METRICS_PATH}")
+        assert code == 200, (code, text[:200])
+        return {s.labels[contract.ROUTER_LABEL_OUTCOME]: s.value for s in
+                promtext.select(text, contract.ROUTER_METRIC_PEER_PLACEMENTS + "_total")}
+
+    # Each router pod learns the other from the router Service's EndpointSlices (not itself: TENSORFLEET_POD_IP), and
+    # the other takes its posts (from a peer's address). A prompt of several blocks, through each in turn.
+    prompt = "Summarise the following text in one line. " + "The quick brown fox jumps over the lazy dog. " * 60
+    for sender, receiver in ((urls[0], urls[1]), (urls[1], urls[0])):
+        def told(sender: str = sender, receiver: str = receiver) -> bool:
+            code, text = _http(f"{sender}/v1/chat/completions", {
+                "model": model, "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]}, timeout=60)
+            assert code == 200, text
+            time.sleep(1)
+            return placements(receiver).get("received", 0) > 0
+        eventually(f"{receiver} to hear from {sender}", told, timeout=SHORT)
+    for url in urls:
+        counts = placements(url)
+        # Sent to one peer (never to itself), and every post delivered.
+        assert counts["failed"] == 0 and counts["dropped"] == 0, (url, counts)
+        assert counts["sent"] >= 1, (url, counts)
+    eventually("every placement sent to be received", lambda: sum(placements(u)["sent"] for u in urls)
+               == sum(placements(u)["received"] for u in urls), timeout=10)
+    # Anyone else (this host) is refused.
+    code, text = _http(f"{urls[0]}{contract.ROUTER_PEER_PATH}", {"from": "x", "placements": []})
+    assert code == 403, (code, text)
+
+
 def test_an_engine_pod_is_ready_only_while_its_simulator_answers_its_probe(namespace: str) -> None:
     _runner()
     # The simulator answers /health 503 for its simulated load time, as vLLM does while loading.

@@ -577,6 +577,7 @@ def test_router() -> None:
     deployment = one(objects, "Deployment", "llama-router")
     assert deployment["spec"]["replicas"] == 2
     pod = deployment["spec"]["template"]["spec"]
+    pod_selector = deployment["spec"]["selector"]["matchLabels"]
     assert pod["serviceAccountName"] == "llama-router"
     assert pod["automountServiceAccountToken"] is True
     [container] = pod["containers"]
@@ -589,6 +590,8 @@ def test_router() -> None:
     assert container["args"] == [
         "--service", "llama-engine",
         "--namespace", "ml",
+        # The other replicas: the router Service's ready endpoints, less the pod's own address.
+        "--peer-service", "llama",
         "--strategy", "cache-aware",  # the default
         "--port", "8080",
         "--max-concurrency-per-backend", str(concurrency),
@@ -605,6 +608,8 @@ def test_router() -> None:
     assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
                                               "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert container["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert container["env"] == [{"name": "TENSORFLEET_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    assert one(objects, "Service", "llama")["spec"]["selector"] == pod_selector
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["resources"] == {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}

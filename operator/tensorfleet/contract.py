@@ -110,6 +110,8 @@ CONTROL_PLANE_UID: Final = 65532
 # --- Paths -----------------------------------------------------------------
 HEALTH_PATH: Final = "/health"
 METRICS_PATH: Final = "/metrics"
+# Router replicas post their placements to each other here (router/peers.py).
+ROUTER_PEER_PATH: Final = "/tensorfleet/v1/placements"
 SHM_PATH: Final = "/dev/shm"
 CACHE_PATH: Final = "/cache"
 HF_HOME_PATH: Final = f"{CACHE_PATH}/huggingface"
@@ -237,6 +239,8 @@ ENV_WATCH_NAMESPACES: Final = "WATCH_NAMESPACES"     # comma-separated, like rep
 ENV_ALLOWED_REGISTRIES: Final = "TENSORFLEET_ALLOWED_REGISTRIES"  # comma-separated, like repeated --allowed-registry
 ENV_DEFAULT_WORKER_IMAGE: Final = "TENSORFLEET_WORKER_IMAGE"
 ENV_DEFAULT_CONTROL_PLANE_IMAGE: Final = "TENSORFLEET_CONTROL_PLANE_IMAGE"
+# The router pod's own IP (downward API): it leaves itself out of its peers, the router Service's endpoints.
+ENV_ROUTER_POD_IP: Final = "TENSORFLEET_POD_IP"
 # Its metrics. Counters are named without `_total`; prometheus-client appends it on the wire.
 OPERATOR_METRIC_RECONCILES: Final = "tensorfleet_reconciles"                          # counter: result
 OPERATOR_METRIC_RECONCILE_DURATION: Final = "tensorfleet_reconcile_duration_seconds"  # histogram
@@ -322,6 +326,7 @@ ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # cou
 ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
 ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions"  # counter: reason
 # Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
+ROUTER_METRIC_PEER_PLACEMENTS: Final = "tensorfleet_router_peer_placements"  # counter: outcome
 ROUTER_METRIC_PREFILL: Final = "tensorfleet_router_prefill_requests"         # counter: outcome
 ROUTER_LABEL_OUTCOME: Final = "outcome"
 # Per LoRA adapter (the OpenAI model name of an adapter the engines serve).

@@ -132,6 +132,8 @@ def _container(ctx: Context) -> dict[str, Any]:
             # With spec.prefill, each request's prompt goes to the prefill pool first (docs/disaggregation.md).
             *(["--prefill-service", contract.prefill_engine_service_name(ctx.name)] if ctx.spec.prefill else []),
             "--namespace", ctx.namespace,
+            # The other replicas: the router Service's ready endpoints, less this pod (router/peers.py).
+            "--peer-service", ctx.name,
             "--strategy", router.strategy,
             "--port", str(contract.ROUTER_PORT),
             # Beyond what the KV cache holds at a typical request size (and
@@ -147,6 +149,7 @@ def _container(ctx: Context) -> dict[str, Any]:
             *(["--demand-lease", contract.demand_lease_name(ctx.name)] if scales_to_zero(ctx) else []),
             *_auth_args(ctx),
         ],
+        "env": [{"name": contract.ENV_ROUTER_POD_IP, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
         "ports": [{"name": contract.PORT_NAME_HTTP, "containerPort": contract.ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {**_health(), "periodSeconds": 5, "timeoutSeconds": 3, "failureThreshold": 3},
         "livenessProbe": {**_health(), "periodSeconds": 10, "timeoutSeconds": 5, "failureThreshold": 6},

@@ -183,6 +183,8 @@ from tensorfleet.router.dispatch import (
     Unavailable,
 )
 from tensorfleet.router.metrics import CLIENT_CLOSED, NO_BACKEND, RouterMetrics
+from tensorfleet.router.peers import OUTCOMES as PEER_OUTCOMES
+from tensorfleet.router.peers import PEER_MAX_BYTES, PeerMessageError, Peers
 from tensorfleet.router.prefill import KV_TRANSFER_PARAMS, PrefillStage
 from tensorfleet.router.prefill import OUTCOMES as PREFILL_OUTCOMES
 from tensorfleet.router.resume import StreamState, resumable
@@ -259,6 +261,11 @@ class RouterConfig:
     prefill_backends: tuple[str, ...] = ()
     prefill_service: str | None = None
     prefill_max_concurrency_per_backend: int = 0
+    # The other router replicas (router/peers.py): static base URLs, and/or the router's own Service, whose ready
+    # endpoints less this pod's address (own_address) are the peers.
+    peers: tuple[str, ...] = ()
+    peer_service: str | None = None
+    own_address: str | None = None
 
 
 # _Failed.fault: how an attempt's failure counts against its engine.
@@ -481,6 +488,15 @@ class Router:
         self._adapters_from: frozenset[str] = frozenset()  # the engines that answered then
         self._idle = asyncio.Event()
         self._idle.set()
+        # Router replicas share their placements when the strategy indexes prompts (router/peers.py).
+        self.peers: Peers | None = None
+        if self.strategy.needs_prefix and (config.peers or config.peer_service):
+            self.metrics.peer_outcomes(PEER_OUTCOMES)
+            self.peers = Peers(static=config.peers, own_address=config.own_address,
+                               on_outcome=self.metrics.peer_placements)
+            peers = self.peers
+            self.dispatcher.on_placed = lambda backend, info: peers.share(backend.url, info.prefix_hashes,
+                                                                           info.opening)
 
     # --- app ------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -490,6 +506,8 @@ class Router:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get(contract.HEALTH_PATH, self.health)
         app.router.add_get(contract.METRICS_PATH, self.metrics_handler)
+        if self.peers is not None:
+            app.router.add_post(contract.ROUTER_PEER_PATH, self.peer_placements)
         # No middleware (each costs every request): the listed paths answer other methods themselves, and a
         # catch-all answers the rest. A route's own method is matched before its "*".
         for path in (*INFERENCE_PATHS, "/v1/models", contract.HEALTH_PATH, contract.METRICS_PATH):
@@ -518,7 +536,13 @@ class Router:
                  asyncio.create_task(self._watchdog(), name="router-watchdog")]
         if self.keys is not None:
             tasks.append(asyncio.create_task(self._keys_loop(self.keys), name="router-api-keys"))
-        if self.config.service or self.config.prefill_service:
+        if self.peers is not None:
+            strategy, pool = self.strategy, self.pool
+            tasks.append(asyncio.create_task(
+                self.peers.run(self.session, lambda: strategy.block_chars,
+                               lambda: {b.url: (b.in_flight, b.prefill_chars) for b in pool}, self._now),
+                name="router-peers"))
+        if self.config.service or self.config.prefill_service or (self.peers and self.config.peer_service):
             namespace = self.config.namespace or in_cluster_namespace() or "default"
             connection = self.config.kube or Connection.from_environment()
         if self.config.service:
@@ -529,6 +553,11 @@ class Router:
             if self.config.demand_lease:
                 self.demand = DemandLease(self.config.demand_lease, namespace, connection)
                 tasks.append(asyncio.create_task(self._demand_loop(self.demand), name="router-demand"))
+        if self.peers is not None and self.config.peer_service:
+            # The router's own Service: its ready endpoints are this replica and its peers.
+            replicas = EndpointSliceWatcher(self.config.peer_service, namespace, self.peers.set_discovered,
+                                            connection=connection)
+            tasks.append(asyncio.create_task(replicas.run(), name="router-peer-discovery"))
         if self.config.prefill_service:
             prefill = EndpointSliceWatcher(self.config.prefill_service, namespace, self._on_prefill_discovered,
                                            connection=connection)
@@ -560,6 +589,36 @@ class Router:
     def _on_discovered(self, urls: list[str]) -> None:
         self._discovered = urls
         self._update_pool()
+
+    async def peer_placements(self, request: web.Request) -> web.Response:
+        """Another router replica's placements (router/peers.py): taken into the strategy's index."""
+        assert self.peers is not None
+        if not self.peers.allowed(request.remote):
+            return self._reject(403, f"{request.path} takes posts from this router's peers only", close=True)
+        if request.content_length is None or request.content_length > PEER_MAX_BYTES:
+            return self._reject(413, f"a placements message is at most {PEER_MAX_BYTES} bytes, with a Content-Length",
+                                close=True)
+        try:
+            placements = self.peers.decode(await request.read(), self.strategy.block_chars, self._now())
+        except PeerMessageError as exc:
+            return self._reject(400, f"not a placements message: {exc}")
+        backends = self.pool.backends
+        for url, opening, hashes in placements:
+            backend = backends.get(url)
+            if backend is not None:
+                self.strategy.learn(backend, hashes, opening)
+        self._peer_load()
+        return web.Response(status=204)
+
+    def _peer_load(self) -> None:
+        """The other replicas' load, as they last told it, replaces what the last scrape said of it; a peer
+        not heard from within PEER_STALE counts no more."""
+        if self.peers is None or not self.peers.heard:
+            return
+        load = self.peers.load(self._now())
+        for backend in self.pool:
+            n, chars = load.get(backend.url, (0, 0.0))
+            backend.others, backend.peer_prefill_chars = n, chars
 
     def _on_prefill_discovered(self, urls: list[str]) -> None:
         if self.prefill is not None and self.prefill.set_discovered(urls):
@@ -593,6 +652,7 @@ class Router:
             if checks:
                 await asyncio.gather(*checks, return_exceptions=True)
             self.pool.tick()
+            self._peer_load()
             self.strategy.align(b.kv_block_size for b in self.pool)
             if self.prefill is not None:
                 self.prefill.strategy.align(b.kv_block_size for b in self.prefill.pool)

@@ -7,7 +7,9 @@ and `vllm:kv_cache_usage_perc` are scraped every health interval; they lag by
 up to that interval but include load from other router replicas. `others` is
 what the engine held at the last scrape beyond this router's own in-flight
 requests then: the other replicas' share, so `estimated_load` (own, exact, plus
-theirs, lagging) is the whole engine's as every replica sees it alike.
+theirs, lagging) is the whole engine's as every replica sees it alike. Replicas
+that know each other (router/peers.py) also tell each other their counts every
+0.1 s, which replace the scraped share until the next scrape.
 
 Health is a circuit breaker per engine, after a first state of its own:
   joining    in the pool, not yet seen healthy (the router's pool starts every
@@ -61,10 +63,14 @@ class Backend:
     kv_usage: float = 0.0
     kv_cache_tokens: int | None = None
     kv_block_size: int | None = None   # tokens per KV block (vllm:cache_config_info)
-    others: float = 0.0                # requests on the engine at the last scrape that were not ours
+    # Requests on the engine that are not ours: at the last scrape, or as the other router replicas last told
+    # (router/peers.py), whichever came later.
+    others: float = 0.0
     # Prompt characters this engine has yet to compute for this router: the uncached part of each request sent
-    # here that has not had its first byte back (cache-aware places a conversation's first turn by it).
+    # here that has not had its first byte back (cache-aware places a conversation's first turn by it); and for
+    # the other router replicas, as they last told.
     prefill_chars: float = 0.0
+    peer_prefill_chars: float = 0.0
     # Admission (dispatch.py): requests this router sends here at once, within [ceiling, burst]; 0 until the
     # dispatcher sets it. `held_back`: a request found it at that limit since the last scrape.
     limit: int = 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any
 
 from tensorfleet import argtypes, contract, extras
@@ -60,6 +61,14 @@ def register(subparsers: Any) -> None:
     where.add_argument("--prefill-max-concurrency-per-backend", type=argtypes.non_negative_int, default=0,
                        metavar="N", help="prefill halves in flight per prefill engine; beyond it a request's decode "
                                          "engine computes its prompt (0: --max-concurrency-per-backend)")
+    where.add_argument("--peer", action="append", default=[], metavar="URL",
+                       help="another replica of this router, e.g. http://10.0.0.9:8080 (repeatable): with "
+                            "prefix-aware or cache-aware, replicas send each other which engine each prompt went "
+                            "to, every 0.1 s, so a conversation's turns find its engine whichever replica they reach; "
+                            "posts to the placements path are taken from peers' addresses only (router/peers.py)")
+    where.add_argument("--peer-service", metavar="SERVICE",
+                       help="this router's own Service (in --namespace): its ready endpoints, less this pod's "
+                            f"address (${contract.ENV_ROUTER_POD_IP}), are the peers, as --peer")
     where.add_argument("--namespace", help="namespace of --service (default: the pod's own)")
     where.add_argument("--kube-api", metavar="URL",
                        help="Kubernetes API base URL without credentials, e.g. http://127.0.0.1:8001 for kubectl "
@@ -189,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     kube = None
     if args.demand_lease and not args.service:
         raise SystemExit("error: --demand-lease needs --service: the Lease lives with the engines' discovery")
-    for service in (args.service, args.prefill_service):
+    for service in (args.service, args.prefill_service, args.peer_service):
         if service and kube is None:
             try:
                 kube = Connection.for_url(args.kube_api) if args.kube_api else Connection.from_environment()
@@ -234,6 +243,9 @@ def run(args: argparse.Namespace) -> int:
         prefill_backends=tuple(args.prefill_backend),
         prefill_service=args.prefill_service,
         prefill_max_concurrency_per_backend=args.prefill_max_concurrency_per_backend,
+        peers=tuple(args.peer),
+        peer_service=args.peer_service,
+        own_address=os.environ.get(contract.ENV_ROUTER_POD_IP) or None,
     )
 
     try:

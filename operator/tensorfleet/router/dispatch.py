@@ -137,7 +137,8 @@ class Dispatcher:
         self._queues: dict[str | None, OrderedDict[_Waiter, None]] = {}
         self._served: dict[str | None, int] = {}  # tenant -> the turn it last got a slot
         self._turn = 0
-        self.on_routed: Callable[[Backend], None] | None = None
+        # Called with each request's engine once picked (the router tells its peers: router/peers.py).
+        self.on_placed: Callable[[Backend, RequestInfo], None] | None = None
         self.closed = False
         pool.on_routable.append(self.drain)
 
@@ -224,8 +225,8 @@ class Dispatcher:
             info.prefill_charge = self.strategy.prefill_cost(backend, info)
             backend.prefill_chars += info.prefill_charge
         self.strategy.routed(backend, info)
-        if self.on_routed is not None:
-            self.on_routed(backend)
+        if self.on_placed is not None:
+            self.on_placed(backend, info)
         return backend
 
     @staticmethod
@@ -334,8 +335,6 @@ class Dispatcher:
         if info is not None:
             self.discharge(backend, info)
         backend.in_flight -= 1
-        if self.on_routed is not None:
-            self.on_routed(backend)
         if self._queues:
             self.drain()
 

@@ -128,6 +128,7 @@ class RouterMetrics:
                                        "Time to the first streamed byte of requests for a LoRA adapter.", [adapter],
                                        buckets=DURATION_BUCKETS, registry=reg)
         self._tenant_children: dict[tuple[Counter, tuple[str, ...]], Counter] = {}
+        self._peer_placements: Counter | None = None
         pool.on_removed.append(self.forget)
         pool.on_ejected.append(lambda b: self._ejections.labels(b.url).inc())
 
@@ -170,6 +171,20 @@ class RouterMetrics:
                                 [contract.ROUTER_LABEL_OUTCOME], registry=self.registry)
         for outcome in outcomes:
             self._prefill.labels(outcome)
+
+    def peer_outcomes(self, outcomes: Sequence[str]) -> None:
+        """With router peers: count placements by outcome from zero."""
+        self._peer_placements = Counter(
+            contract.ROUTER_METRIC_PEER_PLACEMENTS,
+            "Placements (which engine a prompt went to) exchanged with the other router replicas, by outcome: "
+            "sent (per peer), failed (per peer: not delivered), dropped (the outbox overflowed between flushes), "
+            "received.", [contract.ROUTER_LABEL_OUTCOME], registry=self.registry)
+        for outcome in outcomes:
+            self._peer_placements.labels(outcome)
+
+    def peer_placements(self, outcome: str, count: int) -> None:
+        if self._peer_placements is not None:
+            self._peer_placements.labels(outcome).inc(count)
 
     def prefill(self, outcome: str) -> None:
         self._prefill.labels(outcome).inc()

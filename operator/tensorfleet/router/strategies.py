@@ -223,6 +223,10 @@ class Strategy:
     def routed(self, backend: Backend, info: RequestInfo) -> None:
         """Called once a request is sent to `backend`."""
 
+    def learn(self, backend: Backend, hashes: Sequence[int], opening: int | None) -> None:
+        """Called when another router replica sent a prompt (its block HASHES, its conversation's OPENING) to
+        `backend` (router/peers.py): strategies that index prompts take it in as if routed here."""
+
     def prefill_cost(self, backend: Backend, info: RequestInfo) -> float:
         """Prompt characters `backend` would compute for this request: all of them, as far as this strategy knows."""
         return info.prompt_chars
@@ -357,14 +361,17 @@ class PrefixAware(Strategy):
             self._epoch = next(_EPOCHS)
 
     def routed(self, backend: Backend, info: RequestInfo) -> None:
+        self.learn(backend, info.prefix_hashes, info.opening)
+
+    def learn(self, backend: Backend, hashes: Sequence[int], opening: int | None) -> None:
         self._epoch = next(_EPOCHS)   # (CacheAware adds the opening after this)
-        if not info.prefix_hashes:
+        if not hashes:
             return
         index = self._index.setdefault(backend.url, OrderedDict())
         # Head last, so it is the most recently used: the engine frees a
         # prompt's tail blocks first, and the head is what other prompts share.
         touch = index.move_to_end
-        for h in reversed(info.prefix_hashes):
+        for h in reversed(hashes):
             if h in index:
                 touch(h)
             else:
@@ -435,22 +442,23 @@ class CacheAware(PrefixAware):
         if not info.continues:
             # A first turn: no engine holds this conversation's KV yet (at most a shared system prompt, which
             # prefill_cost counts), so what its first token waits for is the prompt work queued on the engine
-            # ahead of it, its own uncached part included. Among the engines within HOME_SLACK_CHARS of the
+            # ahead of it (this router's, and the other replicas' as they last told: router/peers.py), its own
+            # uncached part included. Among the engines within HOME_SLACK_CHARS of the
             # least of that, the earliest in the conversation's rendezvous order: its home whenever the home is
             # not busy computing other prompts, so router replicas agree wherever the load leaves the choice.
-            costs = [(b.prefill_chars + self.prefill_cost(b, info), b) for b in under]
+            costs = [(b.prefill_chars + b.peer_prefill_chars + self.prefill_cost(b, info), b) for b in under]
             least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
             return max((b for cost, b in costs if cost <= least), key=lambda b: _mix(opening ^ self._salt(b.url)))
         # A later turn of a conversation new to this router (another replica served its start): its home by
         # rendezvous, or the next engine in its order.
         return max(under, key=lambda b: _mix(opening ^ self._salt(b.url)))
 
-    def routed(self, backend: Backend, info: RequestInfo) -> None:
-        super().routed(backend, info)
-        if info.opening is not None:
+    def learn(self, backend: Backend, hashes: Sequence[int], opening: int | None) -> None:
+        super().learn(backend, hashes, opening)
+        if opening is not None:
             index = self._index.setdefault(backend.url, OrderedDict())
-            index[info.opening] = None
-            index.move_to_end(info.opening)
+            index[opening] = None
+            index.move_to_end(opening)
 
     def forget(self, backend: Backend) -> None:
         super().forget(backend)

@@ -93,14 +93,15 @@ async def sim(*, profile: Profile | None = None, time_scale: float = FAST, start
 
 
 @asynccontextmanager
-async def router(backends: list[str], *, first_round: bool = True, **options: Any) -> AsyncIterator[RunningRouter]:
+async def router(backends: list[str], *, first_round: bool = True, port: int = 0,
+                 **options: Any) -> AsyncIterator[RunningRouter]:
     options.setdefault("model", MODEL)
     options.setdefault("health_interval", 0.1)
     options.setdefault("breaker", BreakerPolicy(failure_threshold=3, ejection_seconds=0.3, max_ejection_seconds=1.0))
     options.setdefault("backend_header", True)
     config = RouterConfig(static_backends=tuple(backends), **options)
     instance = Router(config)
-    runner = await start_site(instance.app(), "127.0.0.1", 0, limits=instance.limits())
+    runner = await start_site(instance.app(), "127.0.0.1", port, limits=instance.limits())
     bound = runner.addresses[0][1]
     try:
         if first_round:

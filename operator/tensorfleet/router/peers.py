@@ -1,0 +1,227 @@
+"""Router replicas tell each other where they send prompts, so every replica's prefix view covers them all.
+
+A strategy that indexes prompts (prefix-aware, cache-aware: router/strategies.py)
+knows which engine holds a conversation's KV from the prompts it sent there
+itself. With several router replicas behind one Service, a conversation's turns
+land on different replicas, and a replica that did not send the previous turn
+guesses: cache-aware sends it to the conversation's home by rendezvous hashing,
+which is where it is unless the home was busy when the conversation started or
+later turns moved it. A wrong guess recomputes the whole history, and those
+requests are the tail of the first-token latency (benchmarks/README.md, section
+7).
+
+So each replica sends its peers, every PEER_INTERVAL seconds, the placements it
+made since: per request, the engine, the prompt's block hashes and its
+conversation's opening hash (a few hundred bytes). A peer takes them into its
+index as if it had routed them (`Strategy.learn`), and later turns of the
+conversation follow it wherever it went.
+
+The same message carries the sender's load on each engine: its requests in
+flight there and the prompt characters they have yet to compute (no first byte
+back yet). A replica's view of the others' load on an engine is otherwise the
+engine's last scrape (every health interval, 2 s), stale next to requests that
+get their first token in a fraction of a second. A peer's load counts for
+PEER_STALE seconds after its last message; a message goes out every interval
+while there are placements or the load changed, and at least every
+PEER_HEARTBEAT seconds. No shared store, no new Service: the
+peers are the ready endpoints of the router's own Service (the router already
+watches EndpointSlices), less its own address (`POD_IP`); or a static list.
+
+Trust: a placement can only steer a request between engines within the load
+bound, as a forged prefix collision could. Even so, the endpoint takes posts
+only from the peers' addresses, and bounded: at most PEER_MAX_BYTES a message
+and MAX_PLACEMENTS placements in it. A message that fails to reach a peer is
+dropped, not retried: placements are hints, and the next ones are on their way.
+The outbox holds at most MAX_OUTBOX placements between flushes; past that the
+oldest are dropped (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from tensorfleet import contract
+
+log = logging.getLogger("tensorfleet.router.peers")
+
+PEER_INTERVAL = 0.1     # seconds between flushes of the outbox
+PEER_HEARTBEAT = 0.5    # seconds: a message at least this often, with the load, while there are peers
+PEER_STALE = 1.5        # seconds a peer's load counts after its last message
+PEER_TIMEOUT = 1.0      # seconds a post to a peer may take
+PEER_MAX_BYTES = 1 << 20
+MAX_PLACEMENTS = 4096   # per message
+MAX_OUTBOX = 4096       # placements held between flushes
+MAX_HASHES = 256        # block hashes per placement (the router hashes at most 256 blocks of a prompt)
+_HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits (+1 bit for an adapter's name)
+
+OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer_placements{outcome}
+
+Placement = tuple[str, int | None, tuple[int, ...]]   # engine URL, opening hash, block hashes
+Load = dict[str, tuple[int, float]]                    # engine URL -> requests in flight, prompt chars to compute
+
+
+class PeerMessageError(ValueError):
+    """A peer's message that is not a placements message of this version (answered 400)."""
+
+
+def _host(url: str) -> str:
+    return urlsplit(url).hostname or ""
+
+
+class Peers:
+    """The other router replicas: where to send this replica's placements, and whose to take."""
+
+    def __init__(self, *, static: Sequence[str] = (), own_address: str | None = None,
+                 on_outcome: Callable[[str, int], None] | None = None) -> None:
+        """STATIC: peer base URLs given on the command line; OWN_ADDRESS: this pod's IP, left out of the
+        discovered ones; ON_OUTCOME(outcome, count): counts placements sent, failed, dropped, received."""
+        self.instance = secrets.token_hex(8)  # a message from this process, come back through the Service, is dropped
+        self._static = [u.rstrip("/") for u in static]
+        self._discovered: list[str] = []
+        self._own = own_address
+        self._outbox: deque[Placement] = deque(maxlen=MAX_OUTBOX)
+        self._dropped = 0
+        self._sent_load: Load | None = None
+        self._sent_at = -PEER_HEARTBEAT
+        self._loads: dict[str, tuple[float, Load]] = {}  # peer instance -> when its last message came, its load
+        self._on_outcome = on_outcome or (lambda _outcome, _count: None)
+        self._update()
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self._urls
+
+    def allowed(self, address: str | None) -> bool:
+        """Whether a post from ADDRESS (the connection's remote IP) is a peer's."""
+        return address is not None and address in self._hosts
+
+    def set_discovered(self, urls: Iterable[str]) -> None:
+        """The router Service's ready endpoints (this replica among them)."""
+        self._discovered = [u for u in urls if self._own is None or _host(u) != self._own]
+        self._update()
+
+    def _update(self) -> None:
+        self._urls = tuple(dict.fromkeys([*self._static, *self._discovered]))
+        self._hosts = frozenset(_host(u) for u in self._urls)
+
+    def share(self, engine: str, hashes: Sequence[int], opening: int | None) -> None:
+        """A request went to ENGINE: tell the peers at the next flush."""
+        if not self._urls or not hashes:
+            return
+        if len(self._outbox) == MAX_OUTBOX:
+            self._dropped += 1
+        self._outbox.append((engine, opening, tuple(hashes[:MAX_HASHES])))
+
+    def message(self, block_chars: int, load: Load, now: float) -> bytes | None:
+        """The outbox and LOAD as one message (emptying the outbox), or None when there is nothing new to send
+        (no placements, the load as last sent, the heartbeat not due)."""
+        if self._dropped:
+            self._on_outcome("dropped", self._dropped)
+            self._dropped = 0
+        if not self._outbox and load == self._sent_load and now - self._sent_at < PEER_HEARTBEAT:
+            return None
+        placements = [[engine, opening, list(hashes)] for engine, opening, hashes in self._outbox]
+        self._outbox.clear()
+        self._sent_load, self._sent_at = load, now
+        return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
+                           "load": {url: [n, round(chars)] for url, (n, chars) in load.items()}},
+                          separators=(",", ":")).encode()
+
+    @property
+    def heard(self) -> bool:
+        """Whether any peer's load is kept (it may have gone stale since)."""
+        return bool(self._loads)
+
+    def load(self, now: float) -> Load:
+        """The other replicas' load per engine: the sum over the peers heard from within PEER_STALE."""
+        total: dict[str, tuple[int, float]] = {}
+        for instance, (heard, load) in list(self._loads.items()):
+            if now - heard > PEER_STALE:
+                del self._loads[instance]
+                continue
+            for url, (n, chars) in load.items():
+                before = total.get(url, (0, 0.0))
+                total[url] = (before[0] + n, before[1] + chars)
+        return total
+
+    async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Load],
+                  clock: Callable[[], float]) -> None:
+        """Flush the outbox, with this replica's LOAD, to every peer each PEER_INTERVAL, until cancelled."""
+        timeout = aiohttp.ClientTimeout(total=PEER_TIMEOUT)
+        while True:
+            await asyncio.sleep(PEER_INTERVAL)
+            if not self._urls:
+                self._outbox.clear()
+                continue
+            count = len(self._outbox)
+            body = self.message(block_chars(), load(), clock())
+            if body is None:
+                continue
+            results = await asyncio.gather(*(self._post(session, url, body, timeout) for url in self._urls))
+            for ok in results:
+                self._on_outcome("sent" if ok else "failed", count)
+
+    async def _post(self, session: aiohttp.ClientSession, url: str, body: bytes,
+                    timeout: aiohttp.ClientTimeout) -> bool:
+        try:
+            async with session.post(url + contract.ROUTER_PEER_PATH, data=body, timeout=timeout,
+                                    headers={"Content-Type": "application/json"}) as resp:
+                await resp.read()
+                if resp.status != 204:
+                    log.debug("peer %s answered %d to placements", url, resp.status)
+                return resp.status == 204
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            log.debug("placements to peer %s failed: %s", url, exc)
+            return False
+
+    def decode(self, body: bytes, block_chars: int, now: float) -> list[Placement]:
+        """A peer's message: its load is kept (see `load`), its placements returned; [] when it is this process's
+        own, or hashes blocks of another size (the replicas disagree on the engines' KV block size until their
+        next scrape). Raises PeerMessageError."""
+        try:
+            doc: Any = json.loads(body)
+        except ValueError as exc:
+            raise PeerMessageError(f"not JSON: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("placements"), list):
+            raise PeerMessageError("expected an object with a 'placements' list")
+        sender = doc.get("from")
+        if not isinstance(sender, str) or not sender or len(sender) > 64:
+            raise PeerMessageError("expected 'from', the sender's instance name")
+        if sender == self.instance:
+            return []
+        load = doc.get("load", {})
+        if not (isinstance(load, dict) and len(load) <= MAX_PLACEMENTS
+                and all(isinstance(v, list) and len(v) == 2 and all(_is_count(x) for x in v) for v in load.values())):
+            raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters]}")
+        self._loads[sender] = (now, {url: (int(n), float(chars)) for url, (n, chars) in load.items()})
+        if doc.get("blockChars") != block_chars:
+            return []
+        raw = doc["placements"]
+        if len(raw) > MAX_PLACEMENTS:
+            raise PeerMessageError(f"more than {MAX_PLACEMENTS} placements")
+        placements: list[Placement] = []
+        for item in raw:
+            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
+                    and (item[1] is None or _is_hash(item[1])) and isinstance(item[2], list)
+                    and len(item[2]) <= MAX_HASHES and all(_is_hash(h) for h in item[2])):
+                raise PeerMessageError("a placement is not [engine URL, opening hash or null, [block hashes]]")
+            placements.append((item[0], item[1], tuple(item[2])))
+        self._on_outcome("received", len(placements))
+        return placements
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 53
+
+
+def _is_hash(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _HASH_LIMIT

@@ -1,0 +1,181 @@
+"""Router replicas share their placements (router/peers.py): a conversation's later turns find its engine
+whichever replica they reach; the placements endpoint takes well-formed posts from peers only."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import AsyncExitStack
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tensorfleet import contract
+from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
+from tensorfleet.testing.loopback import MODEL, eventually, fake_engine, free_port, metric_value, router, sim
+
+CONVERSATIONS = 12   # all on one of 4 engines by chance, without the peers' placements: (1/4)^12, about 6e-8
+
+
+def turn(index: int, *later: str) -> dict[str, Any]:
+    """Conversation INDEX's chat: its opening (a system prompt and a first question long enough for several
+    prompt blocks), then LATER messages (assistant and user alternating)."""
+    messages = [{"role": "system", "content": f"You are assistant {index}. " + "Be brief and exact. " * 20},
+                {"role": "user", "content": f"Question {index}: " + "what does this document say? " * 30}]
+    for i, content in enumerate(later):
+        messages.append({"role": "assistant" if i % 2 == 0 else "user", "content": content})
+    return {"model": MODEL, "messages": messages, "max_tokens": 2}
+
+
+async def served_by(client: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> str:
+    async with client.post(url + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        return resp.headers[contract.BACKEND_HEADER]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("shared", [True, False])
+async def test_a_later_turn_follows_the_conversation_to_the_engine_another_replica_chose(shared: bool) -> None:
+    # Replica A knows one engine only, so every first turn it routes goes there, wherever the conversation's
+    # home is; replica B knows all four. B's later turns follow the conversations to that engine only if A
+    # told it where they went (shared=False: the control, where B guesses by each conversation's home).
+    async with AsyncExitStack() as stack:
+        engines = [(await stack.enter_async_context(sim(seed=i))).url for i in range(4)]
+        port_a, port_b = free_port(), free_port()
+        peers_a = (f"http://127.0.0.1:{port_b}",) if shared else ()
+        peers_b = (f"http://127.0.0.1:{port_a}",) if shared else ()
+        a = await stack.enter_async_context(router(engines[:1], strategy="cache-aware", port=port_a, peers=peers_a))
+        b = await stack.enter_async_context(router(engines, strategy="cache-aware", port=port_b, peers=peers_b))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        for i in range(CONVERSATIONS):
+            assert await served_by(client, a.url, turn(i)) == engines[0]
+        if shared:
+            async def received() -> bool:
+                async with client.get(b.url + contract.METRICS_PATH) as resp:
+                    value = metric_value(await resp.text(), contract.ROUTER_METRIC_PEER_PLACEMENTS + "_total",
+                                         outcome="received")
+                return value == CONVERSATIONS
+            await eventually(received, timeout=5)
+        later = [await served_by(client, b.url, turn(i, "An answer.", "And then?")) for i in range(CONVERSATIONS)]
+    if shared:
+        assert later == [engines[0]] * CONVERSATIONS
+    else:
+        assert set(later) != {engines[0]}
+
+
+@pytest.mark.asyncio
+async def test_the_placements_endpoint_takes_well_formed_posts_from_peers_only() -> None:
+    async with AsyncExitStack() as stack:
+        engine = (await stack.enter_async_context(sim())).url
+        peer = await stack.enter_async_context(router([engine], strategy="cache-aware",
+                                                      peers=("http://127.0.0.1:9",)))
+        stranger = await stack.enter_async_context(router([engine], strategy="cache-aware",
+                                                          peers=("http://127.0.0.2:9",)))
+        plain = await stack.enter_async_context(router([engine], strategy="least-pending",
+                                                       peers=("http://127.0.0.1:9",)))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        block_chars = peer.router.strategy.block_chars
+        good = {"from": "another", "blockChars": block_chars, "placements": [[engine, 7, [1, 2, 3]]]}
+
+        async def post(url: str, body: Any) -> tuple[int, Any]:
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            async with client.post(url + contract.ROUTER_PEER_PATH, data=data) as resp:
+                text = await resp.text()
+                return resp.status, json.loads(text) if text else None
+
+        assert (await post(peer.url, good))[0] == 204
+        strategy: Any = peer.router.strategy
+        assert strategy.matched(peer.router.pool.backends[engine], [1, 2, 3]) == 3
+        # Not from a peer's address: refused, and nothing learned.
+        status, error = await post(stranger.url, good)
+        assert status == 403 and "peers only" in error["error"]["message"]
+        assert stranger.router.strategy.matched(stranger.router.pool.backends[engine], [1, 2, 3]) == 0  # type: ignore[attr-defined]
+        # Malformed: 400 with the reason.
+        for body in (b"{", {"placements": "no"}, {**good, "placements": [[engine, -1, []]]},
+                     {**good, "placements": [[engine, None, ["x"]]]}):
+            status, error = await post(peer.url, body)
+            assert status == 400 and error["error"]["message"].startswith("not a placements message"), body
+        # Another block size (the replicas disagree until their next scrape), or an engine not in the pool:
+        # accepted, ignored.
+        for body in ({**good, "blockChars": block_chars * 2, "placements": [[engine, 8, [4]]]},
+                     {**good, "placements": [["http://127.0.0.1:1", 8, [4]]]}):
+            assert (await post(peer.url, body))[0] == 204
+            assert strategy.matched(peer.router.pool.backends[engine], [4]) == 0
+        # A strategy that indexes no prompts has no peers, nor the endpoint.
+        assert plain.router.peers is None
+        assert (await post(plain.url, good))[0] == 404
+
+
+def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
+    counted: list[tuple[str, int]] = []
+    peers = Peers(static=("http://10.0.0.5:8080/",), own_address="10.0.0.7",
+                  on_outcome=lambda outcome, count: counted.append((outcome, count)))
+    peers.set_discovered(["http://10.0.0.6:8080", "http://10.0.0.7:8080"])
+    assert peers.urls == ("http://10.0.0.5:8080", "http://10.0.0.6:8080")
+    assert peers.allowed("10.0.0.6") and not peers.allowed("10.0.0.7") and not peers.allowed(None)
+    for i in range(MAX_OUTBOX + 5):
+        peers.share("http://engine:8000", [i, i + 1], None)
+    peers.share("http://engine:8000", [], 3)   # no whole block: nothing to tell
+    load = {"http://engine:8000": (3, 1200.0)}
+    body = peers.message(256, load, now=10.0)
+    assert body is not None
+    doc = json.loads(body)
+    assert len(doc["placements"]) == MAX_OUTBOX and doc["placements"][0] == ["http://engine:8000", None, [5, 6]]
+    assert doc["load"] == {"http://engine:8000": [3, 1200]}
+    assert ("dropped", 5) in counted
+    # Nothing new: no message until the load changes or the heartbeat is due.
+    assert peers.message(256, dict(load), now=10.1) is None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0)}, now=10.2) is not None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
+    # A message of this process's own (come back through the Service) is taken as nothing.
+    assert peers.decode(body, 256, now=10.0) == [] and not peers.heard
+    other = Peers(static=("http://10.0.0.7:8080",))
+    assert len(other.decode(body, 256, now=10.0)) == MAX_OUTBOX
+    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0)}
+    # Another block size: the load counts, the placements do not; a peer not heard from for PEER_STALE counts no
+    # more.
+    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0)}
+    assert other.load(11.1 + PEER_STALE) == {} and not other.heard
+    for bad, says in (({"from": "x", "blockChars": 256, "placements": [["e", None, []]] * (MAX_PLACEMENTS + 1)},
+                       "more than"),
+                      ({"blockChars": 256, "placements": []}, "'from'"),
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'")):
+        with pytest.raises(PeerMessageError, match=says):
+            other.decode(json.dumps(bad).encode(), 256, now=12.0)
+    # No peers: nothing is kept to send.
+    alone = Peers()
+    alone.share("http://engine:8000", [1], None)
+    assert json.loads(alone.message(256, {}, now=0.0) or b"")["placements"] == []
+
+
+@pytest.mark.asyncio
+async def test_a_replica_counts_the_requests_and_prompt_work_its_peer_has_on_an_engine() -> None:
+    release = asyncio.Event()
+
+    async def hold(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await release.wait()   # no first byte until released: the prompt stays work to do
+        return web.json_response({"choices": []})
+
+    async with AsyncExitStack() as stack:
+        engine, _calls = await stack.enter_async_context(fake_engine(hold))
+        port_a, port_b = free_port(), free_port()
+        a = await stack.enter_async_context(router([engine], strategy="cache-aware", port=port_a,
+                                                   peers=(f"http://127.0.0.1:{port_b}",)))
+        b = await stack.enter_async_context(router([engine], strategy="cache-aware", port=port_b,
+                                                   peers=(f"http://127.0.0.1:{port_a}",)))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        seen = b.router.pool.backends[engine]
+        held = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(3)]
+        told = a.router.pool.backends[engine]
+        await eventually(lambda: told.prefill_chars > 0 and seen.others == 3
+                         and seen.peer_prefill_chars == round(told.prefill_chars), timeout=5)
+        assert seen.in_flight == 0 and seen.estimated_load() >= 3
+        release.set()
+        for response in await asyncio.gather(*held):
+            assert response.status == 200
+            response.release()
+        await eventually(lambda: seen.others == 0 and seen.peer_prefill_chars == 0, timeout=5)
