@@ -158,7 +158,8 @@ def test_a_router_pod_answers_from_the_simulator_pod_it_found_in_the_endpointsli
 
 def test_router_pods_find_each_other_and_share_where_they_sent_each_prompt(namespace: str) -> None:
     _runner()
-    name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1)
+    router = {**example("simulator-cpu.yaml", namespace)["spec"]["router"], "replicas": 2}  # the example has 1
+    name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1, router=router)
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
     routers = eventually("two ready router pods", lambda: (p := [r for r in items("pods", namespace, selector)
                                                                  if _ready(r)]) and len(p) == 2 and p, timeout=SHORT)
