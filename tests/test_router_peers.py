@@ -179,3 +179,37 @@ async def test_a_replica_counts_the_requests_and_prompt_work_its_peer_has_on_an_
             assert response.status == 200
             response.release()
         await eventually(lambda: seen.others == 0 and seen.peer_prefill_chars == 0, timeout=5)
+
+
+@pytest.mark.asyncio
+async def test_replicas_share_one_ceiling_per_engine() -> None:
+    release = asyncio.Event()
+
+    async def hold(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await release.wait()
+        return web.json_response({"choices": []})
+
+    async with AsyncExitStack() as stack:
+        engine, calls = await stack.enter_async_context(fake_engine(hold))
+        port_a, port_b = free_port(), free_port()
+        options = {"strategy": "cache-aware", "max_concurrency_per_backend": 2}
+        a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
+                                                   **options))
+        b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
+                                                   **options))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        first = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(2)]
+        seen = b.router.pool.backends[engine]
+        await eventually(lambda: seen.peer_in_flight == 2, timeout=5)
+        # The engine holds the ceiling, all of it A's: B's request waits at B instead of going there too.
+        later = asyncio.create_task(client.post(b.url + "/v1/chat/completions", json=turn(9)))
+        await eventually(lambda: b.router.dispatcher.pending == 1, timeout=5)
+        await asyncio.sleep(0.3)
+        assert len(calls) == 2 and b.router.dispatcher.pending == 1
+        # A's requests end: B hears of it and sends its own.
+        release.set()
+        for response in [*await asyncio.gather(*first), await later]:
+            assert response.status == 200
+            response.release()
+        assert len(calls) == 3

@@ -533,7 +533,9 @@ class RouterSpec(ApiModel):
             "too). Default: the requests the plan's KV cache holds at typicalRequestTokens each, at most the "
             "engine's maxNumSeqs: beyond it vLLM would only queue or preempt. With the default, an engine that "
             "reports room (nothing queued inside it, KV cache below 90%) may take more, up to maxNumSeqs, and the "
-            "autoscaler counts those beyond the default as demand; a value set here is a hard limit."
+            "autoscaler counts those beyond the default as demand; a value set here is a hard limit. With "
+            "prefix-aware or cache-aware the router replicas share it: each counts the others' requests on the "
+            "engine, as they tell each other every 0.1 s; with the other strategies it is per router pod."
         ),
     )
     typical_request_tokens: int = Field(

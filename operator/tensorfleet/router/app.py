@@ -616,9 +616,13 @@ class Router:
         if self.peers is None or not self.peers.heard:
             return
         load = self.peers.load(self._now())
+        freed = False
         for backend in self.pool:
             n, chars = load.get(backend.url, (0, 0.0))
-            backend.others, backend.peer_prefill_chars = n, chars
+            freed = freed or n < backend.peer_in_flight
+            backend.others, backend.peer_prefill_chars, backend.peer_in_flight = n, chars, n
+        if freed:
+            self.dispatcher.drain()  # the peers freed slots on an engine: waiters here may take them
 
     def _on_prefill_discovered(self, urls: list[str]) -> None:
         if self.prefill is not None and self.prefill.set_discovered(urls):

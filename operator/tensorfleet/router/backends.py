@@ -71,6 +71,9 @@ class Backend:
     # the other router replicas, as they last told.
     prefill_chars: float = 0.0
     peer_prefill_chars: float = 0.0
+    # The other router replicas' requests in flight here, as they last told (router/peers.py): they count
+    # against the per-engine limit with this router's own (dispatch.py).
+    peer_in_flight: int = 0
     # Admission (dispatch.py): requests this router sends here at once, within [ceiling, burst]; 0 until the
     # dispatcher sets it. `held_back`: a request found it at that limit since the last scrape.
     limit: int = 0

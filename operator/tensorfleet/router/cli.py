@@ -79,7 +79,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", help="served model name; requests naming another model get 404")
     p.add_argument("--max-concurrency-per-backend", type=argtypes.positive_int, default=256,
                    help="requests in flight per engine before the router queues: what a replica is sized for "
-                        "(the operator: what the plan's KV cache holds at a typical request size)")
+                        "(the operator: what the plan's KV cache holds at a typical request size); with --peer or "
+                        "--peer-service, the peers' requests on the engine count too")
     p.add_argument("--burst-concurrency-per-backend", type=argtypes.non_negative_int, default=0,
                    help="let an engine take up to this many while it reports room (nothing queued inside it, KV "
                         "cache below 90%%), moving its limit a quarter per health check; those beyond the ceiling "

@@ -3,7 +3,9 @@
 An engine batches at most max-num-seqs sequences; past that, requests only
 wait inside it, invisible to the router and impossible to move. So the router
 sends at most `ceiling` requests to each engine and holds the rest itself,
-where they can still go to whichever engine frees a slot first. The queue is
+where they can still go to whichever engine frees a slot first. Router replicas
+that tell each other their load (router/peers.py) share the ceiling: the
+others' requests on an engine, as last told, count against it too. The queue is
 bounded: when it is full a request is refused at once (429 with Retry-After)
 rather than piling up memory and latency, and a request that waits longer
 than the deadline gets 503. Waiters are served in arrival order; one that
@@ -176,8 +178,13 @@ class Dispatcher:
         return max(MIN_AUTO_QUEUE, 2 * self.ceiling * len(self.pool))
 
     def limit(self, backend: Backend) -> int:
-        """Requests BACKEND may have from this router at once now."""
+        """Requests BACKEND may have from every router replica at once now."""
         return backend.limit or self.ceiling
+
+    def full(self, backend: Backend) -> bool:
+        """Whether BACKEND holds its limit: this router's requests there, and its peers' as they last told
+        (router/peers.py), so router replicas share one ceiling per engine rather than each filling it."""
+        return backend.in_flight + backend.peer_in_flight >= (backend.limit or self.ceiling)
 
     def adapt(self, backend: Backend) -> None:
         """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports (see the
@@ -210,7 +217,7 @@ class Dispatcher:
         routable = self.pool.routable()
         free = []
         for b in routable:
-            if b.in_flight >= (b.limit or self.ceiling):
+            if self.full(b):
                 b.held_back = True
             else:
                 free.append(b)
@@ -246,7 +253,7 @@ class Dispatcher:
         return self._pick(info, frozenset())
 
     def _has_capacity(self) -> bool:
-        return any(b.in_flight < self.limit(b) for b in self.pool.routable())
+        return any(not self.full(b) for b in self.pool.routable())
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *,
                       tenant: str | None = None, timeout: float | None = None) -> Backend:
@@ -376,7 +383,7 @@ class Dispatcher:
         first, oldest first; then, of the first ORDER_SCAN, the least prompt work on a free engine they may use
         first (one that cannot use any goes last); then the rest in arrival order."""
         routable = self.pool.routable()
-        free = [b for b in routable if b.in_flight < self.limit(b)]
+        free = [b for b in routable if not self.full(b)]
         if not free:
             return waiters
         now = asyncio.get_running_loop().time()
