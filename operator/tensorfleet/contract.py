@@ -325,8 +325,9 @@ ROUTER_METRIC_RETRIES: Final = "tensorfleet_router_retries"                # cou
 ROUTER_METRIC_EJECTIONS: Final = "tensorfleet_router_backend_ejections"    # counter: backend
 ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # counter: backend
 ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions"  # counter: reason
-# Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
+# Placements exchanged with the other router replicas (router/peers.py OUTCOMES).
 ROUTER_METRIC_PEER_PLACEMENTS: Final = "tensorfleet_router_peer_placements"  # counter: outcome
+# Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
 ROUTER_METRIC_PREFILL: Final = "tensorfleet_router_prefill_requests"         # counter: outcome
 ROUTER_LABEL_OUTCOME: Final = "outcome"
 # Per LoRA adapter (the OpenAI model name of an adapter the engines serve).

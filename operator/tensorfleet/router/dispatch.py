@@ -184,7 +184,7 @@ class Dispatcher:
     def full(self, backend: Backend) -> bool:
         """Whether BACKEND holds its limit: this router's requests there, and its peers' as they last told
         (router/peers.py), so router replicas share one ceiling per engine rather than each filling it."""
-        return backend.in_flight + backend.peer_in_flight >= (backend.limit or self.ceiling)
+        return backend.in_flight + backend.peer_in_flight >= self.limit(backend)
 
     def adapt(self, backend: Backend) -> None:
         """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports (see the

@@ -443,9 +443,9 @@ class CacheAware(PrefixAware):
             # A first turn: no engine holds this conversation's KV yet (at most a shared system prompt, which
             # prefill_cost counts), so what its first token waits for is the prompt work queued on the engine
             # ahead of it (this router's, and the other replicas' as they last told: router/peers.py), its own
-            # uncached part included. Among the engines within HOME_SLACK_CHARS of the
-            # least of that, the earliest in the conversation's rendezvous order: its home whenever the home is
-            # not busy computing other prompts, so router replicas agree wherever the load leaves the choice.
+            # uncached part included. Among the engines within HOME_SLACK_CHARS of the least of that, the
+            # earliest in the conversation's rendezvous order: its home whenever the home is not busy computing
+            # other prompts, so router replicas agree wherever the load leaves the choice.
             costs = [(b.prefill_chars + b.peer_prefill_chars + self.prefill_cost(b, info), b) for b in under]
             least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
             return max((b for cost, b in costs if cost <= least), key=lambda b: _mix(opening ^ self._salt(b.url)))
