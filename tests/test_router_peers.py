@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from tensorfleet import contract
+from tensorfleet.router import peers as peers_module
 from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
 from tensorfleet.testing.loopback import MODEL, eventually, fake_engine, free_port, metric_value, router, sim
 
@@ -149,6 +150,40 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     alone = Peers()
     alone.share("http://engine:8000", [1], None)
     assert json.loads(alone.message(256, {}, now=0.0) or b"")["placements"] == []
+
+
+@pytest.mark.asyncio
+async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With the heartbeat an hour away, only news sends a message: a placement, then a change of load alone.
+    monkeypatch.setattr(peers_module, "PEER_HEARTBEAT", 3600.0)
+    got: list[dict[str, Any]] = []
+
+    async def take(request: web.Request) -> web.StreamResponse:
+        got.append(json.loads(await request.read()))
+        return web.Response(status=204)
+
+    engine = "http://engine:8000"
+    load = {engine: (1, 500.0)}
+    async with fake_engine(take) as (url, _calls), aiohttp.ClientSession() as session:
+        peers = Peers(static=(url,))
+        task = asyncio.create_task(peers.run(session, lambda: 256, lambda: dict(load),
+                                             asyncio.get_running_loop().time))
+        try:
+            peers.share(engine, [1, 2], 7)
+            peers.nudge()
+            await eventually(lambda: len(got) == 1, timeout=5)
+            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500]}
+            load[engine] = (0, 0.0)
+            peers.nudge()
+            await eventually(lambda: len(got) == 2, timeout=5)
+            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0]}
+            # A nudge with nothing new (no placements, the load as last sent) sends nothing.
+            peers.nudge()
+            await asyncio.sleep(0.05)
+            assert len(got) == 2
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 @pytest.mark.asyncio

@@ -431,13 +431,18 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     pool = BackendPool()
     pool.set_urls(["http://a", "http://b"])
     dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, max_queue=4, queue_timeout=5)
+    changes: list[tuple[int, float]] = []   # the load as each change of it is told (the router tells its peers)
+    dispatcher.on_load = lambda: changes.append((a.in_flight, a.prefill_chars))
+    a = pool.backends["http://a"]
     first = info_of(chat("a question " * 100))
-    a = await dispatcher.acquire(first)
+    assert await dispatcher.acquire(first) is a
     assert a.prefill_chars == first.prefill_charge == first.prompt_chars > 0
     dispatcher.discharge(a, first)                   # its first byte came back
     assert a.prefill_chars == 0 and first.prefill_charge == 0
     dispatcher.release(a, first)                     # nothing charged twice
     assert a.prefill_chars == 0 and a.in_flight == 0
+    assert changes == [(1, first.prompt_chars), (1, 0.0), (0, 0.0)]
+    dispatcher.on_load = None
     # A strategy that never reads the charge is spared computing it.
     blind = Dispatcher(pool, PrefixAware(), ceiling=1, max_queue=4, queue_timeout=5)
     other = info_of(chat("a question " * 100))

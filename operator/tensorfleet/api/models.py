@@ -535,7 +535,7 @@ class RouterSpec(ApiModel):
             "reports room (nothing queued inside it, KV cache below 90%) may take more, up to maxNumSeqs, and the "
             "autoscaler counts those beyond the default as demand; a value set here is a hard limit. With "
             "prefix-aware or cache-aware the router replicas share it: each counts the others' requests on the "
-            "engine, as they tell each other every 0.1 s; with the other strategies it is per router pod."
+            "engine, as they tell each other whenever it changes; with the other strategies it is per router pod."
         ),
     )
     typical_request_tokens: int = Field(

@@ -497,6 +497,7 @@ class Router:
             peers = self.peers
             self.dispatcher.on_placed = lambda backend, info: peers.share(backend.url, info.prefix_hashes,
                                                                            info.opening)
+            self.dispatcher.on_load = peers.nudge
 
     # --- app ------------------------------------------------------------------
     def app(self) -> web.Application:

@@ -64,7 +64,8 @@ def register(subparsers: Any) -> None:
     where.add_argument("--peer", action="append", default=[], metavar="URL",
                        help="another replica of this router, e.g. http://10.0.0.9:8080 (repeatable): with "
                             "prefix-aware or cache-aware, replicas send each other which engine each prompt went "
-                            "to, every 0.1 s, so a conversation's turns find its engine whichever replica they reach; "
+                            "to and their load on each engine, as it changes, so a conversation's turns find its engine "
+                            "whichever replica they reach and the replicas share one ceiling per engine; "
                             "posts to the placements path are taken from peers' addresses only (router/peers.py)")
     where.add_argument("--peer-service", metavar="SERVICE",
                        help="this router's own Service (in --namespace): its ready endpoints, less this pod's "

@@ -141,6 +141,9 @@ class Dispatcher:
         self._turn = 0
         # Called with each request's engine once picked (the router tells its peers: router/peers.py).
         self.on_placed: Callable[[Backend, RequestInfo], None] | None = None
+        # Called when this router's load on an engine changed: a request placed, its first byte back, its slot
+        # freed (the router tells its peers at once: router/peers.py).
+        self.on_load: Callable[[], None] | None = None
         self.closed = False
         pool.on_routable.append(self.drain)
 
@@ -234,6 +237,8 @@ class Dispatcher:
         self.strategy.routed(backend, info)
         if self.on_placed is not None:
             self.on_placed(backend, info)
+        if self.on_load is not None:
+            self.on_load()
         return backend
 
     @staticmethod
@@ -329,19 +334,22 @@ class Dispatcher:
         if not waiter.future.done():
             waiter.future.set_exception(QueueTimeout())
 
-    @staticmethod
-    def discharge(backend: Backend, info: RequestInfo) -> None:
+    def discharge(self, backend: Backend, info: RequestInfo) -> None:
         """The request's first byte came back from BACKEND (or it never will): its prompt is no longer work queued
         there."""
         if info.prefill_charge:
             backend.prefill_chars = max(backend.prefill_chars - info.prefill_charge, 0.0)
             info.prefill_charge = 0.0
+            if self.on_load is not None:
+                self.on_load()
 
     def release(self, backend: Backend, info: RequestInfo | None = None) -> None:
         """BACKEND's slot, taken for the request INFO describes, is free again."""
         if info is not None:
             self.discharge(backend, info)
         backend.in_flight -= 1
+        if self.on_load is not None:
+            self.on_load()
         if self._queues:
             self.drain()
 

@@ -10,20 +10,27 @@ later turns moved it. A wrong guess recomputes the whole history, and those
 requests are the tail of the first-token latency (benchmarks/README.md, section
 7).
 
-So each replica sends its peers, every PEER_INTERVAL seconds, the placements it
-made since: per request, the engine, the prompt's block hashes and its
-conversation's opening hash (a few hundred bytes). A peer takes them into its
-index as if it had routed them (`Strategy.learn`), and later turns of the
-conversation follow it wherever it went.
+So each replica tells its peers the placements it made: per request, the
+engine, the prompt's block hashes and its conversation's opening hash (a few
+hundred bytes). A peer takes them into its index as if it had routed them
+(`Strategy.learn`), and later turns of the conversation follow it wherever it
+went.
 
 The same message carries the sender's load on each engine: its requests in
 flight there and the prompt characters they have yet to compute (no first byte
 back yet). A replica's view of the others' load on an engine is otherwise the
 engine's last scrape (every health interval, 2 s), stale next to requests that
 get their first token in a fraction of a second. A peer's load counts for
-PEER_STALE seconds after its last message; a message goes out every interval
-while there are placements or the load changed, and at least every
-PEER_HEARTBEAT seconds. No shared store, no new Service: the
+PEER_STALE seconds after its last message.
+
+A message goes out as soon as there is news (a placement, a request's first
+byte or its end), not on a timer: a replica that routes from a view even 0.1 s
+old puts work on an engine its peer has just filled, and the first-token tail
+of two replicas was 1.75x one's that way (benchmarks/README.md, section 7).
+One message is in flight at a time and the next goes at least PEER_GAP after
+it, so under load news is batched by the round trip rather than sent a request
+at a time; with no news, a heartbeat every PEER_HEARTBEAT seconds keeps the
+load from going stale. No shared store, no new Service: the
 peers are the ready endpoints of the router's own Service (the router already
 watches EndpointSlices), less its own address (`POD_IP`); or a static list.
 
@@ -32,7 +39,7 @@ bound, as a forged prefix collision could. Even so, the endpoint takes posts
 only from the peers' addresses, and bounded: at most PEER_MAX_BYTES a message
 and MAX_PLACEMENTS placements in it. A message that fails to reach a peer is
 dropped, not retried: placements are hints, and the next ones are on their way.
-The outbox holds at most MAX_OUTBOX placements between flushes; past that the
+The outbox holds at most MAX_OUTBOX placements between messages; past that the
 oldest are dropped (counted).
 """
 
@@ -53,13 +60,13 @@ from tensorfleet import contract
 
 log = logging.getLogger("tensorfleet.router.peers")
 
-PEER_INTERVAL = 0.1     # seconds between flushes of the outbox
+PEER_GAP = 0.005        # seconds: the least time between two messages (news meanwhile goes in the next)
 PEER_HEARTBEAT = 0.5    # seconds: a message at least this often, with the load, while there are peers
 PEER_STALE = 1.5        # seconds a peer's load counts after its last message
 PEER_TIMEOUT = 1.0      # seconds a post to a peer may take
 PEER_MAX_BYTES = 1 << 20
 MAX_PLACEMENTS = 4096   # per message
-MAX_OUTBOX = 4096       # placements held between flushes
+MAX_OUTBOX = 4096       # placements held between messages
 MAX_HASHES = 256        # block hashes per placement (the router hashes at most 256 blocks of a prompt)
 _HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits (+1 bit for an adapter's name)
 
@@ -93,6 +100,7 @@ class Peers:
         self._sent_load: Load | None = None
         self._sent_at = -PEER_HEARTBEAT
         self._loads: dict[str, tuple[float, Load]] = {}  # peer instance -> when its last message came, its load
+        self._news = asyncio.Event()  # set when there is something to tell: run() sends it
         self._on_outcome = on_outcome or (lambda _outcome, _count: None)
         self._update()
 
@@ -114,12 +122,18 @@ class Peers:
         self._hosts = frozenset(_host(u) for u in self._urls)
 
     def share(self, engine: str, hashes: Sequence[int], opening: int | None) -> None:
-        """A request went to ENGINE: tell the peers at the next flush."""
+        """A request went to ENGINE: tell the peers in the next message (`nudge` sends it)."""
         if not self._urls or not hashes:
             return
         if len(self._outbox) == MAX_OUTBOX:
             self._dropped += 1
         self._outbox.append((engine, opening, tuple(hashes[:MAX_HASHES])))
+
+    def nudge(self) -> None:
+        """There is news (a placement, or this replica's load changed): send a message now, or as soon as the one
+        in flight is answered."""
+        if self._urls:
+            self._news.set()
 
     def message(self, block_chars: int, load: Load, now: float) -> bytes | None:
         """The outbox and LOAD as one message (emptying the outbox), or None when there is nothing new to send
@@ -155,10 +169,17 @@ class Peers:
 
     async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Load],
                   clock: Callable[[], float]) -> None:
-        """Flush the outbox, with this replica's LOAD, to every peer each PEER_INTERVAL, until cancelled."""
+        """Send every peer the outbox and this replica's LOAD whenever there is news (`nudge`), one message at a
+        time and PEER_GAP apart, and at least every PEER_HEARTBEAT seconds; until cancelled."""
         timeout = aiohttp.ClientTimeout(total=PEER_TIMEOUT)
         while True:
-            await asyncio.sleep(PEER_INTERVAL)
+            if not self._news.is_set():
+                try:
+                    async with asyncio.timeout(PEER_HEARTBEAT):
+                        await self._news.wait()
+                except TimeoutError:
+                    pass  # the heartbeat: message() sends the load if it is due
+            self._news.clear()
             if not self._urls:
                 self._outbox.clear()
                 continue
@@ -169,6 +190,7 @@ class Peers:
             results = await asyncio.gather(*(self._post(session, url, body, timeout) for url in self._urls))
             for ok in results:
                 self._on_outcome("sent" if ok else "failed", count)
+            await asyncio.sleep(PEER_GAP)
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: bytes,
                     timeout: aiohttp.ClientTimeout) -> bool:
