@@ -24,15 +24,15 @@ get their first token in a fraction of a second. A peer's load counts for
 PEER_STALE seconds after its last message.
 
 A message goes out as soon as there is news (a placement, a request's first
-byte or its end), not on a timer: a replica that routes from a view even 0.1 s
-old puts work on an engine its peer has just filled, and the first-token tail
-of two replicas was 1.75x one's that way (benchmarks/README.md, section 7).
-One message is in flight at a time and the next goes at least PEER_GAP after
-it, so under load news is batched by the round trip rather than sent a request
-at a time; with no news, a heartbeat every PEER_HEARTBEAT seconds keeps the
-load from going stale. No shared store, no new Service: the
-peers are the ready endpoints of the router's own Service (the router already
-watches EndpointSlices), less its own address (`POD_IP`); or a static list.
+byte or its end), not on a timer: a view even 0.1 s old misses the requests the
+peer placed meanwhile, and can put a prompt on an engine the peer has just
+filled (the measurements: benchmarks/README.md, section 7). One message is in
+flight at a time and the next goes at least PEER_GAP after it, so under load
+news is batched by the round trip rather than sent a request at a time; with no
+news, a heartbeat every PEER_HEARTBEAT seconds keeps the load from going stale.
+No shared store, no new Service: the peers are the ready endpoints of the
+router's own Service (the router already watches EndpointSlices), less its own
+address (`POD_IP`); or a static list.
 
 Trust: a placement can only steer a request between engines within the load
 bound, as a forged prefix collision could. Even so, the endpoint takes posts
