@@ -120,30 +120,35 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     for i in range(MAX_OUTBOX + 5):
         peers.share("http://engine:8000", [i, i + 1], None)
     peers.share("http://engine:8000", [], 3)   # no whole block: nothing to tell
-    load = {"http://engine:8000": (3, 1200.0)}
+    load = {"http://engine:8000": (3, 1200.0, 9000.0)}
     body = peers.message(256, load, now=10.0)
     assert body is not None
     doc = json.loads(body)
     assert len(doc["placements"]) == MAX_OUTBOX and doc["placements"][0] == ["http://engine:8000", None, [5, 6]]
-    assert doc["load"] == {"http://engine:8000": [3, 1200]}
+    assert doc["load"] == {"http://engine:8000": [3, 1200, 9000]}
     assert ("dropped", 5) in counted
     # Nothing new: no message until the load changes or the heartbeat is due.
     assert peers.message(256, dict(load), now=10.1) is None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0)}, now=10.2) is not None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0)}, now=10.2) is not None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
     # A message of this process's own (come back through the Service) is taken as nothing.
     assert peers.decode(body, 256, now=10.0) == [] and not peers.heard
     other = Peers(static=("http://10.0.0.7:8080",))
     assert len(other.decode(body, 256, now=10.0)) == MAX_OUTBOX
-    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0)}
+    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0, 9000.0)}
     # Another block size: the load counts, the placements do not; a peer not heard from for PEER_STALE counts no
     # more.
-    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0)}
+    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0, 9000.0)}
     assert other.load(11.1 + PEER_STALE) == {} and not other.heard
+    # A replica of the version before prompt characters in flight were told: its load counts, with none of those.
+    older = {"from": "older", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [2, 300]}}
+    assert other.decode(json.dumps(older).encode(), 256, now=12.0) == []
+    assert other.load(12.0) == {"http://engine:8000": (2, 300.0, 0.0)}
     for bad, says in (({"from": "x", "blockChars": 256, "placements": [["e", None, []]] * (MAX_PLACEMENTS + 1)},
                        "more than"),
                       ({"blockChars": 256, "placements": []}, "'from'"),
-                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'")):
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'"),
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0]}}, "'load'")):
         with pytest.raises(PeerMessageError, match=says):
             other.decode(json.dumps(bad).encode(), 256, now=12.0)
     # No peers: nothing is kept to send.
@@ -163,7 +168,7 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
         return web.Response(status=204)
 
     engine = "http://engine:8000"
-    load = {engine: (1, 500.0)}
+    load = {engine: (1, 500.0, 800.0)}
     async with fake_engine(take) as (url, _calls), aiohttp.ClientSession() as session:
         peers = Peers(static=(url,))
         task = asyncio.create_task(peers.run(session, lambda: 256, lambda: dict(load),
@@ -172,11 +177,11 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
             peers.share(engine, [1, 2], 7)
             peers.nudge()
             await eventually(lambda: len(got) == 1, timeout=5)
-            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500]}
-            load[engine] = (0, 0.0)
+            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500, 800]}
+            load[engine] = (0, 0.0, 0.0)
             peers.nudge()
             await eventually(lambda: len(got) == 2, timeout=5)
-            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0]}
+            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0, 0]}
             # A nudge with nothing new (no placements, the load as last sent) sends nothing.
             peers.nudge()
             await asyncio.sleep(0.05)
@@ -187,7 +192,7 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
 
 
 @pytest.mark.asyncio
-async def test_a_replica_counts_the_requests_and_prompt_work_its_peer_has_on_an_engine() -> None:
+async def test_a_replica_counts_the_requests_prompt_work_and_prompts_its_peer_has_on_an_engine() -> None:
     release = asyncio.Event()
 
     async def hold(request: web.Request) -> web.StreamResponse:
@@ -207,13 +212,16 @@ async def test_a_replica_counts_the_requests_and_prompt_work_its_peer_has_on_an_
         held = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(3)]
         told = a.router.pool.backends[engine]
         await eventually(lambda: told.prefill_chars > 0 and seen.others == 3
-                         and seen.peer_prefill_chars == round(told.prefill_chars), timeout=5)
-        assert seen.in_flight == 0 and seen.estimated_load() >= 3
+                         and seen.peer_prefill_chars == round(told.prefill_chars)
+                         and seen.peer_context_chars == round(told.context_chars), timeout=5)
+        assert seen.in_flight == 0 and seen.estimated_load() >= 3 and told.context_chars >= told.prefill_chars
         release.set()
         for response in await asyncio.gather(*held):
             assert response.status == 200
             response.release()
-        await eventually(lambda: seen.others == 0 and seen.peer_prefill_chars == 0, timeout=5)
+        await eventually(lambda: seen.others == 0 and seen.peer_prefill_chars == 0 and seen.peer_context_chars == 0,
+                         timeout=5)
+        assert told.context_chars == 0
 
 
 @pytest.mark.asyncio

@@ -24,6 +24,7 @@ from tensorfleet.router.backends import (
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
 from tensorfleet.router.strategies import (
     HOME_SLACK_CHARS,
+    KV_HIGH_WATER,
     PREFIX_BLOCK_CHARS,
     STRATEGIES,
     CacheAware,
@@ -33,6 +34,7 @@ from tensorfleet.router.strategies import (
     RoundRobin,
     Session,
     block_chars,
+    has_room,
     hash_prompt,
     prefix_hashes,
 )
@@ -237,6 +239,39 @@ def test_cache_aware_places_a_first_turn_by_the_prompt_work_queued_ahead_of_it()
     assert strategy.pick(pool, pool, first) is least
 
 
+def test_cache_aware_starts_a_conversation_on_an_engine_with_room_in_its_kv_cache() -> None:
+    strategy, pool = CacheAware(), backends(4)
+    for b in pool:
+        b.kv_cache_tokens = 10_000            # 40,000 characters of prompt
+    first = info_of(chat("a question " * 50))
+    home = CacheAware().pick(pool, pool, first)
+    later = info_of(chat("a question " * 50, "an answer " * 20, "and then?"))
+    # The prompts in flight on the home, this router's and its peers', nearly fill its cache: a new conversation
+    # starts elsewhere (where nothing else is in its way, the next in its rendezvous order).
+    home.context_chars, home.peer_context_chars = 20_000.0, 15_000.0 - first.prompt_chars
+    assert has_room(home, first)
+    assert strategy.pick(pool, pool, first) is home
+    home.peer_context_chars += 1_000
+    assert not has_room(home, first)
+    elsewhere = strategy.pick(pool, pool, first)
+    assert elsewhere is not home
+    # ... and so does one whose engine said at its last scrape that its cache is past the high-water mark.
+    home.context_chars = home.peer_context_chars = 0.0
+    assert strategy.pick(pool, pool, first) is home
+    home.kv_usage = KV_HIGH_WATER
+    assert strategy.pick(pool, pool, first) is elsewhere
+    # A later turn goes home all the same: its history is cached there, and would be computed again elsewhere.
+    assert strategy.pick(pool, pool, later) is home
+    # No engine has room: the room does not decide (the load and the prompt work queued do).
+    for b in pool:
+        b.kv_usage = 0.95
+    assert strategy.pick(pool, pool, first) is home
+    # An engine whose capacity is not scraped yet has room as far as the router can tell.
+    fresh = backends(1)[0]
+    fresh.context_chars = 1e9
+    assert has_room(fresh, first)
+
+
 def test_cache_aware_counts_a_shared_prefix_this_router_sent_as_work_already_done() -> None:
     strategy, pool = CacheAware(), backends(2)
     system = "a long shared system prompt " * 200   # ~5,600 characters: far more than the slack
@@ -436,10 +471,12 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     first = info_of(chat("a question " * 100))
     a = await dispatcher.acquire(first)
     assert a.prefill_chars == first.prefill_charge == first.prompt_chars > 0
+    assert a.context_chars == first.context_charge == first.prompt_chars
     dispatcher.discharge(a, first)                   # its first byte came back
     assert a.prefill_chars == 0 and first.prefill_charge == 0
+    assert a.context_chars == first.prompt_chars     # its KV stays on the engine until it ends
     dispatcher.release(a, first)                     # nothing charged twice
-    assert a.prefill_chars == 0 and a.in_flight == 0
+    assert a.prefill_chars == 0 and a.in_flight == 0 and a.context_chars == 0 and first.context_charge == 0
     assert changes == [(1, first.prompt_chars), (1, 0.0), (0, 0.0)]
     dispatcher.on_load = None
     # A strategy that never reads the charge is spared computing it.
@@ -452,7 +489,7 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     second = info_of(chat("another question " * 100))
     b = await dispatcher.acquire(second)
     dispatcher.release(b, second)
-    assert b.prefill_chars == 0
+    assert b.prefill_chars == 0 and b.context_chars == 0
     # A waiter granted a slot just as it was cancelled gives back the slot and its charge.
     holders = [info_of(chat(f"hold {n} " * 50)) for n in range(2)]
     held = [await dispatcher.acquire(info) for info in holders]
@@ -464,6 +501,7 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     assert held[0].in_flight == 0 and held[0].prefill_chars == 0 and waiting.prefill_charge == 0
+    assert held[0].context_chars == 0 and waiting.context_charge == 0
 
 
 async def _grant_order(dispatcher: Dispatcher, infos: list[RequestInfo], held: Backend,

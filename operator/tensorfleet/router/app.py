@@ -541,7 +541,8 @@ class Router:
             strategy, pool = self.strategy, self.pool
             tasks.append(asyncio.create_task(
                 self.peers.run(self.session, lambda: strategy.block_chars,
-                               lambda: {b.url: (b.in_flight, b.prefill_chars) for b in pool}, self._now),
+                               lambda: {b.url: (b.in_flight, b.prefill_chars, b.context_chars) for b in pool},
+                               self._now),
                 name="router-peers"))
         if self.config.service or self.config.prefill_service or (self.peers and self.config.peer_service):
             namespace = self.config.namespace or in_cluster_namespace() or "default"
@@ -619,9 +620,10 @@ class Router:
         load = self.peers.load(self._now())
         freed = False
         for backend in self.pool:
-            n, chars = load.get(backend.url, (0, 0.0))
+            n, chars, context = load.get(backend.url, (0, 0.0, 0.0))
             freed = freed or n < backend.peer_in_flight
             backend.others, backend.peer_prefill_chars, backend.peer_in_flight = n, chars, n
+            backend.peer_context_chars = context
         if freed:
             self.dispatcher.drain()  # the peers freed slots on an engine: waiters here may take them
 

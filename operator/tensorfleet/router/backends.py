@@ -8,8 +8,8 @@ up to that interval but include load from other router replicas. `others` is
 what the engine held at the last scrape beyond this router's own in-flight
 requests then: the other replicas' share, so `estimated_load` (own, exact, plus
 theirs, lagging) is the whole engine's as every replica sees it alike. Replicas
-that know each other (router/peers.py) also tell each other their counts every
-0.1 s, which replace the scraped share until the next scrape.
+that know each other (router/peers.py) also tell each other their counts as
+they change, which replace the scraped share until the next scrape.
 
 Health is a circuit breaker per engine, after a first state of its own:
   joining    in the pool, not yet seen healthy (the router's pool starts every
@@ -71,6 +71,11 @@ class Backend:
     # the other router replicas, as they last told.
     prefill_chars: float = 0.0
     peer_prefill_chars: float = 0.0
+    # Prompt characters of the requests in flight here, first byte back or not: what their KV takes of the
+    # engine's cache (cache-aware starts a conversation elsewhere when it is nearly full); this router's, and the
+    # other replicas' as they last told.
+    context_chars: float = 0.0
+    peer_context_chars: float = 0.0
     # The other router replicas' requests in flight here, as they last told (router/peers.py): they count
     # against the per-engine limit with this router's own (dispatch.py).
     peer_in_flight: int = 0

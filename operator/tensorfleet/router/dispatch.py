@@ -70,12 +70,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool
-from tensorfleet.router.strategies import RequestInfo, Strategy
+from tensorfleet.router.strategies import KV_HIGH_WATER, RequestInfo, Strategy
 
 MIN_AUTO_QUEUE = 64
-# An engine's KV-cache use (0-1) at or above which its limit comes down (and never goes up): vLLM preempts
-# running requests when the cache runs out.
-KV_HIGH_WATER = 0.9
 # Requests waiting inside an engine that count as it queueing: vLLM holds a just-arrived request in its waiting
 # queue until its next scheduler step, so one seen there is routine.
 ENGINE_QUEUEING = 2
@@ -234,6 +231,8 @@ class Dispatcher:
         if info.prompt_chars and self.strategy.places_by_prefill:
             info.prefill_charge = self.strategy.prefill_cost(backend, info)
             backend.prefill_chars += info.prefill_charge
+            info.context_charge = info.prompt_chars
+            backend.context_chars += info.context_charge
         self.strategy.routed(backend, info)
         if self.on_placed is not None:
             self.on_placed(backend, info)
@@ -347,6 +346,9 @@ class Dispatcher:
         """BACKEND's slot, taken for the request INFO describes, is free again."""
         if info is not None:
             self.discharge(backend, info)
+            if info.context_charge:
+                backend.context_chars = max(backend.context_chars - info.context_charge, 0.0)
+                info.context_charge = 0.0
         backend.in_flight -= 1
         if self.on_load is not None:
             self.on_load()

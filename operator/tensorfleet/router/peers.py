@@ -17,8 +17,10 @@ hundred bytes). A peer takes them into its index as if it had routed them
 went.
 
 The same message carries the sender's load on each engine: its requests in
-flight there and the prompt characters they have yet to compute (no first byte
-back yet). A replica's view of the others' load on an engine is otherwise the
+flight there, the prompt characters they have yet to compute (no first byte
+back yet), and the prompt characters of all of them (what their KV takes of
+the engine's cache). A message from an older replica without the third number
+counts it as 0. A replica's view of the others' load on an engine is otherwise the
 engine's last scrape (every health interval, 2 s), stale next to requests that
 get their first token in a fraction of a second. A peer's load counts for
 PEER_STALE seconds after its last message.
@@ -73,7 +75,8 @@ _HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits
 OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer_placements{outcome}
 
 Placement = tuple[str, int | None, tuple[int, ...]]   # engine URL, opening hash, block hashes
-Load = dict[str, tuple[int, float]]                    # engine URL -> requests in flight, prompt chars to compute
+# engine URL -> requests in flight, prompt chars to compute, prompt chars in flight
+Load = dict[str, tuple[int, float, float]]
 
 
 class PeerMessageError(ValueError):
@@ -147,7 +150,8 @@ class Peers:
         self._outbox.clear()
         self._sent_load, self._sent_at = load, now
         return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
-                           "load": {url: [n, round(chars)] for url, (n, chars) in load.items()}},
+                           "load": {url: [n, round(chars), round(context)]
+                                    for url, (n, chars, context) in load.items()}},
                           separators=(",", ":")).encode()
 
     @property
@@ -157,14 +161,14 @@ class Peers:
 
     def load(self, now: float) -> Load:
         """The other replicas' load per engine: the sum over the peers heard from within PEER_STALE."""
-        total: dict[str, tuple[int, float]] = {}
+        total: dict[str, tuple[int, float, float]] = {}
         for instance, (heard, load) in list(self._loads.items()):
             if now - heard > PEER_STALE:
                 del self._loads[instance]
                 continue
-            for url, (n, chars) in load.items():
-                before = total.get(url, (0, 0.0))
-                total[url] = (before[0] + n, before[1] + chars)
+            for url, (n, chars, context) in load.items():
+                before = total.get(url, (0, 0.0, 0.0))
+                total[url] = (before[0] + n, before[1] + chars, before[2] + context)
         return total
 
     async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Load],
@@ -222,9 +226,12 @@ class Peers:
             return []
         load = doc.get("load", {})
         if not (isinstance(load, dict) and len(load) <= MAX_PLACEMENTS
-                and all(isinstance(v, list) and len(v) == 2 and all(_is_count(x) for x in v) for v in load.values())):
-            raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters]}")
-        self._loads[sender] = (now, {url: (int(n), float(chars)) for url, (n, chars) in load.items()})
+                and all(isinstance(v, list) and len(v) in (2, 3) and all(_is_count(x) for x in v)
+                        for v in load.values())):
+            raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters to compute, "
+                                   "prompt characters in flight]}")
+        self._loads[sender] = (now, {url: (int(v[0]), float(v[1]), float(v[2]) if len(v) == 3 else 0.0)
+                                     for url, v in load.items()})
         if doc.get("blockChars") != block_chars:
             return []
         raw = doc["placements"]

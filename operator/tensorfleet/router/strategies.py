@@ -38,9 +38,12 @@ cache-aware   (the default) stays on the engine that holds the conversation's
                 shared state, and only the conversations of an engine that
                 comes or goes move; a saturated home passes the request to the
                 next engine in the same order;
-              - a first turn (no engine holds the conversation yet) goes home
-                unless the home has more prompt to compute ahead of it than the
-                least busy engine, by HOME_SLACK_CHARS: its first token waits
+              - a first turn (no engine holds the conversation yet) goes to an
+                engine with room for its KV (`has_room`: the cache below
+                KV_HIGH_WATER by the engine's last scrape and by the prompts in
+                flight there), and there home unless the home has more prompt
+                to compute ahead of it than the least busy engine, by
+                HOME_SLACK_CHARS: its first token waits
                 for that work (prompt characters of this router's requests
                 there that have no first byte back, less the blocks this router
                 sent the engine before), so a new conversation is not queued
@@ -90,6 +93,9 @@ DEFAULT_INDEX_BLOCKS = 8192    # per engine, until its KV capacity is scraped
 # A conversation's first turn goes to its home unless the home has this much more prompt to compute ahead of
 # it than the least busy engine (about 512 tokens: a short prompt's prefill).
 HOME_SLACK_CHARS = 2048
+# An engine's KV-cache fill (0-1) at or above which it has no room for a new conversation (cache-aware), and its
+# admission limit comes down (dispatch.py): past it vLLM evicts every idle conversation's cache, then preempts.
+KV_HIGH_WATER = 0.9
 _MASK64 = (1 << 64) - 1
 # Versions of the prefix indexes, unique across strategies: a prefix match remembered under one is stale under any other.
 _EPOCHS = itertools.count()
@@ -108,8 +114,10 @@ class RequestInfo:
     # turn, or more, after the first user message): a first turn's KV is on no engine yet.
     prompt_chars: int = 0
     continues: bool = False
-    # Prompt characters charged to the engine picked for this request until its first byte (dispatch.py).
+    # Prompt characters charged to the engine picked for this request until its first byte (dispatch.py), and
+    # until it ends.
     prefill_charge: float = 0.0
+    context_charge: float = 0.0
     # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
     # follows it; valid while the strategy's index is as it was (`matches_epoch`, see PrefixAware.match).
     matches: dict[str, int] = field(default_factory=dict)
@@ -168,6 +176,20 @@ def _mix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+def has_room(backend: Backend, info: RequestInfo) -> bool:
+    """Whether BACKEND's KV cache has room for the request's prompt: at its last scrape below KV_HIGH_WATER, and the
+    prompts in flight there (every router replica's, as they last told) with this one below KV_HIGH_WATER of its
+    capacity. An engine whose cache is full keeps only the running requests' blocks: it evicts the idle
+    conversations' caches, whose next turns then compute their whole history again, and it holds new requests
+    until blocks free. True while its capacity is unknown."""
+    if not backend.kv_cache_tokens:
+        return True
+    if backend.kv_usage >= KV_HIGH_WATER:
+        return False
+    context = backend.context_chars + backend.peer_context_chars + info.prompt_chars
+    return context < KV_HIGH_WATER * backend.kv_cache_tokens * CHARS_PER_TOKEN
 
 
 def _own_requests(backend: Backend) -> float:
@@ -441,12 +463,14 @@ class CacheAware(PrefixAware):
             return sent
         if not info.continues:
             # A first turn: no engine holds this conversation's KV yet (at most a shared system prompt, which
-            # prefill_cost counts), so what its first token waits for is the prompt work queued on the engine
-            # ahead of it (this router's, and the other replicas' as they last told: router/peers.py), its own
-            # uncached part included. Among the engines within HOME_SLACK_CHARS of the least of that, the
-            # earliest in the conversation's rendezvous order: its home whenever the home is not busy computing
-            # other prompts, so router replicas agree wherever the load leaves the choice.
-            costs = [(b.prefill_chars + b.peer_prefill_chars + self.prefill_cost(b, info), b) for b in under]
+            # prefill_cost counts), so it goes to an engine with room for its KV (`has_room`), and what its first
+            # token waits for is the prompt work queued on the engine ahead of it (this router's, and the other
+            # replicas' as they last told: router/peers.py), its own uncached part included. Among the engines
+            # within HOME_SLACK_CHARS of the least of that, the earliest in the conversation's rendezvous order:
+            # its home whenever the home is not busy computing other prompts, so router replicas agree wherever
+            # the load leaves the choice.
+            roomy = [b for b in under if has_room(b, info)] or under
+            costs = [(b.prefill_chars + b.peer_prefill_chars + self.prefill_cost(b, info), b) for b in roomy]
             least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
             return max((b for cost, b in costs if cost <= least), key=lambda b: _mix(opening ^ self._salt(b.url)))
         # A later turn of a conversation new to this router (another replica served its start): its home by
