@@ -114,8 +114,8 @@ class RequestInfo:
     # turn, or more, after the first user message): a first turn's KV is on no engine yet.
     prompt_chars: int = 0
     continues: bool = False
-    # Prompt characters charged to the engine picked for this request until its first byte (dispatch.py), and
-    # until it ends.
+    # Prompt characters charged to the engine picked for this request (dispatch.py): its uncached part until its
+    # first byte (prefill), all of it until it ends (context).
     prefill_charge: float = 0.0
     context_charge: float = 0.0
     # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
