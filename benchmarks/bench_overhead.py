@@ -2,7 +2,7 @@
 
 One simulator at --time-scale 0 (no simulated GPU time: every microsecond of
 latency is software) is loaded by the same generator directly and through the
-router: wrk for throughput and latency (non-streaming and streaming, several
+router (the default strategy): wrk for throughput and latency (non-streaming and streaming, several
 concurrency levels), an async Python client for streaming time to first token
 at concurrency 1, and a long wrk run of 200k+ requests through the router with
 its resident memory sampled as it goes.
@@ -150,7 +150,8 @@ def main() -> None:
         return
     with cluster("overhead") as c:
         engine = c.sim("engine", time_scale=0.0)
-        router = c.router([engine], "--max-concurrency-per-backend", "256")
+        router = c.router([engine], "--max-concurrency-per-backend", "256",
+                          strategy=contract.DEFAULT_ROUTER_STRATEGY)
         asyncio.run(wait_healthy(engine, router))
         time.sleep(2.5)  # a health/scrape round so the router has seen the engine
         print("wrk, one simulator at --time-scale 0, direct vs through the router:")
