@@ -2,10 +2,10 @@
 
 One simulator at --time-scale 0 (no simulated GPU time: every microsecond of
 latency is software) is loaded by the same generator directly and through the
-router (the default strategy): wrk for throughput and latency (non-streaming and streaming, several
-concurrency levels), an async Python client for streaming time to first token
-at concurrency 1, and a long wrk run of 200k+ requests through the router with
-its resident memory sampled as it goes.
+router (the default strategy): wrk for throughput and latency (non-streaming
+and streaming, several concurrency levels), an async Python client for
+streaming time to first token at concurrency 1, and a long wrk run of 200k+
+requests through the router with its resident memory sampled as it goes.
 
 Goals (issue 4): through-router throughput >= 50% of direct; p50 added latency
 < 1 ms at low concurrency; router memory growth < 10 MB over 200k requests.
