@@ -76,8 +76,10 @@ def plan_of() -> Plan:
 
 
 def router_flags(plan: Plan) -> list[str]:
-    """The operator's router flags that matter here: the KV-derived ceiling per engine."""
-    return ["--max-concurrency-per-backend", str(plan.engine_concurrency(2048))]
+    """The operator's router flags that matter here: the KV-derived ceiling per engine, the engines' prefill
+    budget per step."""
+    return ["--max-concurrency-per-backend", str(plan.engine_concurrency(2048)),
+            "--prompt-queue-tokens", str(plan.batched_tokens)]
 
 
 def peer_flags(ports: Sequence[int], own: int) -> list[str]:

@@ -517,6 +517,14 @@ def test_optional_env_values() -> None:
     assert "HF_TOKEN" not in env
     router = one(rendered(doc), "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]
     assert router["args"][router["args"].index("--max-concurrency-per-backend") + 1] == "64"
+    # The engines' own prefill budget, where engine.args sets one, in either spelling.
+    assert router["args"][router["args"].index("--prompt-queue-tokens") + 1] == "4096"
+    for args, budget in ((["--max-num-batched-tokens", "1024"], "1024"), (["--max-num-batched-tokens=auto"], "2048"),
+                         ([], "2048")):
+        small = document(model={"name": LLAMA_8B, "maxModelLen": 4096}, accelerator={"type": "L4"},
+                         engine={"args": args})
+        other = one(rendered(small), "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]
+        assert other["args"][other["args"].index("--prompt-queue-tokens") + 1] == budget, args
     assert "--burst-concurrency-per-backend" not in router["args"]  # the ceiling is max-num-seqs already
 
 
@@ -597,6 +605,8 @@ def test_router() -> None:
         "--max-concurrency-per-backend", str(concurrency),
         # The derived ceiling is a typical request's share: an engine with room may take up to max-num-seqs.
         "--burst-concurrency-per-backend", "1024",
+        # One step's prefill on an 80 GB A100: vLLM's default budget there.
+        "--prompt-queue-tokens", "8192",
         "--model", "llama-70b",
         "--drain-delay", "5",
         "--shutdown-grace", "60",

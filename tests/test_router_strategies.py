@@ -504,6 +504,102 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     assert held[0].context_chars == 0 and waiting.context_charge == 0
 
 
+def streamed(body: dict[str, object]) -> RequestInfo:
+    info = info_of(body)
+    info.queues_prompt = True
+    return info
+
+
+@pytest.mark.asyncio
+async def test_cache_aware_holds_prompts_beyond_a_step_and_sends_each_to_the_first_engine_to_clear() -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a", "http://b"])
+    dispatcher = Dispatcher(pool, CacheAware(), ceiling=8, queue_timeout=30, prompt_queue_chars=4000)
+    first, second = streamed(chat("the first question " * 150)), streamed(chat("the second question " * 150))
+    assert 2500 < first.prompt_chars < 4000 and 2500 < second.prompt_chars < 4000
+    a = await dispatcher.acquire(first)
+    b = await dispatcher.acquire(second)
+    assert {a.url, b.url} == {"http://a", "http://b"}
+    assert a.queued_prompt_chars == first.queue_charge == first.prefill_charge > 0
+    # Each engine has most of a step's prompt to compute: a third prompt would only wait inside one of them, so it
+    # waits here, and so does a short one behind it (it keeps its place in the queue, then goes cheapest first).
+    third = streamed(chat("the third question, the longest of all " * 110))
+    short = streamed(chat("a short one"))
+    assert third.prompt_chars > 4000 and short.prompt_chars < 600
+    waiting = [asyncio.create_task(dispatcher.acquire(info)) for info in (third, short)]
+    await asyncio.sleep(0)
+    assert not any(task.done() for task in waiting) and dispatcher.pending == 2
+    assert a.in_flight == b.in_flight == 1            # held for the prompt bound, under the ceiling
+    # The first prompt's first token: its engine has room again. The short prompt goes first; the long one, more
+    # than a step by itself, goes only to an engine with nothing queued, and waits for the next to clear.
+    dispatcher.discharge(a, first)
+    await asyncio.sleep(0)
+    assert waiting[1].done() and not waiting[0].done()
+    assert waiting[1].result() is a and a.queued_prompt_chars == short.queue_charge
+    dispatcher.discharge(b, second)
+    await asyncio.sleep(0)
+    assert waiting[0].result() is b and b.queued_prompt_chars == third.queue_charge
+    # A prompt longer than a step goes to an engine that has none queued, alone.
+    dispatcher.discharge(a, short)
+    huge = streamed(chat("a document to read " * 400))
+    assert huge.prompt_chars > 4000
+    assert await dispatcher.acquire(huge) is a
+    # A whole (not streamed) answer comes back only when its generation ends: it is placed by its prompt work
+    # but not counted against the bound, and it is held like any other while no engine has room.
+    dispatcher.discharge(b, third)
+    whole = info_of(chat("a question answered whole " * 100))
+    c = await dispatcher.acquire(whole)
+    assert c is b and whole.prefill_charge > 0 and whole.queue_charge == 0 and b.queued_prompt_chars == 0
+    # Released without a first token (the engine failed, the client left): its charge goes with the slot.
+    dispatcher.release(a, huge)
+    assert a.queued_prompt_chars == 0 and huge.queue_charge == 0
+
+
+@pytest.mark.asyncio
+async def test_the_prompt_bound_is_off_at_zero_and_for_strategies_that_do_not_place_by_prompt_work() -> None:
+    for strategy, bound in ((CacheAware(), 0.0), (RoundRobin(), 4000.0), (LeastPending(), 4000.0)):
+        pool = BackendPool()
+        pool.set_urls(["http://a"])
+        dispatcher = Dispatcher(pool, strategy, ceiling=8, queue_timeout=1, prompt_queue_chars=bound)
+        assert dispatcher.prompt_queue_chars == 0
+        infos = [streamed(chat(f"question {n} " * 400)) for n in range(3)]
+        engines = [await dispatcher.acquire(info) for info in infos]   # not one waits
+        assert all(engine.url == "http://a" for engine in engines) and dispatcher.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_a_later_turn_waits_for_its_engine_under_the_prompt_bound_rather_than_recompute_elsewhere() -> None:
+    pool = BackendPool()
+    pool.set_urls(["http://a"])
+    strategy = CacheAware()
+    dispatcher = Dispatcher(pool, strategy, ceiling=8, queue_timeout=30, prompt_queue_chars=4000)
+    talk = "the fleet's history in detail " * 100
+    opening = streamed(chat(talk))
+    home = await dispatcher.acquire(opening)
+    dispatcher.discharge(home, opening)
+    dispatcher.release(home, opening)
+    filler = streamed(chat("a new conversation about something else " * 70))
+    assert await dispatcher.acquire(filler) is home
+    pool.set_urls(["http://a", "http://b"])      # a second engine joins, with nothing queued
+    other = next(b for b in pool if b is not home)
+    # The next turn computes only its new message at home, which fits beside what is queued there: it goes home.
+    follow_up = streamed(chat(talk, "an answer " * 20, "and one more question " * 5))
+    assert home.queued_prompt_chars + strategy.prefill_cost(home, follow_up) <= 4000
+    assert strategy.prefill_cost(other, follow_up) > 4000 - home.queued_prompt_chars
+    assert await dispatcher.acquire(follow_up) is home
+    # With no room left at home, the turn after waits for it (the other engine would compute the whole
+    # history) and goes home once it clears.
+    later = streamed(chat(talk, "an answer " * 20, "and one more question " * 5, "another answer " * 20,
+                          "and a last question " * 40))
+    assert home.queued_prompt_chars + strategy.prefill_cost(home, later) > 4000
+    task = asyncio.create_task(dispatcher.acquire(later))
+    await asyncio.sleep(0)
+    assert not task.done() and other.in_flight == 0
+    dispatcher.discharge(home, filler)
+    await asyncio.sleep(0)
+    assert task.done() and task.result() is home
+
+
 async def _grant_order(dispatcher: Dispatcher, infos: list[RequestInfo], held: Backend,
                        held_info: RequestInfo | None = None) -> list[int]:
     """Queue INFOS (in this order) behind the one slot HELD, then free it again and again: the indexes of INFOS

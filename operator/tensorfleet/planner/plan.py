@@ -86,6 +86,9 @@ class Plan:
     kv_bytes_per_token_per_gpu: int
     kv_cache_tokens: int
     max_num_seqs: int
+    # vLLM's --max-num-batched-tokens as it defaults on this GPU: one step's token budget, the most prompt an
+    # engine computes at once (the router bounds each engine's queued prompts by it: router/dispatch.py).
+    batched_tokens: int
     auto_layout: bool
     notes: tuple[str, ...] = field(default=())
     model_source: str = "catalog"       # where the model's facts came from (catalog/facts.py MODEL_SOURCES)
@@ -357,6 +360,8 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
         kv_bytes_per_token_per_gpu=max(s.kv_bytes_per_token_per_gpu for s in stages),
         kv_cache_tokens=tokens,
         max_num_seqs=r.max_num_seqs,
+        # vLLM raises the budget to max-num-seqs, so a step can hold one token of every sequence.
+        batched_tokens=max(r.batched_tokens, r.max_num_seqs),
         auto_layout=auto,
         notes=tuple(notes),
         model_source=r.facts.source,

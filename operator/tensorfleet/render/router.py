@@ -121,6 +121,24 @@ def _concurrency_args(ctx: Context) -> list[str]:
               else [])]
 
 
+BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
+
+
+def engine_step_tokens(ctx: Context) -> int:
+    """The engines' prefill budget per step: spec.engine.args' --max-num-batched-tokens where it sets one, else
+    vLLM's default as the plan has it."""
+    args = list(ctx.spec.engine.args)
+    value: str | None = None
+    for i, arg in enumerate(args):
+        if arg == BATCHED_TOKENS_FLAG and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(BATCHED_TOKENS_FLAG + "="):
+            value = arg.split("=", 1)[1]
+    if value is not None and value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    return ctx.plan.batched_tokens
+
+
 def _container(ctx: Context) -> dict[str, Any]:
     router = ctx.spec.router
     container = {
@@ -140,6 +158,8 @@ def _container(ctx: Context) -> dict[str, Any]:
             # max-num-seqs) requests only queue or preempt inside the engine;
             # held at the router they are counted by the autoscaler too.
             *_concurrency_args(ctx),
+            # One step's prefill: cache-aware holds the prompts beyond it, for whichever engine clears first.
+            "--prompt-queue-tokens", str(engine_step_tokens(ctx)),
             "--model", ctx.served_name,
             "--drain-delay", str(contract.ROUTER_DRAIN_SECONDS),
             "--shutdown-grace", str(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),

@@ -155,7 +155,7 @@ import aiohttp
 from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tensorfleet import contract
+from tensorfleet import contract, vllm_defaults
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
 from tensorfleet.prompts import content_text, goes_on, opening_chars, prompt_text
@@ -219,6 +219,9 @@ class RouterConfig:
     burst_concurrency_per_backend: int = 0
     max_queue: int = 0
     queue_timeout: float = 30.0
+    # The engines' chunked-prefill budget per step (vLLM's --max-num-batched-tokens): cache-aware sends an engine
+    # at most this much prompt at a time (dispatch.py), counted at CHARS_PER_TOKEN; 0: no bound.
+    prompt_queue_tokens: int = vllm_defaults.MAX_NUM_BATCHED_TOKENS
     retries: int = 2
     health_interval: float = 2.0
     health_timeout: float = 2.0
@@ -449,6 +452,7 @@ class Router:
         self.dispatcher = Dispatcher(self.pool, self.strategy, ceiling=config.max_concurrency_per_backend,
                                      burst=config.burst_concurrency_per_backend,
                                      max_queue=config.max_queue, queue_timeout=config.queue_timeout,
+                                     prompt_queue_chars=config.prompt_queue_tokens * CHARS_PER_TOKEN,
                                      unavailable=self._unavailable)
         self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
         # API keys: read now, so a path that cannot be read stops the router at start (KeysError).
@@ -844,7 +848,7 @@ class Router:
         return self._loop.time()
 
     def _request_info(self, request: web.Request, body: Mapping[str, Any]) -> RequestInfo:
-        info = RequestInfo()
+        info = RequestInfo(queues_prompt=body.get("stream") is True)
         if self.strategy.name == "session":
             key = request.headers.get(contract.SESSION_HEADER) or body.get("user")
             info.session_key = key if isinstance(key, str) and key else None
@@ -1023,7 +1027,9 @@ class Router:
         outcome, params = await stage.run(self.session, call.path, parsed, info, call.headers, bound)
         if params is not None:
             data = json.dumps({**parsed, KV_TRANSFER_PARAMS: params}, separators=(",", ":")).encode()
-            if not call.body.replace(data):
+            if call.body.replace(data):
+                call.info.queues_prompt = False  # the decode engine computes none of it: nothing for it to queue
+            else:
                 outcome = "failed"  # no room in the body budget for the rewritten request: it goes as it came
         self.metrics.prefill(outcome)
 

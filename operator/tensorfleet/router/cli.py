@@ -22,7 +22,7 @@ import logging
 import os
 from typing import Any
 
-from tensorfleet import argtypes, contract, extras
+from tensorfleet import argtypes, contract, extras, vllm_defaults
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 
 log = logging.getLogger("tensorfleet.router")
@@ -92,6 +92,12 @@ def register(subparsers: Any) -> None:
                    help="seconds a request may wait for an engine slot (engines busy, or a cold start underway) "
                         "before 503; with no engine healthy and none starting it gets 503 at once; with cache-aware, "
                         "cheaper requests may go first for at most half of it (default: 30)")
+    p.add_argument("--prompt-queue-tokens", type=argtypes.non_negative_int,
+                   default=vllm_defaults.MAX_NUM_BATCHED_TOKENS, metavar="TOKENS",
+                   help="cache-aware: prompt tokens this router may have queued on one engine with no first token "
+                        "back, set to the engines' --max-num-batched-tokens (one step's prefill); a request no "
+                        "engine has room for waits here and goes to the first engine to clear, shorter prompts "
+                        "first; streamed answers only (0: no bound; default: %(default)s)")
     zero = p.add_argument_group("scale from zero (autoscaling.minReplicas 0; router/demand.py)")
     zero.add_argument("--demand-lease", metavar="NAME",
                       help="Lease (in --namespace) to renew when requests arrive, at once when one finds no engine: "
@@ -213,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         burst_concurrency_per_backend=args.burst_concurrency_per_backend,
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
+        prompt_queue_tokens=args.prompt_queue_tokens,
         retries=args.retries,
         health_interval=args.health_interval,
         health_timeout=args.health_timeout,

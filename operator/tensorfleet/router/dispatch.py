@@ -12,6 +12,22 @@ than the deadline gets 503. Waiters are served in arrival order; one that
 cannot use the free engine (it already failed there, or the engine lacks
 its LoRA adapter) lets the next one go.
 
+Prompt queue (`prompt_queue_chars`, for a strategy that `places_by_prefill`:
+cache-aware): an engine computes at most one step's token budget of prompt at a
+time (vLLM's max-num-batched-tokens), first come first served, and a prompt
+sent beyond that only waits inside it, where no later, shorter prompt can go
+ahead of it and no other engine that frees first can take it. So the router
+sends an engine a prompt only while the prompt characters it has there with no
+first token back, this one's uncached part added, fit in that budget, or while
+it has none there (a prompt longer than a step still goes, alone). A request
+that no engine it may use has room for waits in the router's queue and goes to
+the first that clears, cheapest first (below): late binding, one queue for the
+fleet instead of one per engine. Only streamed answers count against the
+bound, since the router sees their first token; a whole answer comes back
+only when its generation ends, long after its prompt was computed. Each
+router replica bounds its own prompts (the others' are not counted), so with
+N replicas an engine may have N budgets of prompt queued.
+
 A strategy that `orders_queue` (cache-aware) has a free slot offered first to
 the waiter with the least prompt work there (`prefill_cost`: its prompt less
 what the engine may hold cached), of the ORDER_SCAN longest-waiting: at
@@ -121,7 +137,7 @@ class _Waiter:
 
 class Dispatcher:
     def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, burst: int = 0, max_queue: int = 0,
-                 queue_timeout: float = 30.0, order_age: float | None = None,
+                 queue_timeout: float = 30.0, order_age: float | None = None, prompt_queue_chars: float = 0.0,
                  unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool
         self.strategy = strategy
@@ -130,6 +146,8 @@ class Dispatcher:
         self.configured_max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.order_age = queue_timeout / 2 if order_age is None else order_age
+        # Prompt characters an engine may have queued for this router (see the module docstring); 0: no bound.
+        self.prompt_queue_chars = prompt_queue_chars if strategy.places_by_prefill else 0.0
         # Given the engines a request already failed on: why it cannot wait for one (None: it may queue).
         self.unavailable = unavailable
         # Each tenant's waiters in arrival order; a tenant has an entry only while it has waiters.
@@ -186,6 +204,19 @@ class Dispatcher:
         (router/peers.py), so router replicas share one ceiling per engine rather than each filling it."""
         return backend.in_flight + backend.peer_in_flight >= self.limit(backend)
 
+    def prompt_room(self, backend: Backend, info: RequestInfo) -> bool:
+        """Whether BACKEND may take INFO's prompt under the prompt queue bound (see the module docstring): none of
+        this router's prompts is queued there, or this one's uncached part fits beside them."""
+        queued = backend.queued_prompt_chars
+        return not queued or queued + self.strategy.prefill_cost(backend, info) <= self.prompt_queue_chars
+
+    def _open(self, backend: Backend) -> bool:
+        """Whether BACKEND could take some request now: under its limit, and, with a prompt bound, with room
+        for more prompt."""
+        if self.full(backend):
+            return False
+        return not self.prompt_queue_chars or backend.queued_prompt_chars < self.prompt_queue_chars
+
     def adapt(self, backend: Backend) -> None:
         """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports (see the
         module docstring), and hand any slots that opened to waiters."""
@@ -224,13 +255,29 @@ class Dispatcher:
         candidates = self._usable(free, routable, info, exclude)
         if not candidates:
             return None
-        backend = self.strategy.pick(candidates, routable, info)
+        if self.prompt_queue_chars and info.prompt_chars:
+            roomy = [b for b in candidates if self.prompt_room(b, info)]
+            if not roomy:
+                return None   # every engine it may use has a step's worth of prompt queued: wait for one to clear
+            if info.continues:
+                # A later turn goes where the strategy sends it (where its conversation's KV is), and waits for
+                # that engine to clear rather than compute its whole history on another.
+                backend = self.strategy.pick(candidates, routable, info)
+                if backend not in roomy:
+                    return None
+            else:
+                backend = self.strategy.pick(roomy, routable, info)
+        else:
+            backend = self.strategy.pick(candidates, routable, info)
         if backend.state != CLOSED:
             self.pool.begin_probe(backend)
         backend.in_flight += 1
         if info.prompt_chars and self.strategy.places_by_prefill:
             info.prefill_charge = self.strategy.prefill_cost(backend, info)
             backend.prefill_chars += info.prefill_charge
+            if info.queues_prompt and self.prompt_queue_chars:
+                info.queue_charge = info.prefill_charge
+                backend.queued_prompt_chars += info.queue_charge
             info.context_charge = info.prompt_chars
             backend.context_chars += info.context_charge
         self.strategy.routed(backend, info)
@@ -257,7 +304,7 @@ class Dispatcher:
         return self._pick(info, frozenset())
 
     def _has_capacity(self) -> bool:
-        return any(not self.full(b) for b in self.pool.routable())
+        return any(self._open(b) for b in self.pool.routable())
 
     async def acquire(self, info: RequestInfo, exclude: frozenset[str] = frozenset(), *,
                       tenant: str | None = None, timeout: float | None = None) -> Backend:
@@ -333,19 +380,24 @@ class Dispatcher:
         if not waiter.future.done():
             waiter.future.set_exception(QueueTimeout())
 
-    def discharge(self, backend: Backend, info: RequestInfo) -> None:
+    def discharge(self, backend: Backend, info: RequestInfo, *, drain: bool = True) -> None:
         """The request's first byte came back from BACKEND (or it never will): its prompt is no longer work queued
-        there."""
+        there, and a waiter may take its place under the prompt bound."""
         if info.prefill_charge:
             backend.prefill_chars = max(backend.prefill_chars - info.prefill_charge, 0.0)
             info.prefill_charge = 0.0
             if self.on_load is not None:
                 self.on_load()
+        if info.queue_charge:
+            backend.queued_prompt_chars = max(backend.queued_prompt_chars - info.queue_charge, 0.0)
+            info.queue_charge = 0.0
+            if drain and self._queues:
+                self.drain()
 
     def release(self, backend: Backend, info: RequestInfo | None = None) -> None:
         """BACKEND's slot, taken for the request INFO describes, is free again."""
         if info is not None:
-            self.discharge(backend, info)
+            self.discharge(backend, info, drain=False)
             if info.context_charge:
                 backend.context_chars = max(backend.context_chars - info.context_charge, 0.0)
                 info.context_charge = 0.0
@@ -393,7 +445,7 @@ class Dispatcher:
         first, oldest first; then, of the first ORDER_SCAN, the least prompt work on a free engine they may use
         first (one that cannot use any goes last); then the rest in arrival order."""
         routable = self.pool.routable()
-        free = [b for b in routable if not self.full(b)]
+        free = [b for b in routable if self._open(b)]
         if not free:
             return waiters
         now = asyncio.get_running_loop().time()

@@ -118,6 +118,11 @@ class RequestInfo:
     # first byte (prefill), all of it until it ends (context).
     prefill_charge: float = 0.0
     context_charge: float = 0.0
+    # Whether the prompt counts in its engine's prompt queue (dispatch.py): its answer is streamed, so its first
+    # token comes back as soon as the prompt is computed, and the engine computes it (a disaggregated request's
+    # KV comes from a prefill engine instead). queue_charge: the part of prefill_charge counted there.
+    queues_prompt: bool = False
+    queue_charge: float = 0.0
     # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
     # follows it; valid while the strategy's index is as it was (`matches_epoch`, see PrefixAware.match).
     matches: dict[str, int] = field(default_factory=dict)
