@@ -519,8 +519,8 @@ def test_optional_env_values() -> None:
     assert router["args"][router["args"].index("--max-concurrency-per-backend") + 1] == "64"
     # The engines' own prefill budget, where engine.args sets one, in either spelling.
     assert router["args"][router["args"].index("--prompt-queue-tokens") + 1] == "4096"
-    for args, budget in ((["--max-num-batched-tokens", "1024"], "1024"), (["--max-num-batched-tokens=auto"], "2048"),
-                         ([], "2048")):
+    for args, budget in ((["--max-num-batched-tokens", "1024"], "1024"), (["--max_num_batched_tokens=512"], "512"),
+                         (["--max-num-batched-tokens=auto"], "2048"), ([], "2048")):
         small = document(model={"name": LLAMA_8B, "maxModelLen": 4096}, accelerator={"type": "L4"},
                          engine={"args": args})
         other = one(rendered(small), "Deployment", "llama-router")["spec"]["template"]["spec"]["containers"][0]

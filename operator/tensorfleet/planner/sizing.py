@@ -67,7 +67,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorfleet import vllm_defaults
 from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec
 from tensorfleet.catalog import ModelFacts, catalog_facts, find_gpu
 from tensorfleet.catalog.roofline import (
@@ -186,8 +185,6 @@ def engine_for(plan: Plan, arch: ArchitectureSpec, max_num_batched_tokens: int |
     """The step timing of one replica PLAN describes, as the simulator would time it (sim/profile.py)."""
     gpu = find_gpu(plan.accelerator)
     bandwidth = gpu.bandwidth_gbps if gpu is not None else 1000
-    memory_mib = gpu.memory_mib if gpu is not None else plan.gpu_memory_bytes // (1024 * 1024)
-    batch = vllm_defaults.batch_defaults(gpu_memory_mib=memory_mib, gpu_name=plan.accelerator)
     active = arch.parameters
     touched = 1.0
     if arch.moe is not None:
@@ -202,7 +199,7 @@ def engine_for(plan: Plan, arch: ArchitectureSpec, max_num_batched_tokens: int |
         kv_bytes_per_token_per_gpu=float(plan.kv_bytes_per_token_per_gpu * plan.pipeline),
         kv_cache_tokens=plan.kv_cache_tokens,
         max_num_seqs=plan.max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens or max(batch.max_num_batched_tokens, plan.max_num_seqs),
+        max_num_batched_tokens=max_num_batched_tokens or plan.batched_tokens,
         bandwidth_bytes_per_s=bandwidth * 1e9 * BANDWIDTH_EFFICIENCY,
         flops_per_s=PEAK_TFLOPS.get(plan.accelerator, DEFAULT_PEAK_TFLOPS) * 1e12 * COMPUTE_EFFICIENCY,
         flops_per_token_per_gpu=2.0 * active / plan.tensor,

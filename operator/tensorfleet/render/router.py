@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
+from tensorfleet.engine_settings import vllm_flag_name
 from tensorfleet.render.meta import (
     Context,
     metadata,
@@ -125,15 +126,17 @@ BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
 
 
 def engine_step_tokens(ctx: Context) -> int:
-    """The engines' prefill budget per step: spec.engine.args' --max-num-batched-tokens where it sets one, else
-    vLLM's default as the plan has it."""
+    """The engines' prefill budget per step: spec.engine.args' --max-num-batched-tokens (in any spelling vLLM
+    reads) where it sets one, else vLLM's default as the plan has it."""
     args = list(ctx.spec.engine.args)
     value: str | None = None
     for i, arg in enumerate(args):
-        if arg == BATCHED_TOKENS_FLAG and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(BATCHED_TOKENS_FLAG + "="):
+        if vllm_flag_name(arg) != BATCHED_TOKENS_FLAG:
+            continue
+        if "=" in arg:
             value = arg.split("=", 1)[1]
+        elif i + 1 < len(args):
+            value = args[i + 1]
     if value is not None and value.strip().isdigit() and int(value) > 0:
         return int(value)
     return ctx.plan.batched_tokens

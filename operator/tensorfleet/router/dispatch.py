@@ -255,20 +255,16 @@ class Dispatcher:
         candidates = self._usable(free, routable, info, exclude)
         if not candidates:
             return None
+        roomy: list[Backend] | None = None   # under the prompt bound: the engines with room for this prompt
         if self.prompt_queue_chars and info.prompt_chars:
             roomy = [b for b in candidates if self.prompt_room(b, info)]
             if not roomy:
                 return None   # every engine it may use has a step's worth of prompt queued: wait for one to clear
-            if info.continues:
-                # A later turn goes where the strategy sends it (where its conversation's KV is), and waits for
-                # that engine to clear rather than compute its whole history on another.
-                backend = self.strategy.pick(candidates, routable, info)
-                if backend not in roomy:
-                    return None
-            else:
-                backend = self.strategy.pick(roomy, routable, info)
-        else:
-            backend = self.strategy.pick(candidates, routable, info)
+        # A later turn goes where the strategy sends it (where its conversation's KV is), and waits for that
+        # engine to clear rather than compute its whole history on another; a first turn goes to one with room.
+        backend = self.strategy.pick(candidates if roomy is None or info.continues else roomy, routable, info)
+        if roomy is not None and backend not in roomy:
+            return None
         if backend.state != CLOSED:
             self.pool.begin_probe(backend)
         backend.in_flight += 1
