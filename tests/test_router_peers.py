@@ -120,35 +120,40 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     for i in range(MAX_OUTBOX + 5):
         peers.share("http://engine:8000", [i, i + 1], None)
     peers.share("http://engine:8000", [], 3)   # no whole block: nothing to tell
-    load = {"http://engine:8000": (3, 1200.0, 9000.0)}
+    load = {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
     body = peers.message(256, load, now=10.0)
     assert body is not None
     doc = json.loads(body)
     assert len(doc["placements"]) == MAX_OUTBOX and doc["placements"][0] == ["http://engine:8000", None, [5, 6]]
-    assert doc["load"] == {"http://engine:8000": [3, 1200, 9000]}
+    assert doc["load"] == {"http://engine:8000": [3, 1200, 9000, 700]}
     assert ("dropped", 5) in counted
     # Nothing new: no message until the load changes or the heartbeat is due.
     assert peers.message(256, dict(load), now=10.1) is None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0)}, now=10.2) is not None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0, 0.0)}, now=10.2) is not None
+    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
     # A message of this process's own (come back through the Service) is taken as nothing.
     assert peers.decode(body, 256, now=10.0) == [] and not peers.heard
     other = Peers(static=("http://10.0.0.7:8080",))
     assert len(other.decode(body, 256, now=10.0)) == MAX_OUTBOX
-    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0, 9000.0)}
+    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
     # Another block size: the load counts, the placements do not; a peer not heard from for PEER_STALE counts no
     # more.
-    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0, 9000.0)}
+    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
     assert other.load(11.1 + PEER_STALE) == {} and not other.heard
-    # A replica of the version before prompt characters in flight were told: its load counts, with none of those.
-    older = {"from": "older", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [2, 300]}}
+    # Replicas of the versions before prompt characters in flight, then queued prompt characters, were told (a
+    # rolling upgrade): their load counts, with none of what they leave out; the sum is over every peer.
+    oldest = {"from": "oldest", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [2, 300]}}
+    older = {"from": "older", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [1, 50, 400]}}
+    assert other.decode(json.dumps(oldest).encode(), 256, now=12.0) == []
+    assert other.load(12.0) == {"http://engine:8000": (2, 300.0, 0.0, 0.0)}
     assert other.decode(json.dumps(older).encode(), 256, now=12.0) == []
-    assert other.load(12.0) == {"http://engine:8000": (2, 300.0, 0.0)}
+    assert other.load(12.0) == {"http://engine:8000": (3, 350.0, 400.0, 0.0)}
     for bad, says in (({"from": "x", "blockChars": 256, "placements": [["e", None, []]] * (MAX_PLACEMENTS + 1)},
                        "more than"),
                       ({"blockChars": 256, "placements": []}, "'from'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'"),
-                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0]}}, "'load'")):
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1]}}, "'load'"),
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0, 0]}}, "'load'")):
         with pytest.raises(PeerMessageError, match=says):
             other.decode(json.dumps(bad).encode(), 256, now=12.0)
     # No peers: nothing is kept to send.
@@ -168,7 +173,7 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
         return web.Response(status=204)
 
     engine = "http://engine:8000"
-    load = {engine: (1, 500.0, 800.0)}
+    load = {engine: (1, 500.0, 800.0, 500.0)}
     async with fake_engine(take) as (url, _calls), aiohttp.ClientSession() as session:
         peers = Peers(static=(url,))
         task = asyncio.create_task(peers.run(session, lambda: 256, lambda: dict(load),
@@ -177,11 +182,11 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
             peers.share(engine, [1, 2], 7)
             peers.nudge()
             await eventually(lambda: len(got) == 1, timeout=5)
-            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500, 800]}
-            load[engine] = (0, 0.0, 0.0)
+            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500, 800, 500]}
+            load[engine] = (0, 0.0, 0.0, 0.0)
             peers.nudge()
             await eventually(lambda: len(got) == 2, timeout=5)
-            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0, 0]}
+            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0, 0, 0]}
             # A nudge with nothing new (no placements, the load as last sent) sends nothing.
             peers.nudge()
             await asyncio.sleep(0.05)
@@ -256,3 +261,45 @@ async def test_replicas_share_one_ceiling_per_engine() -> None:
             assert response.status == 200
             response.release()
         assert len(calls) == 3
+
+
+@pytest.mark.asyncio
+async def test_replicas_share_one_prompt_bound_per_engine() -> None:
+    # Under the prompt bound (router/dispatch.py) an engine takes a prompt while none is queued there or it fits
+    # beside those that are. A's streamed prompt, with no first token yet, counts at B too: B's holds back, and
+    # goes once A's first token comes back and A tells B its queue cleared.
+    release = asyncio.Event()
+
+    async def hold(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        await release.wait()   # no first byte until released: the prompt stays queued
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\ndata: [DONE]\n\n')
+        await response.write_eof()
+        return response
+
+    async with AsyncExitStack() as stack:
+        engine, calls = await stack.enter_async_context(fake_engine(hold))
+        port_a, port_b = free_port(), free_port()
+        options = {"strategy": "cache-aware", "prompt_queue_tokens": 100}   # a bound below one prompt of turn()
+        a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
+                                                   **options))
+        b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
+                                                   **options))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        told, seen = a.router.pool.backends[engine], b.router.pool.backends[engine]
+        first = asyncio.create_task(client.post(a.url + "/v1/chat/completions", json={**turn(0), "stream": True}))
+        await eventually(lambda: told.queued_prompt_chars > a.router.dispatcher.prompt_queue_chars
+                         and seen.peer_queued_prompt_chars == round(told.queued_prompt_chars), timeout=5)
+        later = asyncio.create_task(client.post(b.url + "/v1/chat/completions", json={**turn(1), "stream": True}))
+        await eventually(lambda: b.router.dispatcher.pending == 1, timeout=5)
+        await asyncio.sleep(0.3)
+        assert len(calls) == 1 and b.router.dispatcher.pending == 1 and seen.in_flight == 0
+        # A's first token: its prompt is computed, A says so, and B's goes.
+        release.set()
+        for response in await asyncio.gather(first, later):
+            assert response.status == 200
+            await response.read()
+            response.release()
+        assert len(calls) == 2 and seen.peer_queued_prompt_chars == 0

@@ -545,7 +545,8 @@ class Router:
             strategy, pool = self.strategy, self.pool
             tasks.append(asyncio.create_task(
                 self.peers.run(self.session, lambda: strategy.block_chars,
-                               lambda: {b.url: (b.in_flight, b.prefill_chars, b.context_chars) for b in pool},
+                               lambda: {b.url: (b.in_flight, b.prefill_chars, b.context_chars, b.queued_prompt_chars)
+                                               for b in pool},
                                self._now),
                 name="router-peers"))
         if self.config.service or self.config.prefill_service or (self.peers and self.config.peer_service):
@@ -624,12 +625,12 @@ class Router:
         load = self.peers.load(self._now())
         freed = False
         for backend in self.pool:
-            n, chars, context = load.get(backend.url, (0, 0.0, 0.0))
-            freed = freed or n < backend.peer_in_flight
+            n, chars, context, queued = load.get(backend.url, (0, 0.0, 0.0, 0.0))
+            freed = freed or n < backend.peer_in_flight or queued < backend.peer_queued_prompt_chars
             backend.others, backend.peer_prefill_chars, backend.peer_in_flight = n, chars, n
-            backend.peer_context_chars = context
+            backend.peer_context_chars, backend.peer_queued_prompt_chars = context, queued
         if freed:
-            self.dispatcher.drain()  # the peers freed slots on an engine: waiters here may take them
+            self.dispatcher.drain()  # the peers freed slots or prompt room on an engine: waiters here may take them
 
     def _on_prefill_discovered(self, urls: list[str]) -> None:
         if self.prefill is not None and self.prefill.set_discovered(urls):

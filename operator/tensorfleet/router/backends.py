@@ -72,8 +72,9 @@ class Backend:
     prefill_chars: float = 0.0
     peer_prefill_chars: float = 0.0
     # Of this router's prefill_chars, those of streamed answers: what it bounds the engine's prompt queue by
-    # (dispatch.py), as it sees their first token.
+    # (dispatch.py), as it sees their first token; and the other router replicas', as they last told.
     queued_prompt_chars: float = 0.0
+    peer_queued_prompt_chars: float = 0.0
     # Prompt characters of the requests in flight here, first byte back or not: what their KV takes of the
     # engine's cache (cache-aware starts a conversation elsewhere when it is nearly full); this router's, and the
     # other replicas' as they last told.

@@ -24,9 +24,11 @@ that no engine it may use has room for waits in the router's queue and goes to
 the first that clears, cheapest first (below): late binding, one queue for the
 fleet instead of one per engine. Only streamed answers count against the
 bound, since the router sees their first token; a whole answer comes back
-only when its generation ends, long after its prompt was computed. Each
-router replica bounds its own prompts (the others' are not counted), so with
-N replicas an engine may have N budgets of prompt queued.
+only when its generation ends, long after its prompt was computed. Router
+replicas that tell each other their load (router/peers.py) share the bound:
+the prompt the others have queued on an engine, as last told, counts with this
+router's own, so the replicas together keep one step's budget there, not one
+each.
 
 A strategy that `orders_queue` (cache-aware) has a free slot offered first to
 the waiter with the least prompt work there (`prefill_cost`: its prompt less
@@ -204,10 +206,16 @@ class Dispatcher:
         (router/peers.py), so router replicas share one ceiling per engine rather than each filling it."""
         return backend.in_flight + backend.peer_in_flight >= self.limit(backend)
 
+    @staticmethod
+    def queued_prompt(backend: Backend) -> float:
+        """Prompt characters queued on BACKEND with no first token back: this router's, and its peers' as last
+        told."""
+        return backend.queued_prompt_chars + backend.peer_queued_prompt_chars
+
     def prompt_room(self, backend: Backend, info: RequestInfo) -> bool:
-        """Whether BACKEND may take INFO's prompt under the prompt queue bound (see the module docstring): none of
-        this router's prompts is queued there, or this one's uncached part fits beside them."""
-        queued = backend.queued_prompt_chars
+        """Whether BACKEND may take INFO's prompt under the prompt queue bound (see the module docstring): no
+        prompt is queued there, or this one's uncached part fits beside those that are."""
+        queued = self.queued_prompt(backend)
         return not queued or queued + self.strategy.prefill_cost(backend, info) <= self.prompt_queue_chars
 
     def _open(self, backend: Backend) -> bool:
@@ -215,7 +223,7 @@ class Dispatcher:
         for more prompt."""
         if self.full(backend):
             return False
-        return not self.prompt_queue_chars or backend.queued_prompt_chars < self.prompt_queue_chars
+        return not self.prompt_queue_chars or self.queued_prompt(backend) < self.prompt_queue_chars
 
     def adapt(self, backend: Backend) -> None:
         """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports (see the

@@ -18,9 +18,11 @@ went.
 
 The same message carries the sender's load on each engine: its requests in
 flight there, the prompt characters they have yet to compute (no first byte
-back yet), and the prompt characters of all of them (what their KV takes of
-the engine's cache). A message from an older replica without the third number
-counts it as 0. A replica's view of the others' load on an engine is otherwise the
+back yet), the prompt characters of all of them (what their KV takes of the
+engine's cache), and of the first, those of streamed answers (what the prompt
+queue bound counts: router/dispatch.py). A message from an older replica with
+two or three numbers counts the missing ones as 0, so a rolling upgrade mixes
+versions without refusing anything. A replica's view of the others' load on an engine is otherwise the
 engine's last scrape (every health interval, 2 s), stale next to requests that
 get their first token in a fraction of a second. A peer's load counts for
 PEER_STALE seconds after its last message.
@@ -75,8 +77,9 @@ _HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits
 OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer_placements{outcome}
 
 Placement = tuple[str, int | None, tuple[int, ...]]   # engine URL, opening hash, block hashes
-# engine URL -> requests in flight, prompt chars to compute, prompt chars in flight
-Load = dict[str, tuple[int, float, float]]
+# engine URL -> requests in flight, prompt chars to compute, prompt chars in flight, prompt chars queued (streamed
+# answers with no first token back)
+Load = dict[str, tuple[int, float, float, float]]
 
 
 class PeerMessageError(ValueError):
@@ -150,8 +153,8 @@ class Peers:
         self._outbox.clear()
         self._sent_load, self._sent_at = load, now
         return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
-                           "load": {url: [n, round(chars), round(context)]
-                                    for url, (n, chars, context) in load.items()}},
+                           "load": {url: [n, round(chars), round(context), round(queued)]
+                                    for url, (n, chars, context, queued) in load.items()}},
                           separators=(",", ":")).encode()
 
     @property
@@ -161,14 +164,14 @@ class Peers:
 
     def load(self, now: float) -> Load:
         """The other replicas' load per engine: the sum over the peers heard from within PEER_STALE."""
-        total: dict[str, tuple[int, float, float]] = {}
+        total: Load = {}
         for instance, (heard, load) in list(self._loads.items()):
             if now - heard > PEER_STALE:
                 del self._loads[instance]
                 continue
-            for url, (n, chars, context) in load.items():
-                before = total.get(url, (0, 0.0, 0.0))
-                total[url] = (before[0] + n, before[1] + chars, before[2] + context)
+            for url, (n, chars, context, queued) in load.items():
+                before = total.get(url, (0, 0.0, 0.0, 0.0))
+                total[url] = (before[0] + n, before[1] + chars, before[2] + context, before[3] + queued)
         return total
 
     async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Load],
@@ -226,12 +229,11 @@ class Peers:
             return []
         load = doc.get("load", {})
         if not (isinstance(load, dict) and len(load) <= MAX_PLACEMENTS
-                and all(isinstance(v, list) and len(v) in (2, 3) and all(_is_count(x) for x in v)
+                and all(isinstance(v, list) and 2 <= len(v) <= 4 and all(_is_count(x) for x in v)
                         for v in load.values())):
             raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters to compute, "
-                                   "prompt characters in flight]}")
-        self._loads[sender] = (now, {url: (int(v[0]), float(v[1]), float(v[2]) if len(v) == 3 else 0.0)
-                                     for url, v in load.items()})
+                                   "prompt characters in flight, prompt characters queued]}")
+        self._loads[sender] = (now, {url: _load_entry(v) for url, v in load.items()})
         if doc.get("blockChars") != block_chars:
             return []
         raw = doc["placements"]
@@ -246,6 +248,12 @@ class Peers:
             placements.append((item[0], item[1], tuple(item[2])))
         self._on_outcome("received", len(placements))
         return placements
+
+
+def _load_entry(value: list[int]) -> tuple[int, float, float, float]:
+    """One engine's load in a message: the numbers an older replica leaves out count as 0."""
+    n, chars, context, queued = (*value, 0, 0)[:4]
+    return int(n), float(chars), float(context), float(queued)
 
 
 def _is_count(value: Any) -> bool:
