@@ -22,10 +22,10 @@ back yet), the prompt characters of all of them (what their KV takes of the
 engine's cache), and of the first, those of streamed answers (what the prompt
 queue bound counts: router/dispatch.py). A message from an older replica with
 two or three numbers counts the missing ones as 0, so a rolling upgrade mixes
-versions without refusing anything. A replica's view of the others' load on an engine is otherwise the
-engine's last scrape (every health interval, 2 s), stale next to requests that
-get their first token in a fraction of a second. A peer's load counts for
-PEER_STALE seconds after its last message.
+versions without refusing anything. A replica's view of the others' load on an
+engine is otherwise the engine's last scrape (every health interval, 2 s),
+stale next to requests that get their first token in a fraction of a second. A
+peer's load counts for PEER_STALE seconds after its last message.
 
 A message goes out as soon as there is news (a placement, a request's first
 byte or its end), not on a timer: a view even 0.1 s old misses the requests the
