@@ -164,6 +164,45 @@ def test_malformed_text_raises_value_error(text: str) -> None:
         promtext.value(text, "x")
 
 
+@pytest.mark.parametrize("names", [
+    {"vllm:num_requests_running"},
+    {"vllm:prompt_tokens_total", "vllm:kv_cache_usage_perc"},
+    {"vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_count"},
+    {"vllm:cache_config_info", "process_virtual_memory_bytes", "python_gc_objects_collected_total"},
+])
+def test_named_samples_are_those_of_the_whole_page(names: set[str]) -> None:
+    whole = [s for s in promtext.samples(VLLM) if s.name in names]
+    assert whole and {s.name for s in whole} == names
+    assert promtext.samples(VLLM, names=names) == whole
+
+
+def test_named_samples_read_a_counter_declared_without_total() -> None:
+    text = "# HELP legacy Old style.\n# TYPE legacy counter\nlegacy 4\nother 1\n"
+    assert promtext.samples(text, names={"legacy_total"}) == [Sample("legacy_total", {}, 4.0)]
+
+
+def test_named_samples_skip_the_rest_of_the_page() -> None:
+    # Lines of other families are not parsed at all: a line the parser would refuse does not matter.
+    text = VLLM + "some_exporter_extension{a=\"b\"} not-a-number\n"
+    with pytest.raises(ValueError):
+        promtext.samples(text)
+    assert promtext.value(promtext.samples(text, names={"vllm:num_requests_waiting"}),
+                          "vllm:num_requests_waiting") == 3.0
+    # A name that is a prefix of another family's does not pick that family.
+    assert promtext.samples(VLLM, names={"vllm:num_requests"}) == []
+
+
+@pytest.mark.parametrize("text", [
+    "<html><body>502 Bad Gateway</body></html>\n",
+    "Not Found",
+    "vllm:num_requests_waiting{engine=\"0\"} three\n",
+    "ok 1\nbroken line here\n",
+])
+def test_named_samples_still_refuse_what_is_not_prometheus_text(text: str) -> None:
+    with pytest.raises(ValueError, match="malformed Prometheus text"):
+        promtext.samples(text, names={"vllm:num_requests_waiting"})
+
+
 # --- callers that scrape engines -------------------------------------------------------
 
 

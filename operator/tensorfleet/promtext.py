@@ -17,11 +17,20 @@ processes; all prometheus_client) writes the `_total` itself.
 
 Text that does not parse raises ValueError: a scrape that returns it has
 failed, and the caller treats it as it treats any other failed scrape.
+
+A caller that wants a few metrics of a large page (the router reads four of
+vLLM's hundreds of lines every health interval, per engine) names them:
+`samples(text, names=...)` hands the parser only those families' lines
+(prometheus_client's parser is pure Python: the simulator's 157-line page
+takes 2.6 ms whole, 0.19 ms for the router's four). Lines are picked by the
+metric name they start with, nothing more; what is picked is parsed as above.
+So a page with none of the named metrics is parsed whole (an HTML error page
+still raises), while a page with them is not checked past their lines.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,20 +45,53 @@ class Sample:
     value: float
 
 
-def samples(text: str) -> list[Sample]:
-    """Every sample in TEXT, in the order they appear.
+# The suffixes a sample's name adds to its family's (`# TYPE` names the family).
+_SUFFIXES = ("_total", "_created", "_bucket", "_sum", "_count", "_gsum", "_gcount", "_info")
+
+
+def samples(text: str, names: Collection[str] | None = None) -> list[Sample]:
+    """Every sample in TEXT, in the order they appear; only those named NAMES
+    when given (see the module docstring).
 
     Raises ValueError when TEXT is not Prometheus text (an HTML error page, a
     truncated answer, a line that does not parse).
     """
+    if names is not None:
+        text = _pick(text, names) or text
     try:
         return [Sample(s.name, dict(s.labels), float(s.value))
-                for family in text_string_to_metric_families(text) for s in family.samples]
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if names is None or s.name in names]
     # prometheus_client raises ValueError for what it cannot read; the others
     # are there so that no input it mishandles escapes as anything else.
     except (ValueError, IndexError, KeyError, TypeError) as exc:
         detail = str(exc) or "a line does not parse"
         raise ValueError(f"malformed Prometheus text: {detail}") from exc
+
+
+def _pick(text: str, names: Collection[str]) -> str | None:
+    """The lines of TEXT that belong to the families of NAMES (their `# HELP` and `# TYPE` lines and samples),
+    or None when there is no sample among them."""
+    families = set(names)
+    for name in names:
+        families.update(name[:-len(suffix)] for suffix in _SUFFIXES if name.endswith(suffix))
+    kept: list[str] = []
+    found = False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            words = line.split(None, 3)
+            if len(words) > 2 and words[1] in ("HELP", "TYPE") and words[2] in families:
+                kept.append(line)
+            continue
+        end = len(line)
+        for stop in "{ \t":
+            at = line.find(stop, 0, end)
+            if at >= 0:
+                end = at
+        if end and line[:end] in families:
+            kept.append(line)
+            found = True
+    return "\n".join(kept) + "\n" if found else None
 
 
 def select(source: str | Iterable[Sample], name: str, **labels: str) -> list[Sample]:

@@ -258,20 +258,22 @@ _WAITING = contract.VLLM_METRIC_WAITING
 _RUNNING = contract.VLLM_METRIC_RUNNING
 _KV = contract.VLLM_METRIC_KV_CACHE_USAGE
 _CACHE_CONFIG = contract.VLLM_METRIC_CACHE_CONFIG
+_READ = frozenset((_WAITING, _RUNNING, _KV, _CACHE_CONFIG))
 
 
 def parse_engine_metrics(text: str) -> EngineLoad:
     """The few samples the router needs from vLLM's /metrics, summed over
     engines (data-parallel ranks) where there are several; KV usage averaged.
-    A NaN reads as 0. Text that is not Prometheus text raises ValueError (the
-    health check that scraped it has failed)."""
+    A NaN reads as 0. Only their lines are parsed (promtext.samples with
+    names: a real engine's page is hundreds of lines, scraped every health
+    interval). Text with none of them is parsed whole, so text that is not
+    Prometheus text raises ValueError (the health check that scraped it has
+    failed)."""
     load = EngineLoad()
     kv_samples = 0
     blocks = 0
-    for sample in promtext.samples(text):
+    for sample in promtext.samples(text, names=_READ):
         name = sample.name
-        if name not in (_WAITING, _RUNNING, _KV, _CACHE_CONFIG):
-            continue
         value = 0.0 if math.isnan(sample.value) else sample.value
         if name == _WAITING:
             load.waiting += value
