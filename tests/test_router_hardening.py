@@ -243,6 +243,29 @@ async def test_compressed_bodies_are_refused_unread() -> None:
             assert resp.status == 200
 
 
+async def test_a_cookie_an_engine_sets_is_neither_kept_nor_sent_on_with_other_clients_requests() -> None:
+    # The router's upstream session is shared by every client: a cookie an engine (or a proxy in front of it)
+    # sets on one answer must not ride on the next client's request, nor reach the client.
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Cookie"))
+        response = web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        response.set_cookie("session", f"client-{len(seen)}", path="/")
+        return response
+
+    async with AsyncExitStack() as stack:
+        engine_url, calls = await stack.enter_async_context(fake_engine(answer))
+        # By a host name, as a Service's DNS name would be: aiohttp's default jar keeps no cookie of an IP address.
+        named = engine_url.replace("127.0.0.1", "localhost")
+        r = await stack.enter_async_context(router([named], health_interval=60))
+        for i in range(3):
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:  # three different clients
+                reply = await post_chat(client, r.url, chat(f"q{i}"))
+            assert reply.status == 200 and "Set-Cookie" not in reply.headers
+        assert len(calls) == 3 and seen == [None, None, None]
+
+
 async def test_request_bodies_in_flight_are_capped_and_the_excess_gets_503() -> None:
     async with AsyncExitStack() as stack:
         s = await stack.enter_async_context(sim())

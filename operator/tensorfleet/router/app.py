@@ -533,9 +533,10 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout,
                                         sock_connect=self.config.connect_timeout)
-        # Bytes pass through untouched: no decompression, no added User-Agent.
+        # Bytes pass through untouched: no decompression, no added User-Agent. No cookie jar: the session is
+        # shared by every client, so a cookie an engine (or a proxy before it) set must not ride on others' requests.
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
-                                             skip_auto_headers=("User-Agent",))
+                                             skip_auto_headers=("User-Agent",), cookie_jar=aiohttp.DummyCookieJar())
         self._update_pool()
         tasks = [asyncio.create_task(self._health_loop(), name="router-health"),
                  asyncio.create_task(self._watchdog(), name="router-watchdog")]
