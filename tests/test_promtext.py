@@ -176,6 +176,12 @@ def test_named_samples_are_those_of_the_whole_page(names: set[str]) -> None:
     assert promtext.samples(VLLM, names=names) == whole
 
 
+def test_named_samples_read_indented_lines_as_the_parser_does() -> None:
+    text = "up 1\n  want 2\n\twant{a=\"b\"} 3\nwant 4\n"
+    assert promtext.samples(text, names={"want"}) == [s for s in promtext.samples(text) if s.name == "want"]
+    assert len(promtext.samples(text, names={"want"})) == 3
+
+
 def test_named_samples_read_a_counter_declared_without_total() -> None:
     text = "# HELP legacy Old style.\n# TYPE legacy counter\nlegacy 4\nother 1\n"
     assert promtext.samples(text, names={"legacy_total"}) == [Sample("legacy_total", {}, 4.0)]

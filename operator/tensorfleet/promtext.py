@@ -78,6 +78,7 @@ def _pick(text: str, names: Collection[str]) -> str | None:
     kept: list[str] = []
     found = False
     for line in text.splitlines():
+        line = line.lstrip(" \t")  # as the parser reads a line
         if line.startswith("#"):
             words = line.split(None, 3)
             if len(words) > 2 and words[1] in ("HELP", "TYPE") and words[2] in families:
