@@ -30,6 +30,7 @@ still raises), while a page with them is not checked past their lines.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -47,6 +48,7 @@ class Sample:
 
 # The suffixes a sample's name adds to its family's (`# TYPE` names the family).
 _SUFFIXES = ("_total", "_created", "_bucket", "_sum", "_count", "_gsum", "_gcount", "_info")
+_NAME_END = re.compile(r"[{ \t]")  # where a sample line's metric name ends: at its labels or its value
 
 
 def samples(text: str, names: Collection[str] | None = None) -> list[Sample]:
@@ -84,12 +86,8 @@ def _pick(text: str, names: Collection[str]) -> str | None:
             if len(words) > 2 and words[1] in ("HELP", "TYPE") and words[2] in families:
                 kept.append(line)
             continue
-        end = len(line)
-        for stop in "{ \t":
-            at = line.find(stop, 0, end)
-            if at >= 0:
-                end = at
-        if end and line[:end] in families:
+        metric = _NAME_END.split(line, 1)[0]
+        if metric and metric in families:
             kept.append(line)
             found = True
     return "\n".join(kept) + "\n" if found else None
