@@ -80,8 +80,10 @@ async def test_a_rollout_never_drops_below_the_wanted_ready_groups(pipeline: int
         # The surge group starts first; no old pod goes while it loads.
         await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == replicas + 1, message="surge")
         await eventually(lambda: f"demo-stage-0-{replicas}" in _pods(c), message="the surge group's pods")
+        # The operator says so once it has seen the StatefulSet controller observe the new spec (until then it
+        # says WaitingForStatefulSet: the pods' revisions are not yet known to be stale).
+        await eventually(lambda: _progressing(c).get("reason") in ("Surging", "RollingOut"), message="Surging")
         assert {n: p["metadata"]["uid"] for n, p in _pods(c).items() if n in old} == old
-        assert _progressing(c).get("reason") in ("Surging", "RollingOut")
 
         def rolled() -> bool:
             isvc = c.isvc("demo")
