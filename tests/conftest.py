@@ -81,6 +81,13 @@ def sim_doc(name: str = "demo", **spec: Any) -> dict[str, Any]:
     return isvc_doc(base, name=name)
 
 
+def rollout_completed(c: Any, name: str = "demo") -> bool:
+    """Whether the operator posted a RolloutComplete event for the InferenceService's current generation."""
+    generation = c.isvc(name)["metadata"]["generation"]
+    return any(e["reason"] == "RolloutComplete" and e["message"].startswith(f"generation {generation}:")
+               for e in c.events(name))
+
+
 @pytest.fixture(params=[name for name, _ in example_documents()] or ["<none>"])
 def example(request: pytest.FixtureRequest) -> dict[str, Any]:
     docs = dict(example_documents())

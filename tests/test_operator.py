@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from conftest import ReadyGate, isvc_doc, sim_doc
+from conftest import ReadyGate, isvc_doc, rollout_completed, sim_doc
 
 from tensorfleet import contract
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -35,8 +35,9 @@ async def test_create_makes_every_child_owned_and_reports_status() -> None:
             refs = obj["metadata"]["ownerReferences"]
             assert refs == [{"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo", "uid": uid,
                              "controller": True, "blockOwnerDeletion": True}], (kind, name)
-        ready = await eventually(lambda: (c.condition("demo", "Ready") or {}).get("status") == "True", message="Ready")
-        assert ready
+        # Ready is True once one of the two groups is; the status settles when both are (Progressing False).
+        await eventually(lambda: (c.condition("demo", "Ready") or {}).get("status") == "True", message="Ready")
+        await eventually(lambda: (c.condition("demo", "Progressing") or {}).get("status") == "False", message="settled")
         status = c.isvc("demo")["status"]
         assert status["readyReplicas"] == 2 and status["replicas"] == 2 and status["updatedReplicas"] == 2
         assert status["endpoint"] == "http://demo.default.svc/v1"
@@ -173,7 +174,8 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
         status = c.isvc("demo")["status"]
         assert status["updatedReplicas"] == 3 and status["readyReplicas"] == 3
         reasons = [e["reason"] for e in c.events("demo")]
-        assert reasons.count("RolloutGroupReplaced") == 3 and "RolloutComplete" in reasons
+        assert reasons.count("RolloutGroupReplaced") == 3
+        await eventually(lambda: rollout_completed(c), message="this rollout's RolloutComplete event")
 
 
 async def test_scaling_during_a_rollout() -> None:
@@ -226,8 +228,9 @@ async def test_drift_is_restored_without_waiting_for_resync() -> None:
         await c.upsert("apps/v1", "statefulsets", tampered)
         await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
                          != "evil/image:latest", message="edit reverted")
-        reasons = {e["reason"] for e in c.events("demo")}
-        assert {"ChildRestored", "ChildReverted"} <= reasons
+        # Each event is posted after the write it reports.
+        await eventually(lambda: {"ChildRestored", "ChildReverted"} <= {e["reason"] for e in c.events("demo")},
+                         message="ChildRestored and ChildReverted events")
 
 
 async def test_invalid_spec_creates_nothing_then_recovers() -> None:
@@ -470,8 +473,9 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
                                and s, message="recreated with a claim template")
         assert sts["metadata"]["uid"] != old_sts["metadata"]["uid"]
         assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "100Gi"
-        events = [e for e in c.events("demo") if e["reason"] == "StatefulSetRecreated"]
-        assert events, "no StatefulSetRecreated event"
+        # The event is posted after the new StatefulSet is created.
+        await eventually(lambda: any(e["reason"] == "StatefulSetRecreated" for e in c.events("demo")),
+                         message="a StatefulSetRecreated event")
         # The orphaned pods were adopted by the new StatefulSet, not deleted with the old one.
         adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
                                                == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))

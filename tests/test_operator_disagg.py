@@ -18,6 +18,9 @@ async def test_both_pools_are_applied_and_the_prefill_pool_is_counted_apart() ->
         await c.create(sim_doc(prefill={"replicas": 3}))
         await eventually(lambda: (c.isvc("demo").get("status") or {}).get("readyPrefillReplicas") == 3,
                          message="three prefill engines ready")
+        # The decode pods and the router Deployment report on their own watches: wait for the whole fleet.
+        await eventually(lambda: (c.condition("demo", "Progressing") or {}).get("status") == "False"
+                         and (c.condition("demo", "Ready") or {}).get("status") == "True", message="settled")
         status = c.isvc("demo")["status"]
         # The decode pool's groups are its own: the prefill pods count in neither replicas nor readyReplicas.
         assert (status["replicas"], status["readyReplicas"], status["prefillReplicas"]) == (2, 2, 3)

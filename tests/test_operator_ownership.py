@@ -192,8 +192,10 @@ async def test_a_group_whose_worker_process_died_restarts_as_a_whole() -> None:
                          message="the worker of group 0 replaced")
         after = _pod_uids(c)
         assert after["demo-stage-0-1"] == before["demo-stage-0-1"] and after["demo-stage-1-1"] == before["demo-stage-1-1"]
-        restarted = [e for e in c.events("demo") if e["reason"] == "GroupRestarted"]
-        assert restarted and "restarted (restartCount 1)" in restarted[0]["message"], restarted
+        # The event follows the deletions it reports.
+        restarted = await eventually(lambda: [e for e in c.events("demo") if e["reason"] == "GroupRestarted"],
+                                     message="a GroupRestarted event")
+        assert "restarted (restartCount 1)" in restarted[0]["message"], restarted
         await eventually(lambda: c.isvc("demo")["status"]["readyReplicas"] == 2, message="serving again")
 
 
@@ -205,8 +207,8 @@ async def test_a_group_whose_worker_was_replaced_restarts_as_a_whole() -> None:
         await eventually(lambda: _pod_uids(c).get("demo-stage-0-1") not in (None, before["demo-stage-0-1"]),
                          message="the leader of group 1 replaced")
         assert _pod_uids(c)["demo-stage-0-0"] == before["demo-stage-0-0"]
-        assert any(e["reason"] == "GroupRestarted" and "was replaced after the group formed" in e["message"]
-                   for e in c.events("demo"))
+        await eventually(lambda: any(e["reason"] == "GroupRestarted" and "was replaced after the group formed"
+                                     in e["message"] for e in c.events("demo")), message="a GroupRestarted event")
 
 
 async def test_groups_that_start_normally_are_never_restarted() -> None:

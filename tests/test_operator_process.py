@@ -55,7 +55,12 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
                 assert lease and lease["spec"]["holderIdentity"]
                 assert (await _get(f"http://127.0.0.1:{health}/healthz"))[0] == 200
                 assert (await _get(f"http://127.0.0.1:{health}/readyz"))[0] == 200
-                status, text = await _get(f"http://127.0.0.1:{metrics}/metrics")
+                # The StatefulSet is written partway through the first reconcile; its count follows its end.
+                for _ in range(200):  # bounded: at most 10 s of 50 ms steps
+                    status, text = await _get(f"http://127.0.0.1:{metrics}/metrics")
+                    if status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text:
+                        break
+                    await asyncio.sleep(0.05)
                 assert status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text
                 assert "tensorfleet_api_requests_total" in text and 'tensorfleet_leader 1.0' in text
                 # The token from the kubeconfig reached the API server.

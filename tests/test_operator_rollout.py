@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from conftest import ReadyGate, sim_doc
+from conftest import ReadyGate, rollout_completed, sim_doc
 
 from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
 
@@ -95,7 +95,9 @@ async def test_a_rollout_never_drops_below_the_wanted_ready_groups(pipeline: int
         assert all(uid not in old.values() for uid in (p["metadata"]["uid"] for p in _pods(c).values()))
         assert sorted(_pods(c)) == sorted(f"demo-stage-{k}-{i}" for k in range(pipeline) for i in range(replicas))
         reasons = [e["reason"] for e in c.events("demo")]
-        assert reasons.count("RolloutGroupReplaced") == replicas and "RolloutComplete" in reasons
+        assert reasons.count("RolloutGroupReplaced") == replicas
+        # Posted after the status write that ends the rollout, and naming its generation (not the creation's).
+        await eventually(lambda: rollout_completed(c), message="this rollout's RolloutComplete event")
 
 
 async def _stuck_surge(c: Cluster, gate: ReadyGate, strategy: str) -> dict[str, str]:
@@ -131,7 +133,9 @@ async def test_surge_or_replace_falls_back_to_replacing_in_place() -> None:
         old = await _stuck_surge(c, gate, "SurgeOrReplace")
         await eventually(lambda: (_pods(c).get("demo-stage-0-0") or {}).get("metadata", {}).get("uid")
                          not in (None, old["demo-stage-0-0"]), message="replaced in place")
-        assert any(e["reason"] == "RolloutGroupReplaced" and "in place" in e["message"] for e in c.events("demo"))
+        # The event follows the deletion it reports.
+        await eventually(lambda: any(e["reason"] == "RolloutGroupReplaced" and "in place" in e["message"]
+                                     for e in c.events("demo")), message="a RolloutGroupReplaced event")
         gate.auto = True
         for pod in _pods(c).values():
             gate.opened.add(pod["metadata"]["uid"])

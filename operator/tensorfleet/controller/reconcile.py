@@ -342,7 +342,9 @@ class Reconciler:
         before = status.get("conditions") or []
         after = new["conditions"]
         if condition_status(before, PROGRESSING) == "True" and condition_status(after, PROGRESSING) == "False":
-            await self.events.normal(body, "RolloutComplete", f"all {obs.desired} groups ready and updated")
+            # The generation names which rollout ended (the recorder drops repeats of one message in its window).
+            done = f"all {obs.desired} groups ready and updated"
+            await self.events.normal(body, "RolloutComplete", done if generation is None else f"generation {generation}: {done}")
         if condition_status(before, READY) != "True" and condition_status(after, READY) == "True":
             await self.events.normal(body, "Ready", f"serving at {new['endpoint']}")
         for reason, message in pod_causes(obs):  # the recorder posts each once per window
