@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import isvc_doc
 
-from tensorfleet.testing.loopback import free_port
+from tensorfleet.testing import loopback
 from tensorfleet.testing.operator_harness import cluster, eventually
 
 pytestmark = pytest.mark.asyncio
@@ -37,7 +37,7 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
             "users": [{"name": "nobody", "user": {"token": "t0ken"}}],
             "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "nobody"}}],
         }))
-        health, metrics = free_port(), free_port()
+        health, metrics = loopback.free_port(), loopback.free_port()
         # A file, not a pipe: a full pipe would block the operator.
         with open(tmp_path / "operator.log", "wb") as log:  # noqa: ASYNC230 - a local tmp file; opens at once
             process = await asyncio.create_subprocess_exec(
@@ -55,12 +55,15 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
                 assert lease and lease["spec"]["holderIdentity"]
                 assert (await _get(f"http://127.0.0.1:{health}/healthz"))[0] == 200
                 assert (await _get(f"http://127.0.0.1:{health}/readyz"))[0] == 200
+                metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+
+                async def reconciled_ok() -> bool:
+                    status, text = await _get(metrics_url)
+                    return status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text
+
                 # The StatefulSet is written partway through the first reconcile; its count follows its end.
-                for _ in range(200):  # bounded: at most 10 s of 50 ms steps
-                    status, text = await _get(f"http://127.0.0.1:{metrics}/metrics")
-                    if status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text:
-                        break
-                    await asyncio.sleep(0.05)
+                await loopback.eventually(reconciled_ok, timeout=10)
+                status, text = await _get(metrics_url)
                 assert status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text
                 assert "tensorfleet_api_requests_total" in text and 'tensorfleet_leader 1.0' in text
                 # The token from the kubeconfig reached the API server.
