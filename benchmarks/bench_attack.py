@@ -42,7 +42,7 @@ import sys
 import time
 import zlib
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -90,7 +90,7 @@ def _bomb() -> bytes:
     return b"".join([*(out.compress(block) for _ in range(1024)), out.flush()])
 
 
-Sender = Callable[[asyncio.StreamWriter], Awaitable[None]]
+Sender = Callable[[asyncio.StreamWriter], Coroutine[Any, Any, None]]
 
 
 def attack_kinds() -> dict[str, Sender]:

@@ -69,7 +69,9 @@ def _operator_writes(emulator: ClusterEmulator, start: int, end: int | None = No
     for request in list(emulator)[start:end]:
         if request.headers.get("User-Agent", "").startswith(contract.OPERATOR_COMPONENT) \
                 and str(request.method.value).upper() in WRITE_METHODS and request.resource is not None:
-            counts[request.resource.plural + ("/" + request.subresource if request.subresource else "")] += 1
+            plural = request.resource.plural
+            assert plural is not None, "the operator writes named resources"
+            counts[plural + ("/" + request.subresource if request.subresource else "")] += 1
     return counts
 
 

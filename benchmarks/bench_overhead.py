@@ -26,17 +26,19 @@ import argparse
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
-from common import MODEL, cluster, percentile, stream_chat, table, wait_healthy, write_results, wrk
+from common import MODEL, Proc, cluster, percentile, stream_chat, table, wait_healthy, write_results, wrk
 from workload import _words
 
 from tensorfleet import contract
 
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}], "max_tokens": 16}
+BODY: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
+                        "max_tokens": 16}
 
 
-def conversation_body() -> dict:  # type: ignore[type-arg]  # a request body
+def conversation_body() -> dict[str, Any]:
     import random
 
     rng = random.Random(7)
@@ -47,8 +49,8 @@ def conversation_body() -> dict:  # type: ignore[type-arg]  # a request body
         {"role": "user", "content": _words(rng, 30) + "?"}]}
 
 
-def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> list[dict]:  # type: ignore[type-arg]  # rows of mixed figures
-    rows = []
+def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     bodies = {"short chat": BODY, "conversation": conversation_body()}
     for strategy in strategies:
         with cluster(f"overhead-cpu-{strategy}") as c:
@@ -69,8 +71,8 @@ def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> l
     return rows
 
 
-def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict]:  # type: ignore[type-arg]  # rows of mixed figures
-    rows = []
+def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for stream in (False, True):
         body = json.dumps({**BODY, "stream": stream})
         for connections in levels:
@@ -105,7 +107,7 @@ async def ttft(direct: str, routed: str, count: int) -> dict[str, float]:
     return out
 
 
-def memory(router, routed: str, target: int, chunk_seconds: float) -> dict:  # type: ignore[no-untyped-def,type-arg]  # router is the benchmark's process handle
+def memory(router: Proc, routed: str, target: int, chunk_seconds: float) -> dict[str, Any]:
     body = json.dumps(BODY)
     warm = wrk(routed, connections=32, seconds=5, body=body)
     start_rss = router.rss_bytes()

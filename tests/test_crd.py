@@ -89,11 +89,13 @@ def test_crd_names_subresources_and_columns() -> None:
     assert "priority" not in version["additionalPrinterColumns"][names.index("Reason")]
 
 
-def test_crd_sets_only_the_replicas_default() -> None:
-    """Defaults stay in the models so stored objects keep what users wrote; spec.replicas is the
-    exception, because the HPA reads it through /scale and a missing value disables scaling."""
+def test_crd_sets_only_the_replicas_and_the_unobserved_status_defaults() -> None:
+    """Defaults stay in the models so stored objects keep what users wrote. Two exceptions: spec.replicas,
+    because the HPA reads it through /scale and a missing value disables scaling; and status.observedGeneration 0
+    until the operator's first write, because kstatus (Flux's health checks) calls an object with no status
+    Current."""
     defaults = {path: node["default"] for path, node in schema_nodes(_schema()) if "default" in node}
-    assert defaults == {".spec.replicas": 1}
+    assert defaults == {".spec.replicas": 1, ".status": {"observedGeneration": 0}}
 
 
 def _cel_rules(node: dict[str, Any], value: Any) -> Iterator[tuple[str, Any]]:

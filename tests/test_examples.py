@@ -73,7 +73,9 @@ def test_rendered_examples_are_isolated(path: Path, capsys: pytest.CaptureFixtur
 def test_plan_json_is_one_object(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "-f", str(path), "-o", "json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["gpusPerReplica"] == plan["tensor"] * plan["pipeline"]
+    # vLLM's CPU backend (accelerator CPU) takes no GPU.
+    gpus = 0 if plan["accelerator"] == contract.CPU_ACCELERATOR else plan["tensor"] * plan["pipeline"]
+    assert plan["gpusPerReplica"] == gpus
     assert plan["kvCacheTokens"] >= plan["maxModelLen"]
     assert plan["totalGPUs"] == plan["replicas"] * plan["gpusPerReplica"]
 

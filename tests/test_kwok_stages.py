@@ -111,7 +111,9 @@ def test_up_writes_the_image_into_the_runner_stages_or_leaves_them_out() -> None
         keys = [e["key"] for e in stage["spec"]["selector"]["matchExpressions"]]
         assert not any(podrunner.IMAGE_PLACEHOLDER in key for key in keys)
         if stage["metadata"]["name"].startswith(podrunner.STAGE_PREFIX):
-            assert ('[.spec.containers[].image] | all(startswith("registry.example:5000/tensorfleet:") or '
+            assert any(key.startswith('[.spec.containers[].image] | all(startswith("registry.example:5000/tensorfleet:") '
+                                      'or startswith("registry.example:5000/tensorfleet@") or test(') for key in keys)
+            assert ('[.spec.initContainers[]?.image] | all(startswith("registry.example:5000/tensorfleet:") or '
                     'startswith("registry.example:5000/tensorfleet@"))') in keys
     without = [d for d in yaml.safe_load_all(podrunner.kwok_stages(text, None)) if d]
     assert [d["metadata"]["name"] for d in without] == [d["metadata"]["name"] for d in _named("e2e-fault-")]

@@ -35,7 +35,7 @@ from tensorfleet import contract
 from tensorfleet.api import load_inference_service
 from tensorfleet.api.errors import SpecError
 from tensorfleet.planner import make_plan
-from tensorfleet.render import render
+from tensorfleet.render import DEFAULT_IMAGES, render
 from tensorfleet.render.meta import Images
 from tensorfleet.worker import bundle as launcher_bundle
 from tensorfleet.worker.cli import build_parser
@@ -58,7 +58,7 @@ def document(**spec: Any) -> dict[str, Any]:
 
 def rendered(doc: dict[str, Any], images: Images | None = None) -> list[dict[str, Any]]:
     isvc = load_inference_service(doc)
-    return render(isvc, make_plan(isvc.spec), **({"images": images} if images else {}))
+    return render(isvc, make_plan(isvc.spec), images=images or DEFAULT_IMAGES)
 
 
 def pods(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -21,13 +21,13 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from test_chart import CHART, RELEASE, by_kind, helm, render
 
 from tensorfleet import contract, promtext
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import make_plan
 from tensorfleet.render import render as render_isvc
 from tensorfleet.testing.loopback import MODEL, eventually, free_port, sim_process, spawn_router, wait_healthy
-from tests.test_chart import CHART, RELEASE, by_kind, helm, render
 
 NAMESPACE, NAME = "ml", "llama"
 _SELECTOR = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)?\{(?P<matchers>[^{}]*)\}")

@@ -7,7 +7,7 @@ import copy
 from typing import Any
 
 import pytest
-from conftest import ReadyGate, isvc_doc, rollout_completed, sim_doc
+from conftest import ReadyGate, existing, existing_isvc, isvc_doc, rollout_completed, sim_doc
 
 from tensorfleet import contract
 from tensorfleet.controller.operator import Operator, OperatorConfig
@@ -24,7 +24,7 @@ STS = ("apps/v1", "statefulsets")
 async def test_create_makes_every_child_owned_and_reports_status() -> None:
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
-        uid = c.isvc("demo")["metadata"]["uid"]
+        uid = existing_isvc(c, "demo")["metadata"]["uid"]
         expected = {
             ("ServiceAccount", "demo-router"), ("Role", "demo-router"), ("RoleBinding", "demo-router"),
             ("Service", "demo-workers"), ("Service", "demo-engine"), ("Service", "demo"),
@@ -38,16 +38,17 @@ async def test_create_makes_every_child_owned_and_reports_status() -> None:
         # Ready is True once one of the two groups is; the status settles when both are (Progressing False).
         await eventually(lambda: (c.condition("demo", "Ready") or {}).get("status") == "True", message="Ready")
         await eventually(lambda: (c.condition("demo", "Progressing") or {}).get("status") == "False", message="settled")
-        status = c.isvc("demo")["status"]
+        status = existing_isvc(c, "demo")["status"]
         assert status["readyReplicas"] == 2 and status["replicas"] == 2 and status["updatedReplicas"] == 2
         assert status["endpoint"] == "http://demo.default.svc/v1"
         assert status["selector"] == ",".join(sorted([f"{contract.LABEL_INFERENCE_SERVICE}=demo",
                                                       f"{contract.LABEL_INSTANCE}=demo", f"{contract.LABEL_STAGE}=0"]))
         assert status["plan"]["tensor"] == 1 and status["plan"]["kvCacheTokens"] > 0
-        assert status["observedGeneration"] == c.isvc("demo")["metadata"]["generation"]
+        assert status["observedGeneration"] == existing_isvc(c, "demo")["metadata"]["generation"]
         assert {x["type"]: x["status"] for x in status["conditions"]} == {
-            "PlanValid": "True", "Progressing": "False", "Ready": "True", "Degraded": "False"}
-        meta = c.isvc("demo")["metadata"]
+            "PlanValid": "True", "Progressing": "False", "Ready": "True", "Degraded": "False", "Reconciling": "False",
+            "Stalled": "False"}
+        meta = existing_isvc(c, "demo")["metadata"]
         leaked = [k for k in {**meta.get("annotations", {}), **{f: 1 for f in meta.get("finalizers", [])}} if "kopf" in k]
         assert not leaked, leaked
 
@@ -60,10 +61,10 @@ async def test_update_rolls_into_children() -> None:
                                         "router": {"strategy": "round-robin"}}})
 
         def updated() -> bool:
-            sts = c.get(*STS, "demo-stage-0")
+            sts = existing(c, *STS, "demo-stage-0")
             container = sts["spec"]["template"]["spec"]["containers"][0]
             env = {e["name"]: e.get("value") for e in container["env"]}
-            router = c.get("apps/v1", "deployments", "demo-router")
+            router = existing(c, "apps/v1", "deployments", "demo-router")
             args = router["spec"]["template"]["spec"]["containers"][0]["args"]
             return container["image"] == "registry.example/sim:2" and env[contract.ENV_EXTRA_ARGS] == '["--foo"]' \
                 and args[args.index("--strategy") + 1] == "round-robin"
@@ -77,8 +78,8 @@ async def test_scale_subresource_drives_every_stage() -> None:
         await eventually(lambda: c.get(*STS, "demo-stage-1"))
         scale = await c.scale("demo", 3)
         assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
-        await eventually(lambda: all(c.get(*STS, f"demo-stage-{k}")["spec"]["replicas"] == 3 for k in (0, 1)))
-        await eventually(lambda: (c.isvc("demo").get("status") or {}).get("readyReplicas") == 3)
+        await eventually(lambda: all(existing(c, *STS, f"demo-stage-{k}")["spec"]["replicas"] == 3 for k in (0, 1)))
+        await eventually(lambda: (existing_isvc(c, "demo").get("status") or {}).get("readyReplicas") == 3)
         assert any(e["reason"] == "Scaled" for e in c.events("demo"))
 
 
@@ -90,16 +91,17 @@ async def test_hpa_owns_replicas_and_is_never_fought() -> None:
         hpa = await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo"))
         assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "name": "demo"}
         # The operator runs minReplicas at once rather than waiting for the HPA's first sync...
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 2)
-        await eventually(lambda: (c.isvc("demo").get("status") or {}).get("selector"))
+        await eventually(lambda: existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == 2)
+        await eventually(lambda: (existing_isvc(c, "demo").get("status") or {}).get("selector"))
         # ...and the CRD default gives /scale a replica count, so the HPA does not see "scaling disabled" (0).
         scale = await c.request("GET", f"/apis/{contract.API_VERSION}/namespaces/default/{contract.PLURAL}/demo/scale")
         assert scale["spec"]["replicas"] == 1 and scale["status"]["selector"]
         await c.scale("demo", 4)  # what the HPA controller does
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 4)
+        await eventually(lambda: existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == 4)
+        assert op.queue is not None, "the running operator has its work queue"
         op.queue.add(("default", "demo"))
         await op.queue.wait_idle()
-        assert c.isvc("demo")["spec"]["replicas"] == 4
+        assert existing_isvc(c, "demo")["spec"]["replicas"] == 4
         # Removing autoscaling prunes the HPA.
         await c.patch("demo", {"spec": {"autoscaling": None}})
         await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo") is None, message="HPA pruned")
@@ -117,7 +119,7 @@ def _revision(pod: dict[str, Any]) -> str:
 async def _converged(c: Any, name: str = "demo") -> None:
     def done() -> bool:
         status = (c.isvc(name) or {}).get("status") or {}
-        progressing = next((x for x in status.get("conditions", []) if x["type"] == "Progressing"), {})
+        progressing: dict[str, Any] = next((x for x in status.get("conditions", []) if x["type"] == "Progressing"), {})
         return progressing.get("status") == "False" and status.get("observedGeneration") == c.isvc(name)["metadata"]["generation"]
     await eventually(done, message=f"{name} converged")
 
@@ -166,12 +168,12 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
         # The default surges instead; see test_operator_rollout.py.
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3, rollout={"strategy": "Replace"}))
         await _converged(c)
-        assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert existing(c, *STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         gate.auto = False
         await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
         assert await _roll_one_group_at_a_time(c, gate, groups=3) == 3
         await _converged(c)
-        status = c.isvc("demo")["status"]
+        status = existing_isvc(c, "demo")["status"]
         assert status["updatedReplicas"] == 3 and status["readyReplicas"] == 3
         reasons = [e["reason"] for e in c.events("demo")]
         assert reasons.count("RolloutGroupReplaced") == 3
@@ -189,7 +191,7 @@ async def test_scaling_during_a_rollout() -> None:
         await c.scale("demo", 3)
         gate.auto = True
         await _converged(c)
-        status = c.isvc("demo")["status"]
+        status = existing_isvc(c, "demo")["status"]
         assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 3, 3)
 
 
@@ -209,10 +211,10 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
             gate.auto = True
             await _converged(c)
         assert set(c.children("demo")) == before
-        uid = c.isvc("demo")["metadata"]["uid"]
+        uid = existing_isvc(c, "demo")["metadata"]["uid"]
         for obj in [*c.children("demo").values()]:
             assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uid]
-        assert c.isvc("demo")["status"]["updatedReplicas"] == 3
+        assert existing_isvc(c, "demo")["status"]["updatedReplicas"] == 3
 
 
 async def test_drift_is_restored_without_waiting_for_resync() -> None:
@@ -222,11 +224,11 @@ async def test_drift_is_restored_without_waiting_for_resync() -> None:
         await c.remove("v1", "services", "default", "demo-engine")
         restored = await eventually(lambda: c.get("v1", "services", "demo-engine"), message="service restored")
         assert restored["spec"]["clusterIP"] == "None"
-        sts = c.get(*STS, "demo-stage-0")
+        sts = existing(c, *STS, "demo-stage-0")
         tampered = copy.deepcopy(sts)
         tampered["spec"]["template"]["spec"]["containers"][0]["image"] = "evil/image:latest"
         await c.upsert("apps/v1", "statefulsets", tampered)
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
+        await eventually(lambda: existing(c, *STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
                          != "evil/image:latest", message="edit reverted")
         # Each event is posted after the write it reports.
         await eventually(lambda: {"ChildRestored", "ChildReverted"} <= {e["reason"] for e in c.events("demo")},
@@ -245,17 +247,17 @@ async def test_invalid_spec_creates_nothing_then_recovers() -> None:
         await c.patch("demo", {"spec": {"parallelism": {"tensor": 2}}})
         await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("status") == "True")
         await eventually(lambda: c.get(*STS, "demo-stage-0"))
-        assert c.isvc("demo")["status"]["plan"]["tensor"] == 2
+        assert existing_isvc(c, "demo")["status"]["plan"]["tensor"] == 2
 
 
 async def test_invalid_update_keeps_the_running_version() -> None:
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
         await _converged(c)
-        image = c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
+        image = existing(c, *STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
         await c.patch("demo", {"spec": {"engine": {"image": "x:2"}, "accelerator": {"type": "Z100"}}})
         await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("status") == "False")
-        assert c.get(*STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"] == image
+        assert existing(c, *STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"] == image
         assert (c.condition("demo", "Ready") or {}).get("status") == "True"
 
 
@@ -266,9 +268,9 @@ async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> No
         await c.patch("demo", {"spec": {"parallelism": {"pipeline": 1}}})
         await eventually(lambda: c.get(*STS, "demo-stage-1") is None and c.get(*STS, "demo-stage-2") is None)
         # Every StatefulSet is OnDelete: the operator rolls stage 0 to its single-stage template itself.
-        assert c.get(*STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "OnDelete"
+        assert existing(c, *STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "OnDelete"
         await _converged(c)
-        revision = c.get(*STS, "demo-stage-0")["status"]["updateRevision"]
+        revision = existing(c, *STS, "demo-stage-0")["status"]["updateRevision"]
         assert all(_revision(p) == revision for p in _pods(c).values()), "stage 0 still runs the 3-stage template"
         await c.delete("demo")
         await eventually(lambda: not c.children("demo") and not _pods(c), message="children collected")
@@ -300,19 +302,20 @@ async def test_injected_api_faults_converge_to_the_same_state() -> None:
     async with cluster() as clean, clean.workloads(), running_operator(clean):
         await _scenario(clean)
         expected = _desired_state(clean)
-        expected_status = {k: v for k, v in clean.isvc("demo")["status"].items() if k != "conditions"}
+        expected_status = {k: v for k, v in existing_isvc(clean, "demo")["status"].items() if k != "conditions"}
     async with cluster() as faulty, faulty.workloads(), \
             running_operator(faulty, api_timeout_seconds=1.0) as op:
         faulty.emulator.faults = Faults(rate=0.25, seed=11, hang_seconds=1.5)
         await _scenario(faulty)
         injected = dict(faulty.emulator.faults.injected)
         faulty.emulator.faults = None
+        assert op.queue is not None, "the running operator has its work queue"
         op.queue.add(("default", "demo"))
         await op.queue.wait_idle()
         assert sum(injected.values()) >= 5, injected
         assert {"500", "409"} <= set(injected) and injected.keys() & {"timeout-lost", "timeout-stored"}, injected
         assert _desired_state(faulty) == expected
-        assert {k: v for k, v in faulty.isvc("demo")["status"].items() if k != "conditions"} == expected_status
+        assert {k: v for k, v in existing_isvc(faulty, "demo")["status"].items() if k != "conditions"} == expected_status
         pods = _pods(faulty)
         assert sorted(pods) == sorted(f"demo-stage-{k}-{i}" for k in (0, 1) for i in range(3))
 
@@ -321,6 +324,7 @@ async def test_no_writes_and_no_lists_when_nothing_changes() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
         await _converged(c)
+        assert op.queue is not None, "the running operator has its work queue"
         await op.queue.wait_idle()
         writes = sum(op.kube.writes.values())
         before = len(c.requests())
@@ -357,7 +361,7 @@ async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
             await eventually(lambda: c.get(*STS, "demo-stage-0"))
             assert not standby.leading
             assert {k: n for k, n in standby.kube.writes.items() if k[1] != "Lease"} == {}, "the standby reconciled"
-            lease = c.get("coordination.k8s.io/v1", "leases", "tf")["spec"]
+            lease = existing(c, "coordination.k8s.io/v1", "leases", "tf")["spec"]
             assert lease["holderIdentity"] == leader.config.identity
             # The leader stops (rollout, node drain): it releases the lease and the standby takes over.
             leader.stop()
@@ -365,7 +369,7 @@ async def test_two_replicas_elect_one_leader_and_fail_over() -> None:
             await eventually(lambda: standby.leading, timeout=10, message="standby took over")
             await c.remove("v1", "services", "default", "demo-engine")
             await eventually(lambda: c.get("v1", "services", "demo-engine"), message="restored by the new leader")
-            assert c.get("coordination.k8s.io/v1", "leases", "tf")["spec"]["holderIdentity"] == standby.config.identity
+            assert existing(c, "coordination.k8s.io/v1", "leases", "tf")["spec"]["holderIdentity"] == standby.config.identity
         finally:
             for r in replicas:
                 r.stop()
@@ -466,7 +470,7 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc(replicas=2))
         await _converged(c)
-        old_sts = c.get(*STS, "demo-stage-0")
+        old_sts = existing(c, *STS, "demo-stage-0")
         old_pods = {n: p["metadata"]["uid"] for n, p in _pods(c).items()}
         await c.patch("demo", {"spec": {"cache": {"size": "100Gi"}}})
         sts = await eventually(lambda: (s := c.get(*STS, "demo-stage-0")) and s.get("spec", {}).get("volumeClaimTemplates")

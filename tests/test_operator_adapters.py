@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -72,18 +74,28 @@ async def test_missing_adapters_are_loaded_and_unlisted_ones_unloaded() -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_adapter_an_engine_refuses_is_failed_with_its_reason_and_retried() -> None:
+async def test_an_adapter_an_engine_refuses_is_failed_with_its_reason_and_retried(tmp_path: Path) -> None:
+    wide = tmp_path / "wide"  # rank 64, above the engines' --max-lora-rank (16)
+    wide.mkdir()
+    (wide / "adapter_config.json").write_text(json.dumps({"r": 64, "target_modules": ["q_proj"]}))
     async with AsyncExitStack() as stack:
         one = await stack.enter_async_context(engine("isvc-stage-0-0"))
         two = await stack.enter_async_context(engine("isvc-stage-0-1"))
         wanted = [AdapterSpec(name="good", source="org/good"),
-                  AdapterSpec(name="missing", source="/models/adapters/not-there")]
+                  AdapterSpec(name="missing", source="/models/adapters/not-there"),
+                  AdapterSpec(name="wide", source=str(wide))]
         outcome = adapter_status(wanted, await sync([one, two], wanted))
-        good, missing = outcome.status
+        good, missing, too_wide = outcome.status
         assert good["state"] == "Loaded" and good["engines"] == 2
+        # vLLM's codes (tests/test_sim_vs_vllm.py holds the simulator to them): 404 for no adapter at the path,
+        # 500 for one the engine cannot take.
         assert missing["state"] == "Failed" and missing["engines"] == 0
-        assert "/models/adapters/not-there" in missing["message"] and "isvc-stage-0-0" in missing["message"]
-        assert [reason for reason, _ in outcome.warnings] == ["AdapterLoadFailed", "AdapterLoadFailed"]
+        assert missing["message"] == ("engine pod isvc-stage-0-0: 404: Loading lora missing failed: No adapter found "
+                                      "for /models/adapters/not-there")
+        assert too_wide["state"] == "Failed" and too_wide["engines"] == 0
+        assert too_wide["message"] == ("engine pod isvc-stage-0-0: 500: Call to add_lora method failed: LoRA rank 64 "
+                                       "is greater than max_lora_rank 16.")
+        assert [reason for reason, _ in outcome.warnings] == ["AdapterLoadFailed"] * 4
         assert "missing" in outcome.warnings[0][1] and outcome.requeue == RETRY_SECONDS
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from conftest import sim_doc
+from conftest import existing, existing_isvc, sim_doc
 
 from tensorfleet.api.models import AdapterSpec
 from tensorfleet.controller.adapters import Engine, EngineResult
@@ -31,7 +31,9 @@ class Engines:
         for engine in engines:
             served = self.served.setdefault(engine.pod, set())
             served &= {a.name for a in wanted}
-            failures = {a.name: "400: Loading lora failed: No adapter found" for a in wanted if a.source in self.refused}
+            # What the operator's adapter sync makes of vLLM 0.19.1's answer (404) for an adapter it cannot find.
+            failures = {a.name: f"404: Loading lora {a.name} failed: No adapter found for {a.source}"
+                        for a in wanted if a.source in self.refused}
             served |= {a.name for a in wanted if a.source not in self.refused}
             out[engine.pod] = EngineResult(served=set(served), failures=failures)
         return out
@@ -53,13 +55,13 @@ async def test_adapters_are_loaded_into_ready_engines_and_adding_one_restarts_no
         await eventually(lambda: states(c) == [("a", "Loaded", 2), ("b", "Loaded", 2), ("c", "Loaded", 2)],
                          message="three adapters loaded on both engines")
         assert all(e.url.startswith("http://10.244.") for e in engines.seen[-1]) and len(engines.seen[-1]) == 2
-        sts = c.get(*STS, "demo-stage-0")
+        sts = existing(c, *STS, "demo-stage-0")
         template = sts["spec"]["template"]
         env = {v["name"]: v.get("value") for v in template["spec"]["containers"][0]["env"]}
         assert env["TF_ENABLE_LORA"] == "true" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
         await c.patch("demo", {"spec": {"adapters": adapters("a", "b", "c", "d")}})
         await eventually(lambda: ("d", "Loaded", 2) in states(c), message="the added adapter loaded")
-        after = c.get(*STS, "demo-stage-0")
+        after = existing(c, *STS, "demo-stage-0")
         assert after["spec"]["template"] == template, "adding an adapter changed the engines' pod template"
         assert after["metadata"]["generation"] == sts["metadata"]["generation"]
         await c.patch("demo", {"spec": {"adapters": adapters("a", "d")}})
@@ -73,7 +75,7 @@ async def test_an_adapter_the_engines_refuse_is_failed_with_an_event() -> None:
         op.reconciler.adapter_sync = engines
         await c.create(sim_doc(adapters=adapters("good", "bad")))
         await eventually(lambda: states(c) == [("good", "Loaded", 2), ("bad", "Failed", 0)], message="bad failed")
-        bad = c.isvc("demo")["status"]["adapters"][1]
+        bad = existing_isvc(c, "demo")["status"]["adapters"][1]
         assert "No adapter found" in bad["message"]
         await eventually(lambda: any(e["reason"] == "AdapterLoadFailed" and "bad" in e["message"]
                                      for e in c.events("demo")), message="a Warning event")

@@ -15,7 +15,7 @@ from typing import Any
 
 import huggingface_hub.constants
 import pytest
-from conftest import ROOT, isvc_doc, sim_doc
+from conftest import ROOT, existing_isvc, isvc_doc, present, sim_doc
 from hub_server import FakeHub, commit_of, fake_hub
 
 from tensorfleet import contract, modelinfo
@@ -75,7 +75,7 @@ def _planned(c: Cluster, source: str, model: str | None = None) -> bool:
     facts = status.get("modelFacts") or {}
     return ((status.get("plan") or {}).get("modelSource") == source and facts.get("source") == source
             and (model is None or facts.get("model") == model)
-            and status.get("observedGeneration") == c.isvc("demo")["metadata"]["generation"])
+            and status.get("observedGeneration") == existing_isvc(c, "demo")["metadata"]["generation"])
 
 
 async def _settle(op: Operator) -> None:
@@ -98,7 +98,7 @@ async def test_a_model_only_the_hub_knows_is_planned_from_its_config_json(
         expected = make_plan(load_inference_service(sim_doc(model={"name": HOUSE_LLAMA})).spec, read)
         assert status["plan"]["kvCacheTokens"] == expected.kv_cache_tokens
         assert facts_from_json(pinned["facts"]).weight_bytes() == read.weight_bytes()
-        condition = c.condition("demo", "PlanValid")
+        condition = present(c.condition("demo", "PlanValid"), "the PlanValid condition")
         assert condition["status"] == "True" and condition["reason"] == "PlanAccepted"
         assert f"model facts: hub (config.json at {commit_of(HOUSE_LLAMA)[:12]})" in condition["message"]
         # A gated repository: the operator's token (HF_TOKEN) opened it.
@@ -138,7 +138,7 @@ async def test_a_hub_that_is_down_for_a_catalog_model_falls_back_and_says_why(
     async with cluster() as c, c.workloads(), running_operator(c, model_facts=facts_config) as op:
         await c.create(sim_doc())
         await eventually(lambda: _planned(c, "catalog"), message="planned from the catalog")
-        condition = c.condition("demo", "PlanValid")
+        condition = present(c.condition("demo", "PlanValid"), "the PlanValid condition")
         assert condition["status"] == "True" and condition["reason"] == "PlanAcceptedWithWarnings"
         assert (f"warning: model facts from the built-in catalog: {CATALOG_MODEL}: config.json not read: "
                 "the Hub answered 503") in condition["message"]
@@ -155,7 +155,7 @@ async def test_a_hub_that_is_down_for_a_catalog_model_falls_back_and_says_why(
         await eventually(lambda: _planned(c, "hub"), message="read again from the Hub")
         pinned = _status(c)["modelFacts"]
         assert (pinned["refresh"], pinned["commit"]) == ("1", commit_of(CATALOG_MODEL)) and "hubError" not in pinned
-        assert c.condition("demo", "PlanValid")["reason"] == "PlanAccepted"
+        assert present(c.condition("demo", "PlanValid"), "the PlanValid condition")["reason"] == "PlanAccepted"
 
 
 async def test_a_hub_that_hangs_is_waited_for_only_so_long(hub: FakeHub, tmp_path: Path) -> None:
@@ -174,7 +174,7 @@ async def test_a_model_no_source_gives_is_not_planned_and_is_retried(
         await c.create(sim_doc(model={"name": HOUSE_LLAMA}))
         await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("reason") == "ModelFactsUnavailable",
                          message="PlanValid=False")
-        condition = c.condition("demo", "PlanValid")
+        condition = present(c.condition("demo", "PlanValid"), "the PlanValid condition")
         assert condition["status"] == "False"
         assert condition["message"].startswith(f"spec.model.name: no facts for model {HOUSE_LLAMA}: ")
         assert "the Hub answered 503" in condition["message"] and "spec.model.architecture" in condition["message"]
@@ -189,7 +189,7 @@ async def test_a_model_no_source_gives_is_not_planned_and_is_retried(
         hub.fail_with = None
         await eventually(lambda: _planned(c, "hub"), message="planned once the Hub answered")
         await eventually(lambda: c.get("apps/v1", "statefulsets", "demo-stage-0"), message="engines rendered")
-        assert c.condition("demo", "PlanValid")["status"] == "True"
+        assert present(c.condition("demo", "PlanValid"), "the PlanValid condition")["status"] == "True"
 
 
 async def test_changing_the_model_reads_it_again(hub: FakeHub, facts_config: ModelFactsConfig) -> None:
@@ -215,7 +215,8 @@ async def test_a_plan_made_before_pins_is_kept_on_upgrade(hub: FakeHub, facts_co
     async with cluster() as c, c.workloads():
         async with running_operator(c, model_facts=ModelFactsConfig(hub=False)) as old:
             await c.create(sim_doc())
-            await eventually(lambda: _planned(c, "catalog") and c.condition("demo", "Progressing")["status"] == "False",
+            await eventually(lambda: _planned(c, "catalog")
+                             and present(c.condition("demo", "Progressing"), "the Progressing condition")["status"] == "False",
                              message="rolled out from the catalog")
             await _settle(old)
         # What an operator without pins left: the plan, and no status.modelFacts.
@@ -254,7 +255,8 @@ async def test_admission_plans_a_new_model_from_the_hub(hub: FakeHub, facts_conf
 
 async def test_admission_never_refuses_because_the_hub_is_down_or_slow(hub: FakeHub, tmp_path: Path) -> None:
     config = ModelFactsConfig(cache_dir=str(tmp_path / "hf-cache"), admission_timeout_seconds=0.3)
-    for broken in ({"fail_with": 503}, {"delay_seconds": 2.0}):
+    outages: tuple[dict[str, Any], ...] = ({"fail_with": 503}, {"delay_seconds": 2.0})
+    for broken in outages:
         modelinfo.clear_cache()
         hub.fail_with, hub.delay_seconds = broken.get("fail_with"), broken.get("delay_seconds", 0.0)
         answer = await _answer(_review("CREATE", sim_doc(model={"name": HOUSE_LLAMA}, parallelism={"tensor": 3})),

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from conftest import isvc_doc
+from conftest import existing, isvc_doc
 
 from tensorfleet.testing import loopback
 from tensorfleet.testing.operator_harness import cluster, eventually
@@ -80,4 +80,4 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
         assert process.returncode == 0, output.decode()[-2000:]
         assert "Traceback" not in output.decode()
         # The lease is released on a clean exit, so a standby need not wait for it to expire.
-        assert not c.get("coordination.k8s.io/v1", "leases", "tensorfleet-operator")["spec"].get("holderIdentity")
+        assert not existing(c, "coordination.k8s.io/v1", "leases", "tensorfleet-operator")["spec"].get("holderIdentity")

@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from conftest import ReadyGate, rollout_completed, sim_doc
+from conftest import ReadyGate, existing, existing_isvc, rollout_completed, sim_doc
 
 from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
 
@@ -78,7 +78,7 @@ async def test_a_rollout_never_drops_below_the_wanted_ready_groups(pipeline: int
         gate.auto = False
         await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
         # The surge group starts first; no old pod goes while it loads.
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == replicas + 1, message="surge")
+        await eventually(lambda: existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == replicas + 1, message="surge")
         await eventually(lambda: f"demo-stage-0-{replicas}" in _pods(c), message="the surge group's pods")
         # The operator says so once it has seen the StatefulSet controller observe the new spec (until then it
         # says WaitingForStatefulSet: the pods' revisions are not yet known to be stale).
@@ -86,9 +86,9 @@ async def test_a_rollout_never_drops_below_the_wanted_ready_groups(pipeline: int
         assert {n: p["metadata"]["uid"] for n, p in _pods(c).items() if n in old} == old
 
         def rolled() -> bool:
-            isvc = c.isvc("demo")
+            isvc = existing_isvc(c, "demo")
             return _progressing(c).get("status") == "False" and isvc["status"].get("updatedReplicas") == replicas \
-                and c.get(*STS, "demo-stage-0")["spec"]["replicas"] == replicas
+                and existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == replicas
 
         samples = await _watch_capacity(c, pipeline, replicas, rolled, gate)
         assert min(samples) >= replicas, f"ready groups fell below {replicas}: {samples}"
@@ -123,6 +123,7 @@ async def test_a_surge_the_cluster_cannot_schedule_waits_and_says_why() -> None:
         await eventually(lambda: _progressing(c).get("reason") == "SurgeUnschedulable", message="SurgeUnschedulable")
         assert "no free GPUs for a replacement group" in _progressing(c)["message"]
         assert "SurgeOrReplace" in _progressing(c)["message"]
+        assert op.queue is not None, "the running operator has its work queue"
         await op.queue.wait_idle()
         assert _pods(c)["demo-stage-0-0"]["metadata"]["uid"] == old["demo-stage-0-0"], "the serving pod went"
 
@@ -153,20 +154,21 @@ async def test_a_surge_is_no_scale_and_a_scale_is_one_scaled_event() -> None:
         await _settled(c)
         gate.auto = False
         await c.patch("demo", {"spec": {"engine": {"image": "registry.example/sim:2"}}})
-        await eventually(lambda: c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 2, message="surge")
-        assert c.get(*STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "1"
+        await eventually(lambda: existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == 2, message="surge")
+        assert existing(c, *STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "1"
 
         def rolled() -> bool:
-            return _progressing(c).get("status") == "False" and c.get(*STS, "demo-stage-0")["spec"]["replicas"] == 1
+            return _progressing(c).get("status") == "False" and existing(c, *STS, "demo-stage-0")["spec"]["replicas"] == 1
 
         await _watch_capacity(c, 1, 1, rolled, gate)
+        assert op.queue is not None, "the running operator has its work queue"
         await op.queue.wait_idle()
         assert not [e["message"] for e in c.events("demo") if e["reason"] == "Scaled"]
         gate.auto = True
         await c.scale("demo", 2)
         await eventually(lambda: [e["message"] for e in c.events("demo") if e["reason"] == "Scaled"]
                          == ["replicas 1 -> 2"], message="one Scaled event")
-        assert c.get(*STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "2"
+        assert existing(c, *STS, "demo-stage-0")["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS] == "2"
 
 
 async def test_an_upgrade_records_the_wanted_groups_without_a_revert_warning() -> None:
@@ -176,17 +178,18 @@ async def test_an_upgrade_records_the_wanted_groups_without_a_revert_warning() -
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(replicas=2))
         await _settled(c)
+        assert op.queue is not None, "the running operator has its work queue"
         await op.queue.wait_idle()
-        sts = c.get(*STS, "demo-stage-0")
+        sts = existing(c, *STS, "demo-stage-0")
         del sts["metadata"]["annotations"][contract.ANNOTATION_WANTED_GROUPS]
         await c.upsert(*STS, sts)
-        await eventually(lambda: (c.get(*STS, "demo-stage-0")["metadata"].get("annotations") or {})
+        await eventually(lambda: (existing(c, *STS, "demo-stage-0")["metadata"].get("annotations") or {})
                          .get(contract.ANNOTATION_WANTED_GROUPS) == "2", message="recorded again")
         await op.queue.wait_idle()
         reasons = [e["reason"] for e in c.events("demo")]
         assert "ChildReverted" not in reasons and "Scaled" not in reasons, reasons
         # A change someone else made is still reverted, and said so.
-        sts = c.get(*STS, "demo-stage-0")
+        sts = existing(c, *STS, "demo-stage-0")
         sts["spec"]["replicas"] = 5
         await c.upsert(*STS, sts)
         await eventually(lambda: "ChildReverted" in [e["reason"] for e in c.events("demo")], message="reverted")

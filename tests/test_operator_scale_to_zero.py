@@ -11,7 +11,7 @@ import datetime
 import time
 
 import pytest
-from conftest import sim_doc
+from conftest import existing, existing_isvc, sim_doc
 
 from tensorfleet.controller.idle import parse_time
 from tensorfleet.kube.connection import Connection
@@ -53,13 +53,13 @@ async def test_an_idle_multi_node_fleet_goes_to_zero_and_a_request_wakes_it() ->
         await eventually(lambda: _replicas(c, 2) == {1}, message="one group")
         hpa = await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo"))
         assert hpa["spec"]["minReplicas"] == 1
-        role = c.get("rbac.authorization.k8s.io/v1", "roles", "demo-router")
+        role = existing(c, "rbac.authorization.k8s.io/v1", "roles", "demo-router")
         assert {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "resourceNames": ["demo-demand"],
                 "verbs": ["get", "patch"]} in role["rules"]
-        args = c.get("apps/v1", "deployments", "demo-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = existing(c, "apps/v1", "deployments", "demo-router")["spec"]["template"]["spec"]["containers"][0]["args"]
         assert args[args.index("--demand-lease") + 1] == "demo-demand"
         await eventually(lambda: (c.condition("demo", "Ready") or {}).get("status") == "True", message="Ready")
-        assert "idleSince" not in c.isvc("demo")["status"]
+        assert "idleSince" not in existing_isvc(c, "demo")["status"]
 
         # Not idle yet: a reconcile before the period ends changes nothing, and comes back when it ends.
         requeue = await op.reconciler.reconcile("default", "demo")
@@ -68,17 +68,19 @@ async def test_an_idle_multi_node_fleet_goes_to_zero_and_a_request_wakes_it() ->
 
         # No request for longer than the period: every stage goes to zero, and status says since when.
         offset["seconds"] = IDLE_SECONDS + 5
+        assert op.queue is not None, "the running operator has its work queue"
         op.queue.add(("default", "demo"))
         await eventually(lambda: _replicas(c, 2) == {0}, message="scaled to zero")
-        status = await eventually(lambda: (c.isvc("demo").get("status") or {}).get("idleSince") and c.isvc("demo")["status"])
+        status = await eventually(lambda: (existing_isvc(c, "demo").get("status") or {}).get("idleSince")
+                                  and existing_isvc(c, "demo")["status"])
         ready = next(x for x in status["conditions"] if x["type"] == "Ready")
         assert (ready["status"], ready["reason"]) == ("True", "ScaledToZero")
         await eventually(lambda: "ScaledToZero" in _reasons(c), message="ScaledToZero event")
         # At zero the HPA may bring spec.replicas to its floor at once, so a wake starts small.
-        await eventually(lambda: c.get("autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]
+        await eventually(lambda: existing(c, "autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]
                          ["scaleDown"] == IDLE_SCALE_DOWN, message="idle scale-down")
         # The HPA's field was never written by the operator: spec.replicas is still the CRD default.
-        assert c.isvc("demo")["spec"]["replicas"] == 1
+        assert existing_isvc(c, "demo")["spec"]["replicas"] == 1
         idle_since = parse_time(status["idleSince"])
         assert idle_since is not None
 
@@ -88,14 +90,14 @@ async def test_an_idle_multi_node_fleet_goes_to_zero_and_a_request_wakes_it() ->
         demand.touch(urgent=True)
         await demand.close()
         assert demand.writes == 1, demand.failures
-        renewed = c.get(*LEASES, "demo-demand")
+        renewed = existing(c, *LEASES, "demo-demand")
         assert renewed["spec"]["holderIdentity"] == "demo-router-abc"
         assert renewed["metadata"]["ownerReferences"] == lease["metadata"]["ownerReferences"]
         await eventually(lambda: _replicas(c, 2) == {1}, message="woken from zero")
-        await eventually(lambda: "idleSince" not in (c.isvc("demo").get("status") or {}), message="idleSince cleared")
+        await eventually(lambda: "idleSince" not in (existing_isvc(c, "demo").get("status") or {}), message="idleSince cleared")
         await eventually(lambda: "ScaledFromZero" in _reasons(c), message="ScaledFromZero event")
         await eventually(lambda: (c.condition("demo", "Ready") or {}).get("reason") == "Serving", message="serving")
-        assert c.get("autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]["scaleDown"][
+        assert existing(c, "autoscaling/v2", "horizontalpodautoscalers", "demo")["spec"]["behavior"]["scaleDown"][
             "policies"] == DEFAULT_SCALE_DOWN["policies"]
         # Both transitions were the operator's own decisions, not drift it reverted.
         assert "ChildReverted" not in _reasons(c)

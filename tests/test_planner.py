@@ -206,3 +206,25 @@ def test_plan_status_shape() -> None:
                            "kvCacheBytesPerToken", "kvCacheTokens", "maxConcurrentSequences", "loadSeconds", "modelSource"}
     assert status["weightsPerGpu"].endswith("Gi")
     assert status["modelSource"] == "catalog"
+
+
+@pytest.mark.parametrize(("accelerator", "args", "runs"), [
+    ("H100-80GB", [], True),                                   # SXM boards: NVLink
+    ("H100-80GB", ["--disable-custom-all-reduce"], False),
+    ("L40S", [], False),                                       # PCIe cards without peer-to-peer access
+    ("A10G", [], False),
+])
+def test_the_communication_reserve_follows_custom_all_reduce(accelerator: str, args: list[str], runs: bool) -> None:
+    """Under tensor parallelism vLLM's custom all-reduce buffers come beside NCCL's only where it runs (NVLink,
+    a supported size, not turned off): without it the reserve is about 1.4 GiB smaller and the plan says why."""
+    from tensorfleet.planner import memory
+
+    doc = isvc_doc({"model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+                    "accelerator": {"type": accelerator}, "parallelism": {"tensor": 2, "pipeline": 1},
+                    "engine": {"args": args}})
+    plan = make_plan(load_inference_service(doc).spec)
+    assert plan.non_torch_bytes_per_gpu == (memory.NON_TORCH_TENSOR_PARALLEL if runs else memory.NON_TORCH_NCCL_ONLY)
+    said = [note for note in plan.notes if "custom all-reduce does not run" in note]
+    assert bool(said) != runs, plan.notes
+    if args:
+        assert "--disable-custom-all-reduce in spec.engine.args" in said[0]

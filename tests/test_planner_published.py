@@ -19,6 +19,7 @@ Sources:
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -100,3 +101,91 @@ def test_fp8_checkpoint_weights_match_published_log(from_config: bool) -> None:
     document = isvc_doc({"model": {"name": name, "maxModelLen": 8192}, "parallelism": {"tensor": 2}})
     plan = make_plan(load_inference_service(document).spec, _config_facts(name) if from_config else None)
     assert abs(plan.weight_bytes_per_gpu / 1024**3 - 33.88) / 33.88 < 0.02
+
+
+# --- the collected logs: tests/data/published_vllm_logs.yaml ------------------------------------------------------
+
+LOGS_FILE = Path(__file__).parent / "data" / "published_vllm_logs.yaml"
+MODELS_DIR = Path(__file__).parent / "data" / "models"
+WITHIN = 0.10       # a log is matched when the plan is this close to vLLM's logged pool
+SHARE = 0.90        # of the usable logs, this many must be matched
+REQUIRED_FAMILIES = ("gemma-2", "gemma-3", "gpt-oss", "llama-4", "deepseek", "mixtral")
+
+
+def _usable(entry: dict[str, Any]) -> bool:
+    """A log the planner can be held to: its max_model_len stated and its model's config.json stored."""
+    return bool(entry["max_model_len"]) and (MODELS_DIR / entry["model"] / "config.json").is_file()
+
+
+def _log_spec(entry: dict[str, Any]) -> dict[str, Any]:
+    """The InferenceService spec of the engine a log comes from: what its command line and engine config state."""
+    engine: dict[str, Any] = {"gpuMemoryUtilization": entry["gpu_memory_utilization"]}
+    if entry.get("kv_cache_dtype") not in (None, "auto"):
+        engine["kvCacheDtype"] = entry["kv_cache_dtype"]
+    if entry.get("max_num_seqs"):
+        engine["maxNumSeqs"] = entry["max_num_seqs"]
+    engine["args"] = []
+    if entry.get("max_num_batched_tokens"):
+        engine["args"] += ["--max-num-batched-tokens", str(entry["max_num_batched_tokens"])]
+    if str(entry.get("custom_all_reduce")).startswith("disabled"):
+        # The engine logged "Custom allreduce is disabled" (its GPUs had no peer-to-peer access): what a user of
+        # such GPUs states with the flag.
+        engine["args"].append("--disable-custom-all-reduce")
+    model: dict[str, Any] = {"name": entry["model"], "maxModelLen": entry["max_model_len"]}
+    if str(entry.get("quantization") or "").startswith("fp8 (online"):
+        model["quantization"] = "fp8"
+    return {"model": model, "accelerator": {"type": entry["gpu"]}, "engine": engine,
+            "parallelism": {"tensor": entry["tensor_parallel_size"], "pipeline": entry["pipeline_parallel_size"]}}
+
+
+@pytest.fixture(scope="module")
+def log_table() -> list[tuple[dict[str, Any], Any]]:
+    import yaml
+    from test_modelconfig import facts
+
+    entries = [entry for entry in yaml.safe_load(LOGS_FILE.read_text()) if _usable(entry)]
+    table = [(entry, make_plan(load_inference_service(isvc_doc(_log_spec(entry))).spec, facts(entry["model"])))
+             for entry in entries]
+    print(f"\n{'model':52} {'GPU':10} {'layout':7} {'vLLM logged':>12} {'planned':>12} {'error':>7}  concurrency")
+    for entry, plan in table:
+        logged = entry["logged"]["kv_cache_tokens"]
+        concurrency = entry["logged"].get("max_concurrency") or {}
+        print(f"{entry['model']:52} {entry['gpu']:10} tp{entry['tensor_parallel_size']}pp"
+              f"{entry['pipeline_parallel_size']:<3} {logged:>12,} {plan.kv_cache_tokens:>12,} "
+              f"{plan.kv_cache_tokens / logged - 1:+7.1%}  {plan.max_concurrency:.2f}x vs "
+              f"{concurrency.get('concurrency', '-')}x")
+    return table
+
+
+def test_the_logs_cover_todays_architectures_gpus_and_layouts(log_table: list[tuple[dict[str, Any], Any]]) -> None:
+    entries = [entry for entry, _ in log_table]
+    assert len(entries) >= 20
+    for family in REQUIRED_FAMILIES:
+        assert any(entry["family"].startswith(family) for entry in entries), family
+    assert len({entry["gpu"] for entry in entries}) >= 3
+    assert any(entry["tensor_parallel_size"] > 1 for entry in entries)
+    assert any(entry["pipeline_parallel_size"] > 1 for entry in entries)
+
+
+def test_at_least_nine_in_ten_published_pools_within_ten_percent(log_table: list[tuple[dict[str, Any], Any]]) -> None:
+    """vLLM's "GPU KV cache size" as the planner predicts it, on every usable log (the README's planner section
+    has the table)."""
+    misses = [f"{entry['model']} {entry['gpu']} tp{entry['tensor_parallel_size']}pp{entry['pipeline_parallel_size']}: "
+              f"{plan.kv_cache_tokens / entry['logged']['kv_cache_tokens'] - 1:+.1%}"
+              for entry, plan in log_table
+              if abs(plan.kv_cache_tokens / entry["logged"]["kv_cache_tokens"] - 1) > WITHIN]
+    assert len(misses) <= (1 - SHARE) * len(log_table), misses
+
+
+def test_sliding_window_pools_and_concurrency_match_their_logs(log_table: list[tuple[dict[str, Any], Any]]) -> None:
+    """The models the planner once got 35% to 342% wrong: Gemma 2 and 3, gpt-oss. Their pools, and vLLM's maximum
+    concurrency where the log states it, within 10% each."""
+    windowed = [(entry, plan) for entry, plan in log_table
+                if entry["family"].startswith(("gemma-2", "gemma-3", "gpt-oss"))]
+    assert len(windowed) >= 7
+    for entry, plan in windowed:
+        assert plan.kv_cache_tokens == pytest.approx(entry["logged"]["kv_cache_tokens"], rel=WITHIN), entry["model"]
+        logged = entry["logged"].get("max_concurrency")
+        if logged:
+            assert logged["tokens_per_request"] == plan.max_model_len
+            assert plan.max_concurrency == pytest.approx(logged["concurrency"], rel=WITHIN), entry["model"]

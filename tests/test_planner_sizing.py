@@ -29,9 +29,9 @@ def _engines(decode_gpu: str = "H100-80GB", prefill_gpu: str = "H100-80GB") -> t
     return sizing.engine_for(plan, arch), sizing.engine_for(plan.prefill, arch)
 
 
-def _size(rate: float = 200.0, ttft: float = 2.0, itl: float = 0.1, **kw: float) -> sizing.Sizing:
+def _size(rate: float = 200.0, ttft: float = 2.0, itl: float = 0.1) -> sizing.Sizing:
     decode, prefill = _engines()
-    return sizing.size(sizing.Workload(500, 200, rate=rate), sizing.Targets(ttft, itl), decode, prefill, **kw)
+    return sizing.size(sizing.Workload(500, 200, rate=rate), sizing.Targets(ttft, itl), decode, prefill)
 
 
 def test_decode_step_matches_the_simulator() -> None:

@@ -8,6 +8,7 @@ import copy
 import importlib.util
 import sys
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -49,6 +50,72 @@ def test_it_runs_routers_and_simulator_engines_and_leaves_gpu_engines_to_kwok() 
     gpu = _pods("llama-3.1-70b-h100.yaml")
     chosen = {name for name, pod in gpu.items() if podrunner.runs(pod, IMAGE)}
     assert chosen == {contract.router_name("llama-70b-h100")}, "vLLM engines run another image behind an init container"
+
+
+def _cpu_vllm_pods() -> dict[str, dict[str, Any]]:
+    """The pods of a vLLM InferenceService on accelerator CPU, scheduled."""
+    doc = {"apiVersion": "tensorfleet.dev/v1alpha1", "kind": "InferenceService",
+           "metadata": {"name": "cpu", "namespace": "ns"},
+           "spec": {"model": {"name": "meta-llama/Llama-3.2-1B-Instruct", "maxModelLen": 4096},
+                    "engine": {"resources": {"requests": {"cpu": "4", "memory": "8Gi"}}},
+                    "accelerator": {"type": contract.CPU_ACCELERATOR}, "replicas": 1}}
+    isvc = load_inference_service(doc)
+    pods = {}
+    for obj in render(isvc, make_plan(isvc.spec)):
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            template = copy.deepcopy(obj["spec"]["template"])
+            template["spec"]["nodeName"] = "cpu-0"
+            pods[obj["metadata"]["name"]] = {"metadata": {"name": "p", "namespace": "ns", **template["metadata"]},
+                                             "spec": template["spec"]}
+    return pods
+
+
+def test_it_runs_vllm_engines_on_cpu_with_their_init_container_and_leaves_gpu_ones_to_kwok() -> None:
+    pods = _cpu_vllm_pods()
+    engine = pods[contract.stage_name("cpu", 0)]
+    (container,) = engine["spec"]["containers"]
+    (init,) = engine["spec"]["initContainers"]
+    assert podrunner.is_vllm_image(container["image"]) and init["image"] == IMAGE
+    assert all(podrunner.runs(pod, IMAGE) for pod in pods.values()), sorted(pods)
+    gpu = next(pod for name, pod in _pods("llama-3.1-70b-h100.yaml").items() if "stage" in name)
+    assert podrunner.is_vllm_image(gpu["spec"]["containers"][0]["image"]) and not podrunner.runs(gpu, IMAGE)
+    asks = copy.deepcopy(engine)
+    asks["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    assert not podrunner.runs(asks, IMAGE), "a pod that asks for a GPU is KWOK's"
+    other_init = copy.deepcopy(engine)
+    other_init["spec"]["initContainers"][0]["image"] = "busybox:1"
+    assert not podrunner.runs(other_init, IMAGE), "init containers run the control-plane image only"
+    other = copy.deepcopy(engine)
+    other["spec"]["containers"][0]["image"] = "registry.example/not-vllm:1"
+    assert not podrunner.runs(other, IMAGE)
+
+
+@pytest.mark.parametrize(("image", "vllm"), [
+    (contract.VLLM_IMAGE, True),
+    (contract.VLLM_CPU_IMAGE, True),
+    ("vllm/vllm-openai:latest", True),
+    ("vllm/vllm-openai@sha256:0123", True),
+    ("index.docker.io/vllm/vllm-openai-cpu:v0.19.1", True),
+    ("ghcr.io/someone/vllm-openai:v0.19.1", False),
+    ("docker.io/vllm/vllm-openai-rocm:v0.19.1", False),
+    (IMAGE, False),
+])
+def test_the_images_that_run_with_real_vllm(image: str, vllm: bool) -> None:
+    assert podrunner.is_vllm_image(image) is vllm
+
+
+def test_the_image_files_go_over_the_deepest_folder_that_exists(tmp_path: Any) -> None:
+    root = tmp_path / "image"
+    bundle = root / podrunner.LAUNCHER_BUNDLE_PATH.lstrip("/")
+    bundle.parent.mkdir(parents=True)
+    bundle.write_bytes(b"zip")
+    (root / "usr" / "share").mkdir(parents=True)
+    (root / "usr" / "share" / "tensorfleet-e2e-none").write_text("x")
+    overlays = podrunner.image_overlays(root)
+    assert [str(root / "usr" / "share"), "/usr/share"] in overlays
+    opt = next(pair for pair in overlays if pair[1].startswith("/opt") or pair[1] == "/")
+    assert opt[1] != "/", "never over this machine's root"
+    assert (Path(opt[0]) / podrunner.LAUNCHER_BUNDLE_PATH.removeprefix(opt[1]).lstrip("/")).is_file()
 
 
 def test_it_leaves_unscheduled_fault_marked_and_other_image_pods_alone() -> None:

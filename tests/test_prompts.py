@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tensorfleet.prompts import ROLE_OPEN, block_hashes, content_text, prompt_text, render_chat
 from tensorfleet.router.strategies import PREFIX_BLOCK_CHARS, PREFIX_MAX_BLOCKS, prefix_hashes
 from tensorfleet.sim.tokenizer import tokenize
@@ -21,7 +23,7 @@ def test_a_chat_renders_as_a_template_ending_with_the_assistant_header() -> None
 
 
 def test_the_router_and_the_simulator_see_the_same_chat_prompt() -> None:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+    body: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
     assert prompt_text(body) == render_chat(body["messages"])
 
 

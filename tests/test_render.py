@@ -288,13 +288,15 @@ def test_gpu_affinity_and_toleration(gpu: str) -> None:
         "nodeSelector": {"pool": "gpu"},
         "tolerations": [{"key": "team", "operator": "Equal", "value": "ml", "effect": "NoExecute", "tolerationSeconds": 30}],
     })
+    gpu_type = find_gpu(gpu)
+    assert gpu_type is not None, f"{gpu} is in the catalog"
     for sts in by_kind(rendered(doc), "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert terms == find_gpu(gpu).node_selector_terms() and len(terms[0]["matchExpressions"]) == 1
+        assert terms == gpu_type.node_selector_terms() and len(terms[0]["matchExpressions"]) == 1
         expression = terms[0]["matchExpressions"][0]
         assert expression["key"] == "nvidia.com/gpu.product" and expression["operator"] == "In"
-        assert expression["values"] == list(find_gpu(gpu).product_labels)
+        assert expression["values"] == list(gpu_type.product_labels)
         values = set(expression["values"])
         nvidia = {v for v in values if v.startswith("NVIDIA-")}
         assert nvidia and {v.removeprefix("NVIDIA-") for v in nvidia} <= values

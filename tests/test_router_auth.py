@@ -265,14 +265,16 @@ async def test_tokens_are_charged_at_admission_and_settled_to_what_was_used(tmp_
         unbounded = await ask({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": None})
         assert unbounded.status == 200
         assert limits.tokens_left("team-a") == 120 - unbounded.json()["usage"]["total_tokens"]
-        # A stream without usage: the prompt estimate plus one token per event streamed.
+        # A stream whose client asked for no usage: the engine's own counts all the same (the router asks the
+        # engine for them), which the client does not get.
         clock.now += 3600
         async with client.post(r.url + "/v1/chat/completions", json=chat("hi", max_tokens=10, stream=True),
                                headers=bearer(KEYS["team-a"])) as resp:
             events = [data async for _, data in sse_events(resp)]
-        assert events[-1] == "[DONE]"
+        assert events[-1] == "[DONE]" and not any("usage" in json.loads(e) for e in events[:-1])
+        counted = (await post_chat(client, s.url, chat("hi", max_tokens=10))).json()["usage"]["total_tokens"]
         await eventually(lambda: limits.tokens_left("team-a") != 120)  # settled once the handler ends
-        assert limits.tokens_left("team-a") == 120 - (len("hi") // 3 + 1) - (len(events) - 1)
+        assert limits.tokens_left("team-a") == 120 - counted
         # A stream with usage: the usage.
         clock.now += 3600
         body = chat("hi", max_tokens=10, stream=True, stream_options={"include_usage": True})
@@ -476,7 +478,7 @@ def test_buckets_refill_evenly_say_when_and_carry_debts() -> None:
     assert limits.tokens_left("t") == 600  # forgotten: a tenant that comes back starts full
 
 
-def test_usage_meter_reads_usage_or_counts_the_events_streamed() -> None:
+def test_usage_meter_reads_usage_or_takes_a_streams_counts() -> None:
     whole = UsageMeter(prompt=7)
     whole.answer(200, json.dumps({"choices": [{"text": '"total_tokens": 99'}],
                                   "usage": {"prompt_tokens": 5, "total_tokens": 12}}).encode())
@@ -488,12 +490,10 @@ def test_usage_meter_reads_usage_or_counts_the_events_streamed() -> None:
     failed.answer(400, b'{"error": {}, "usage": {"total_tokens": 3}}')
     assert failed.used() == 0
     assert UsageMeter(prompt=7).used() == 0  # never answered
+    # A stream: the counts the router kept (resume.StreamState), its prompt estimate where no engine counted it.
     stream = UsageMeter(prompt=7)
-    data = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n' * 3 + b'data: {"choices":[],"usage":'
-            b'{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}\n\ndata: [DONE]\n\n')
-    for i in range(0, len(data), 7):  # events cut anywhere
-        stream.chunk(data[i:i + 7])
-    assert (stream.events, stream.used()) == (4, 8)
-    cut = UsageMeter(prompt=7)
-    cut.chunk(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta"')
-    assert cut.used() == 7 + 1  # what was streamed whole
+    stream.stream(5, 3)
+    assert stream.used() == 8
+    uncounted = UsageMeter(prompt=7)
+    uncounted.stream(None, 3)
+    assert uncounted.used() == 7 + 3

@@ -16,7 +16,7 @@ from tensorfleet.httpapi import start_site
 from tensorfleet.sim.lora import LOAD_PATH, LoraConfig
 from tensorfleet.sim.profile import make_profile
 from tensorfleet.sim.server import SimConfig, SimServer
-from tensorfleet.testing.loopback import MODEL, metric_value, router, sse_events
+from tensorfleet.testing.loopback import MODEL, eventually, metric_value, router, sse_events
 
 # An adapter's home engine is a rendezvous hash over the engines' URLs, whose ports are random here: with 24
 # adapters on 4 engines, the chance that their homes cover fewer than 3 engines is about 4e-7 (with 8 it was 2%).
@@ -25,11 +25,12 @@ ADAPTERS = tuple((f"tenant-{i}", f"org/tenant-{i}-lora") for i in range(24))
 
 @asynccontextmanager
 async def lora_engine(modules: tuple[tuple[str, str], ...] = ADAPTERS, *, seed: int = 0,
-                      time_scale: float = 0.01) -> AsyncIterator[str]:
+                      time_scale: float = 0.01, startup_delay: float = 0.0, port: int = 0) -> AsyncIterator[str]:
     server = SimServer(make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
                                                  time_scale=time_scale, seed=seed, runtime_lora_updating=True,
+                                                 startup_delay=startup_delay,
                                                  lora=LoraConfig(max_loras=2, max_cpu_loras=4), lora_modules=modules))
-    runner = await start_site(server.app(), "127.0.0.1", 0)
+    runner = await start_site(server.app(), "127.0.0.1", port)
     try:
         yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
@@ -62,12 +63,18 @@ async def test_the_router_lists_accepts_and_learns_adapters() -> None:
         async with client.post(url + "/v1/completions", json={"model": "tenant-99", "prompt": "x"}) as resp:
             error = (await resp.json())["error"]
         assert resp.status == 404 and error["param"] == "model" and "tenant-99" in error["message"]
-        # An adapter loaded on the engines a moment ago is found by the next request that names it.
+        # An adapter loaded on the engines a moment after a 404 (within the router's ask-again interval) is found
+        # by the next request that names it: a name not known waits for lists asked after it came, never refused
+        # from lists older than the load (the operator says Loaded, the user sends at once).
         for engine in engines:
             async with client.post(engine + LOAD_PATH, json={"lora_name": "tenant-99", "lora_path": "org/x"}) as resp:
                 assert resp.status == 200
-        await asyncio.sleep(1.1)  # past the router's ask-again interval since the 404
         assert (await served_by(client, url, "tenant-99"))[0] == 200
+        # Names nobody serves, sent at once, share one round of asking and are refused within about a second.
+        started = asyncio.get_running_loop().time()
+        statuses = await asyncio.gather(*(served_by(client, url, f"nobody-{i}") for i in range(20)))
+        assert {status for status, _ in statuses} == {404}
+        assert asyncio.get_running_loop().time() - started < 3.0
 
 
 @pytest.mark.asyncio
@@ -135,3 +142,48 @@ async def test_an_adapter_goes_only_to_the_engines_that_list_it(strategy: str) -
         assert {status for status, _ in results} == {200}
         if strategy != "cache-aware":  # cache-aware keeps a cold adapter on its home engine, by design
             assert {backend for _, backend in results} == {have, lacking}
+
+
+# --- no engine's list yet: an adapter waits like the base model ------------------------------------------------
+
+@pytest.mark.asyncio
+async def test_an_adapter_request_during_a_cold_start_waits_for_the_engine_and_is_served() -> None:
+    """The router has heard no engine's model list (its one engine is loading), so a name that is not the served
+    model may be an adapter: it waits for an engine as the base model's requests do, and is served by it; a name
+    the engine turns out not to list gets the 404 then, not before."""
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(lora_engine(startup_delay=1.0))
+        r = await stack.enter_async_context(router([engine], queue_timeout=30.0))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
+        assert r.router.cold_start() == "1 engine(s) not up yet" and not r.router.adapters
+        adapter = asyncio.create_task(served_by(client, r.url, "tenant-3"))
+        missing = asyncio.create_task(client.post(r.url + "/v1/completions",
+                                                  json={"model": "tenant-99", "prompt": "x", "max_tokens": 2}))
+        base = asyncio.create_task(served_by(client, r.url, MODEL))
+        await eventually(lambda: r.router.dispatcher.pending == 3)  # all three queued, none refused
+        assert await adapter == (200, engine) and await base == (200, engine)
+        async with await missing as resp:
+            error = (await resp.json())["error"]
+        assert resp.status == 404 and error["param"] == "model" and "tenant-99" in error["message"]
+        async with client.get(r.url + "/metrics") as resp:
+            text = await resp.text()
+        requests = contract.ROUTER_METRIC_ADAPTER_REQUESTS + "_total"
+        assert metric_value(text, requests, adapter="tenant-3", code="200") == 1
+        # Now that the router holds a healthy engine's list, a name it lacks is refused at once.
+        async with client.post(r.url + "/v1/completions", json={"model": "tenant-98", "prompt": "x"}) as resp:
+            assert resp.status == 404 and r.router.dispatcher.pending == 0
+
+
+@pytest.mark.asyncio
+async def test_an_adapter_request_with_no_engine_up_within_the_bound_gets_503_not_404() -> None:
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(lora_engine(startup_delay=60.0))
+        r = await stack.enter_async_context(router([engine], queue_timeout=0.5, cold_start_timeout=0.5))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
+        for model in ("tenant-3", MODEL):
+            async with client.post(r.url + "/v1/completions",
+                                   json={"model": model, "prompt": "x", "max_tokens": 2}) as resp:
+                error = (await resp.json())["error"]
+                assert resp.status == 503, (model, error)
+                assert error["type"] == "ServiceUnavailableError" and error["code"] == 503
+                assert "within 0.5s" in error["message"] and resp.headers["Retry-After"]

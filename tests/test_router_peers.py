@@ -241,7 +241,7 @@ async def test_replicas_share_one_ceiling_per_engine() -> None:
     async with AsyncExitStack() as stack:
         engine, calls = await stack.enter_async_context(fake_engine(hold))
         port_a, port_b = free_port(), free_port()
-        options = {"strategy": "cache-aware", "max_concurrency_per_backend": 2}
+        options: dict[str, Any] = {"strategy": "cache-aware", "max_concurrency_per_backend": 2}
         a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
                                                    **options))
         b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
@@ -282,7 +282,7 @@ async def test_replicas_share_one_prompt_bound_per_engine() -> None:
     async with AsyncExitStack() as stack:
         engine, calls = await stack.enter_async_context(fake_engine(hold))
         port_a, port_b = free_port(), free_port()
-        options = {"strategy": "cache-aware", "prompt_queue_tokens": 100}   # a bound below one prompt of turn()
+        options: dict[str, Any] = {"strategy": "cache-aware", "prompt_queue_tokens": 100}   # a bound below one prompt of turn()
         a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
                                                    **options))
         b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),

@@ -11,6 +11,7 @@ import json
 import signal
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from tensorfleet import contract
+from tensorfleet.router import resume
 from tensorfleet.router.resume import StreamState
 from tensorfleet.sim.tokenizer import count_tokens
 from tensorfleet.testing.loopback import (
@@ -41,18 +43,21 @@ STREAM_ERRORS = contract.ROUTER_METRIC_STREAM_ERRORS + "_total"
 
 
 async def answer(client: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    """The whole answer an engine gives BODY unstreamed: what the stream must add up to."""
-    async with client.post(url + path, json={**body, "stream": False}) as resp:
+    """The whole answer an engine gives BODY unstreamed: what the stream must add up to (stream_options go: vLLM
+    takes them only with a stream)."""
+    whole = {name: value for name, value in body.items() if name != "stream_options"}
+    async with client.post(url + path, json={**whole, "stream": False}) as resp:
         assert resp.status == 200
         result: dict[str, Any] = await resp.json()
         return result
 
 
 async def stream_through(client: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any], *,
-                         after: int = 0, then: Callable[[], None] | None = None) -> tuple[str, list[str]]:
+                         after: int = 0, then: Callable[[], None] | None = None,
+                         headers: dict[str, str] | None = None) -> tuple[str, list[str]]:
     """Stream BODY; THEN() once AFTER events arrived. The engine that started it, and every event's data."""
     events: list[str] = []
-    async with client.post(url + path, json=body) as resp:
+    async with client.post(url + path, json=body, headers=headers) as resp:
         assert resp.status == 200
         backend = resp.headers[contract.BACKEND_HEADER]
         async for _, data in sse_events(resp):
@@ -166,6 +171,68 @@ async def test_a_stream_whose_engine_process_is_killed_goes_on_and_the_next_requ
             assert resp.status == 200 and resp.headers[contract.BACKEND_HEADER] == live.url
 
 
+async def test_a_resumed_stream_of_merged_events_counts_its_tokens_exactly(tmp_path: Path) -> None:
+    """Engines that send several tokens in one event (vLLM does when its HTTP handler falls behind the engine,
+    and with --stream-interval): the continuation is given exactly the tokens left, the client's usage counts the
+    original prompt and every completion token, and the API key is charged exactly that."""
+    keys = tmp_path / "keys"
+    keys.write_text("team-a:sk-team-a-5d1e\n")
+    async with sim_process("--time-scale", "0.2", "--stream-interval", "4") as (hung_url, process), \
+            AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim(stream_interval=4))
+        r = await stack.enter_async_context(router([hung_url, live.url], strategy="round-robin", health_timeout=0.5,
+                                                   api_keys=str(keys), tokens_per_minute=100_000))
+        limits = r.router.key_limits
+        limits.clock = lambda: 0.0  # no refill: the bucket shows the charge
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "stream": True,
+                "stream_options": {"include_usage": True}}
+        expected = await answer(client, live.url, "/v1/completions", body)
+        try:
+            backend, events = await stream_through(client, r.url, "/v1/completions", body, after=5,
+                                                   then=lambda: process.send_signal(signal.SIGSTOP),
+                                                   headers={"Authorization": "Bearer sk-team-a-5d1e"})
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert backend == hung_url
+        chunks = parsed(events)
+        assert max(count_tokens(c["choices"][0]["text"]) for c in chunks if c["choices"]) >= 4  # merged
+        assert_one_stream(chunks, expected, 300, chat=False)  # no token missing or too many; its usage exact
+        # Only the final usage event the client asked for (completions events say `"usage": null`, as vLLM's do).
+        assert [c for c in chunks if c.get("usage")] == [chunks[-1]]
+        assert metric_value(await metrics(client, r.url), RESUMED, reason="unresponsive") == 1
+        used = expected["usage"]["prompt_tokens"] + 300
+        await eventually(lambda: limits.tokens_left("team-a") == 100_000 - used)
+
+
+async def test_a_resumed_chat_stream_carries_exact_running_usage_on_every_event() -> None:
+    async with sim_process("--time-scale", "0.2", "--stream-interval", "3") as (stalled_url, process), \
+            AsyncExitStack() as stack:
+        live = await stack.enter_async_context(sim(stream_interval=3))
+        r = await stack.enter_async_context(router([stalled_url, live.url], strategy="round-robin",
+                                                   health_interval=60, stream_idle_timeout=0.5))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
+        body = chat(PROMPT, max_tokens=200, stream=True,
+                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+        expected = await answer(client, live.url, "/v1/chat/completions", body)
+        try:
+            backend, events = await stream_through(client, r.url, "/v1/chat/completions", body, after=6,
+                                                   then=lambda: process.send_signal(signal.SIGSTOP))
+        finally:
+            process.send_signal(signal.SIGCONT)
+        assert backend == stalled_url
+        chunks = parsed(events)
+        assert_one_stream(chunks, expected, 200, chat=True)
+        prompt = expected["usage"]["prompt_tokens"]
+        text = ""
+        for chunk in chunks[:-1]:
+            text += chunk["choices"][0]["delta"].get("content") or ""
+            assert chunk["usage"] == {"prompt_tokens": prompt, "total_tokens": prompt + count_tokens(text),
+                                      "completion_tokens": count_tokens(text)}
+        assert metric_value(await metrics(client, r.url), RESUMED, reason="stalled") == 1
+
+
+# --- fake engines that break in set ways -------------------------------------------------------------------
 # --- fake engines that break in set ways -------------------------------------------------------------------
 
 def stalling(*events: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -191,8 +258,9 @@ def chat_event(delta: dict[str, Any], id_: str = "chatcmpl-stalled") -> dict[str
 
 async def test_a_stall_after_part_of_an_answer_resumes_with_the_text_sent_and_the_tokens_left() -> None:
     async with AsyncExitStack() as stack:
+        # Its events carry the usage the router asks for (vLLM's continuous_usage_stats): the 2 tokens sent.
         stalled_url, calls = await stack.enter_async_context(fake_engine(stalling(
-            completion_event(" once"), completion_event(" upon"))))
+            {**completion_event(" once"), "usage": usage(1, 1)}, {**completion_event(" upon"), "usage": usage(1, 2)})))
         live = await stack.enter_async_context(sim())
         r = await stack.enter_async_context(router([stalled_url, live.url], strategy="round-robin",
                                                    health_interval=60, stream_idle_timeout=0.3))
@@ -205,6 +273,7 @@ async def test_a_stall_after_part_of_an_answer_resumes_with_the_text_sent_and_th
         await eventually(lambda: calls == ["/v1/completions", "closed"])  # the router hung up on it
         chunks = parsed(events)
         assert {c["id"] for c in chunks} == {"cmpl-stalled"} and {c["created"] for c in chunks} == {1}
+        assert not any(c.get("usage") for c in chunks)  # the client asked for none (completions: null, as vLLM)
         text = "".join(c["choices"][0]["text"] for c in chunks)
         assert text == " once upon" + rest["choices"][0]["text"] and count_tokens(text) == 6
 
@@ -350,4 +419,90 @@ async def test_a_completion_continuation_takes_vllms_default_max_tokens_and_ends
     assert json.loads(finish.removeprefix(b"data: ")) == {
         "id": "cmpl-stalled", "object": "text_completion", "created": 1, "model": MODEL,
         "choices": [{"index": 0, "finish_reason": "length", "logprobs": None, "text": ""}]}
+    assert (done, rest) == (b"data: [DONE]", b"")
+
+
+def compact(event: dict[str, Any]) -> dict[str, Any] | str:
+    """EVENT as vLLM writes it (no spaces): what StreamState reads without a whole parse."""
+    return json.dumps(event, separators=(",", ":"))
+
+
+def running(prompt: int, completion: int) -> dict[str, Any]:
+    """An event's usage with vLLM's continuous_usage_stats, in its key order."""
+    return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+
+@pytest.mark.parametrize("write", [compact, lambda event: event], ids=["as-vllm", "spaced"])
+async def test_the_engines_counts_drive_the_continuation_and_the_client_gets_only_the_usage_it_asked(
+        write: Callable[[dict[str, Any]], dict[str, Any] | str]) -> None:
+    # The client asked for no usage; the router asked the engine for it on every event (resume.ask_usage).
+    client_body = {**chat("x", max_tokens=10, min_tokens=6), "stream": True}
+    asked = resume.ask_usage(json.dumps(client_body, separators=(",", ":")).encode(), client_body)
+    assert asked is not None, "a body without stream_options gets them"
+    body, options = asked
+    assert json.loads(body) == {**client_body, "stream_options": resume.USAGE_OPTIONS} == {**client_body,
+                                                                                            "stream_options": options}
+    state = StreamState.start("/v1/chat/completions", body, usage=(False, False), added=True)
+    out = state.feed(sse(write({**chat_event({"role": "assistant", "content": ""}, "chatcmpl-a"), "usage": running(7, 0)}),
+                         write({**chat_event({"content": " one two three"}, "chatcmpl-a"), "usage": running(7, 3)}),
+                         write({**chat_event({"content": " four"}, "chatcmpl-a"), "usage": running(7, 4)})))
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n") if line]
+    assert [e["choices"][0]["delta"] for e in events] == [{"role": "assistant", "content": ""},
+                                                          {"content": " one two three"}, {"content": " four"}]
+    assert not any("usage" in e for e in events)  # cut: the client did not ask for it
+    assert (state.tokens, state.prompt_tokens) == (4, 7)  # 4 tokens in 2 events
+    continuation = state.continuation_body()
+    assert continuation is not None and (continuation["max_tokens"], continuation["min_tokens"]) == (6, 2)
+    assert continuation["stream_options"] == resume.USAGE_OPTIONS
+    state.begin_continuation()
+    # The continuation's prompt holds the text sent (4 more tokens): the client's usage would not say so.
+    out = state.feed(sse(write({**chat_event({"role": "assistant", "content": ""}, "chatcmpl-b"), "usage": running(11, 0)}),
+                         write({**chat_event({"content": " five six"}, "chatcmpl-b"), "usage": running(11, 2)}),
+                         write({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 2, "model": MODEL,
+                                "choices": [], "usage": running(11, 6)}), "[DONE]"))
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n") if line.startswith(b"data: {")]
+    assert [e["choices"][0]["delta"] for e in events] == [{"content": " five six"}]  # no usage event: not asked
+    assert "usage" not in events[0] and out.endswith(b"data: [DONE]\n\n")
+    assert (state.tokens, state.prompt_tokens) == (10, 7)
+    # A client that asked for the final usage event gets it, counted as one stream: the original prompt, all 10.
+    state = StreamState.start("/v1/chat/completions", body, usage=(True, False), added=True)
+    state.feed(sse(write({**chat_event({"content": " one two three four"}, "chatcmpl-a"), "usage": running(7, 4)})))
+    state.begin_continuation()
+    out = state.feed(sse(write({**chat_event({"content": " five"}, "chatcmpl-b"), "usage": running(11, 1)}),
+                         write({"id": "chatcmpl-b", "object": "chat.completion.chunk", "created": 2, "model": MODEL,
+                                "choices": [], "usage": running(11, 6)})))
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n") if line]
+    assert "usage" not in events[0]
+    assert events[1]["usage"] == {"prompt_tokens": 7, "total_tokens": 17, "completion_tokens": 10}
+    # Completions events without usage say `"usage": null` in vLLM: so do the ones it is cut from.
+    state = StreamState.start("/v1/completions", json.dumps({"prompt": "x", "stream": True}).encode(),
+                              usage=(False, False), added=True)
+    out = state.feed(sse(write({**completion_event(" one two"), "usage": {**running(1, 2),
+                                                                            "prompt_tokens_details": None}})))
+    assert json.loads(out[6:])["usage"] is None and (state.tokens, state.prompt_tokens) == (2, 1)
+    state.begin_continuation()
+    out = state.feed(sse(write({**completion_event(" three", "cmpl-b"), "usage": running(3, 1)})))
+    assert json.loads(out[6:])["usage"] is None and (state.tokens, state.prompt_tokens) == (3, 1)
+
+
+async def test_an_engine_that_reports_no_usage_is_counted_from_its_text_not_its_events() -> None:
+    state = StreamState.start("/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 20,
+                                                             "stream": True}).encode())
+    state.feed(sse(completion_event(" a bb ccc"), completion_event(" dd")))  # 12 characters in 2 events
+    assert state.tokens == resume.estimate_tokens(12, 2) == 4  # a token per 3 characters, at least one per event
+    body = state.continuation_body()
+    assert body is not None and (body["prompt"], body["max_tokens"]) == ("Once a bb ccc dd", 16)
+    # Its finish event (with the last token, as vLLM sends it) sent, the engine broke before the rest: the
+    # stream ends, with the usage event the client asked for when an engine counted the prompt.
+    body_usage = json.dumps({"prompt": "Once", "max_tokens": 3, "stream": True,
+                             "stream_options": {"include_usage": True}}).encode()
+    state = StreamState.start("/v1/completions", body_usage, usage=(True, False), added=True)
+    state.feed(sse(compact({**completion_event(" w0 w1"), "usage": running(2, 2)}),
+                   compact({**completion_event(" w2"), "choices": [{"index": 0, "text": " w2", "logprobs": None,
+                                                                    "finish_reason": "length"}],
+                            "usage": running(2, 3)})))
+    assert state.complete and state.continuation_body() is None
+    finish, done, rest = state.ending().split(b"\n\n")
+    assert json.loads(finish.removeprefix(b"data: "))["usage"] == {"prompt_tokens": 2, "completion_tokens": 3,
+                                                                     "total_tokens": 5}
     assert (done, rest) == (b"data: [DONE]", b"")

@@ -7,21 +7,23 @@ import itertools
 import json
 from collections import Counter
 from contextlib import AsyncExitStack
+from typing import Any
 
 import aiohttp
 import pytest
 
 from tensorfleet import contract
-from tensorfleet.testing.loopback import MODEL, chat, eventually, metric_value, router, sim, sse_events
+from tensorfleet.testing.loopback import MODEL, RunningSim, chat, eventually, metric_value, router, sim, sse_events
 
 pytestmark = pytest.mark.asyncio
 
 
-async def fleet(stack: AsyncExitStack, n: int, **sim_options: object) -> list:  # type: ignore[type-arg]  # simulator handles of mixed types
-    return [await stack.enter_async_context(sim(**sim_options)) for _ in range(n)]  # type: ignore[arg-type]  # sim() takes the options as keywords
+async def fleet(stack: AsyncExitStack, n: int, **sim_options: Any) -> list[RunningSim]:
+    return [await stack.enter_async_context(sim(**sim_options)) for _ in range(n)]
 
 
-async def post(client: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> tuple[int, str, dict]:  # type: ignore[type-arg]  # any JSON body and headers
+async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[int, str, dict[str, Any]]:
     async with client.post(url + "/v1/chat/completions", json=body, headers=headers) as resp:
         return resp.status, resp.headers.get(contract.BACKEND_HEADER, ""), await resp.json()
 
@@ -67,7 +69,7 @@ async def test_session_header_and_user_field_keep_a_conversation_on_one_engine()
 
 async def test_prefix_aware_sends_a_growing_conversation_to_its_cache() -> None:
     async with AsyncExitStack() as stack:
-        sims = await fleet(stack, 3)
+        sims = await fleet(stack, 3, prompt_tokens_details=True)  # answers name their prefix-cache hits
         r = await stack.enter_async_context(router([s.url for s in sims], strategy="prefix-aware"))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         messages = [{"role": "system", "content": "You answer questions about this contract. " * 30}]
@@ -146,9 +148,12 @@ async def test_bad_requests_get_openai_errors_from_the_router() -> None:
                 assert resp.status == status, (path, data[:30])
                 error = (await resp.json())["error"]
                 assert error["code"] == status and error["message"] and error["type"]
-        # The engine's own 4xx pass through unchanged, and are not retried.
+        # The engine's own 4xx pass through unchanged (the engine's very answer), and are not retried.
+        async with client.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}) as resp:
+            own = (resp.status, await resp.json())
+        assert own[0] == 400 and own[1]["error"]["message"].startswith("Cannot apply chat template to an empty")
         async with client.post(r.url + "/v1/chat/completions", json={"model": MODEL, "messages": []}) as resp:
-            assert resp.status == 400 and (await resp.json())["error"]["param"] == "messages"
+            assert (resp.status, await resp.json()) == own
         assert s.engine.stats.prompt_tokens == 0
 
 

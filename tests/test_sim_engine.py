@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import subprocess
 import sys
 from dataclasses import replace
@@ -16,8 +17,14 @@ from tensorfleet.catalog import MODELS, ModelEntry
 from tensorfleet.planner import make_plan
 from tensorfleet.planner.memory import stages
 from tensorfleet.prompts import render_chat
-from tensorfleet.sim.engine import BlockPool, Engine, RequestRejected
-from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MODEL, make_profile
+from tensorfleet.sim.engine import BlockPool, Engine, RequestRejected, SimRequest
+from tensorfleet.sim.profile import (
+    DEFAULT_ACCELERATOR,
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_MODEL,
+    make_profile,
+    read_layers,
+)
 from tensorfleet.sim.tokenizer import count_tokens, tokenize
 
 FAST = 0.001
@@ -55,11 +62,15 @@ def test_profile_capacity_is_what_it_is_handed() -> None:
 @pytest.mark.parametrize("entry", MODELS, ids=[m.key for m in MODELS])
 @pytest.mark.parametrize("tensor", [1, 2, 8])
 def test_timing_bytes_are_the_planners_for_one_stage(entry: ModelEntry, tensor: int) -> None:
-    """Weights and KV bytes per GPU come from the same catalog arithmetic the planner sizes a stage with."""
+    """Weights and KV bytes per GPU come from the same catalog arithmetic the planner sizes a stage with: a decode
+    step reads every full-attention layer's KV per context token, and a sliding or chunked one's within its span."""
     arch, max_model_len = entry.arch, 4096
-    stage, = stages(arch, arch.weight_format, tensor, 1, 2, max_model_len)
+    stage, = stages(arch, arch.weight_format, tensor, 1, 2)
     profile = make_profile(entry.display, "H200-141GB", tensor=tensor, max_model_len=max_model_len)
-    assert profile.kv_bytes_per_token_per_gpu == stage.kv_bytes_per_token_per_gpu
+    assert profile.kv_bytes_per_token_per_gpu == math.ceil(read_layers(arch, max_model_len)
+                                                           * stage.kv_bytes_per_token_layer)
+    if not (arch.sliding_window or arch.attention_chunk_size):
+        assert profile.kv_bytes_per_token_per_gpu == stage.kv_bytes_per_token_per_gpu
     # The planner adds a stage's parts before rounding, the profile rounds the model's total: a byte apart at most.
     assert abs(profile.weight_bytes_per_gpu - stage.weight_bytes_per_gpu) <= 1
 
@@ -155,7 +166,7 @@ def test_block_pool_shares_evicts_lru_and_frees() -> None:
 # --- scheduler --------------------------------------------------------------------
 
 
-async def run_all(engine: Engine, requests: list, timeout: float = 10.0) -> None:  # type: ignore[type-arg]  # a list of the engine's request objects
+async def run_all(engine: Engine, requests: list[SimRequest], timeout: float = 10.0) -> None:
     await asyncio.wait_for(asyncio.gather(*(r.wait(r.max_tokens) for r in requests)), timeout)
 
 

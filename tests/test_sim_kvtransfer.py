@@ -30,7 +30,7 @@ async def post(client: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
     async with client.post(url, json=body) as resp:
         answer = await resp.json()
         assert resp.status == 200, answer
-        return answer  # type: ignore[no-any-return]
+        return answer
 
 
 async def metrics(client: aiohttp.ClientSession, url: str) -> str:
@@ -141,7 +141,8 @@ async def test_a_prefill_half_with_several_choices_is_refused_and_params_without
         async with client.post(prefill.url + "/v1/completions", json=body) as resp:
             assert resp.status == 400 and (await resp.json())["error"]["param"] == "n"
         answer = await post(client, plain.url + "/v1/completions", {**body, "n": 1})
-        assert "kv_transfer_params" not in answer and plain.server.engine is not None and not plain.server.engine.held
+        # vLLM's answer always has the field: null without a connector.
+        assert answer["kv_transfer_params"] is None and plain.server.engine is not None and not plain.server.engine.held
 
 
 def test_the_transfer_config_is_vllms_flag_and_each_mistake_names_its_field() -> None:

@@ -12,7 +12,7 @@ import aiohttp
 import jsonschema
 import pytest
 
-from tensorfleet.sim.params import MAX_LOGPROBS, MAX_N
+from tensorfleet.sim.params import MAX_LOGPROBS, MAX_N, VOCAB_SIZE
 from tensorfleet.sim.tokenizer import tokenize
 from tensorfleet.testing.loopback import MODEL, chat, sim, sse_events
 
@@ -85,18 +85,29 @@ async def test_a_stream_of_n_choices_names_each_choice_in_its_events() -> None:
         assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
 
 
+def body_error(kind: str, loc: tuple[Any, ...], msg: str, value: Any) -> str:
+    """The message vLLM's request validation (pydantic's, through FastAPI) gives, up to its source location."""
+    return f"1 validation error:\n  {({'type': kind, 'loc': loc, 'msg': msg, 'input': value})!r}"
+
+
 async def test_n_and_best_of_out_of_range_are_refused_like_vllm() -> None:
     stack, url, client, _ = await serving()
     async with stack:
         for extra, message, param in (
-                ({"n": 0}, "n must be at least 1, got 0.", "n"),
-                ({"n": MAX_N + 1}, f"n must be at most {MAX_N} in the simulator, got {MAX_N + 1}.", "n"),
-                ({"n": "2"}, "n must be an integer", "n"),
-                ({"best_of": 2}, "vLLM V1 does not yet support best_of.", "best_of"),
+                ({"n": 0}, "n must be at least 1, got 0.", None),
+                ({"n": MAX_N + 1}, (f"n must be at most {MAX_N}, got {MAX_N + 1}. To increase this limit, set the "
+                                   "VLLM_MAX_N_SEQUENCES environment variable."), None),
+                ({"n": "two"}, body_error("int_parsing", ("body", "n"), "Input should be a valid integer, unable to "
+                                          "parse string as an integer", "two"), None),
                 ({"use_beam_search": True}, "use_beam_search is not supported by the simulator", "use_beam_search"),
         ):
             status, body = await post(client, url, "/v1/completions", completion(**extra))
             assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, param)
+        # vLLM reads "2" as 2 (pydantic's lax mode), and 0.19.1 has no best_of: it ignores it, as it ignores any
+        # field it does not know.
+        for extra, choices in (({"n": "2"}, 2), ({"best_of": 2}, 1)):
+            status, body = await post(client, url, "/v1/completions", completion(max_tokens=2, **extra))
+            assert status == 200 and len(body["choices"]) == choices
 
 
 # --- stop ------------------------------------------------------------------------------------------------------------
@@ -129,7 +140,7 @@ async def test_stop_cuts_the_text_at_the_first_stop_string_and_ends_the_request_
         chunks = await stream(client, url, "/v1/completions", {**request, "stop": stop})
         texts = [c["choices"][0]["text"] for c in chunks]
         assert "".join(texts) == expected
-        assert len(texts) == tokens + 1  # an event per token, then the one with the finish reason
+        assert len(texts) == tokens  # an event per token, the last one with the finish reason (as vLLM sends it)
         assert (chunks[-1]["choices"][0]["finish_reason"], chunks[-1]["choices"][0]["stop_reason"]) == ("stop", stop)
         # A stop string that never shows: the answer runs to max_tokens.
         missed = (await post(client, url, "/v1/completions", {**request, "stop": "\n"}))[1]["choices"][0]
@@ -146,9 +157,13 @@ async def test_chat_stop_and_bad_stop_values() -> None:
         choice = (await post(client, url, "/v1/chat/completions", {**request, "stop": stop}))[1]["choices"][0]
         assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (expected, "stop", stop)
         empty = "stop cannot contain an empty string."
-        for bad, message in (("", empty), ([" a", ""], empty), (3, "stop must be a string or a list of strings")):
+        for bad, message in (("", empty), ([" a", ""], empty)):
             status, body = await post(client, url, "/v1/chat/completions", {**request, "stop": bad})
-            assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, "stop")
+            assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, None)
+        status, body = await post(client, url, "/v1/chat/completions", {**request, "stop": 3})
+        assert (status, body["error"]["type"], body["error"]["param"]) == (400, "Bad Request", None)
+        assert body["error"]["message"].startswith("2 validation errors:\n  {'type': 'string_type', 'loc': ('body', "
+                                                   "'stop', 'str'), 'msg': 'Input should be a valid string'")
 
 
 # --- logprobs --------------------------------------------------------------------------------------------------------
@@ -170,16 +185,24 @@ async def test_completion_logprobs_in_vllm_shape() -> None:
         assert (await post(client, url, "/v1/completions", request))[1]["choices"][0]["logprobs"] == logprobs
         one = (await post(client, url, "/v1/completions", {**request, "logprobs": 0}))[1]["choices"][0]["logprobs"]
         assert all(len(top) == 1 for top in one["top_logprobs"])
-        # Streamed: each token's event carries its own.
+        # Streamed: each token's event carries its own (the last one's with the finish reason).
         chunks = await stream(client, url, "/v1/completions", request)
-        streamed = [c["choices"][0]["logprobs"] for c in chunks[:-1]]
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+        streamed = [c["choices"][0]["logprobs"] for c in chunks]
         assert [s["tokens"] for s in streamed] == [[t] for t in logprobs["tokens"]]
         assert [s["text_offset"] for s in streamed] == [[o] for o in logprobs["text_offset"]]
-        too_many = f"Requested sample logprobs of {MAX_LOGPROBS + 1}, which is greater than max allowed: {MAX_LOGPROBS}"
-        for value, message in ((MAX_LOGPROBS + 1, too_many),
-                               (-1, "`logprobs` must be a positive value."), (True, "logprobs must be an integer")):
-            status, error = await post(client, url, "/v1/completions", {**request, "logprobs": value})
-            assert (status, error["error"]["message"], error["error"]["param"]) == (400, message, "logprobs")
+        too_many = (f"Requested sample logprobs of {MAX_LOGPROBS + 1}, which is greater than max allowed: "
+                    f"{MAX_LOGPROBS} (parameter=logprobs, value={MAX_LOGPROBS + 1})")
+        status, error = await post(client, url, "/v1/completions", {**request, "logprobs": MAX_LOGPROBS + 1})
+        assert (status, error["error"]["message"], error["error"]["param"]) == (400, too_many, "logprobs")
+        # Refused by vLLM's request validation, which names the parameter.
+        status, error = await post(client, url, "/v1/completions", {**request, "logprobs": -1})
+        assert (status, error["error"]["type"], error["error"]["param"]) == (400, "Bad Request", "logprobs")
+        assert "'msg': 'Value error, `logprobs` must be a positive value. (parameter=logprobs, value=-1)'" \
+            in error["error"]["message"]
+        # true is 1 to vLLM (pydantic's lax mode).
+        status, one = await post(client, url, "/v1/completions", {**request, "logprobs": True})
+        assert status == 200 and all(len(top) == 1 for top in one["choices"][0]["logprobs"]["top_logprobs"])
 
 
 async def test_chat_logprobs_in_vllm_shape() -> None:
@@ -201,16 +224,22 @@ async def test_chat_logprobs_in_vllm_shape() -> None:
         tokens = [c["choices"][0]["logprobs"]["content"] for c in chunks if c["choices"][0]["delta"].get("content")]
         assert [t[0]["token"] for t in tokens] == [e["token"] for e in content]
         for extra, message, param in (
-                ({"logprobs": False, "top_logprobs": 2}, "when using `top_logprobs`, `logprobs` must be set to true.",
-                 "top_logprobs"),
-                ({"top_logprobs": -1}, "`top_logprobs` must be a positive value.", "top_logprobs"),
-                ({"top_logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20",
-                 "top_logprobs"),
-                ({"logprobs": 2}, "logprobs must be a boolean", "logprobs"),
+                # -1 asks for every token of the vocabulary (the simulated model's: Llama 3's).
+                ({"top_logprobs": -1}, (f"Requested sample logprobs of {VOCAB_SIZE}, which is greater than max "
+                                       f"allowed: 20 (parameter=logprobs, value={VOCAB_SIZE})"), "logprobs"),
+                ({"top_logprobs": 21}, ("Requested sample logprobs of 21, which is greater than max allowed: 20 "
+                                       "(parameter=logprobs, value=21)"), "logprobs"),
+                ({"logprobs": 2}, body_error("bool_parsing", ("body", "logprobs"), "Input should be a valid boolean, "
+                                             "unable to interpret input", 2), None),
                 ({"prompt_logprobs": 1}, "prompt_logprobs is not supported by the simulator", "prompt_logprobs"),
         ):
             status, body = await post(client, url, "/v1/chat/completions", {**request, **extra})
             assert (status, body["error"]["message"], body["error"]["param"]) == (400, message, param)
+        # Refused by vLLM's request validation, which names the parameter.
+        status, body = await post(client, url, "/v1/chat/completions", {**request, "logprobs": False, "top_logprobs": 2})
+        assert (status, body["error"]["type"], body["error"]["param"]) == (400, "Bad Request", "top_logprobs")
+        assert "'msg': 'Value error, when using `top_logprobs`, `logprobs` must be set to true. " \
+               "(parameter=top_logprobs)'" in body["error"]["message"]
 
 
 # --- echo ---------------------------------------------------------------------------------------------------------
@@ -296,11 +325,18 @@ async def test_json_object_and_json_schema_answers_are_valid_json() -> None:
         jsonschema.validate(json.loads(whole), SCHEMA)
         chunks = await stream(client, url, "/v1/completions", request)
         assert "".join(c["choices"][0]["text"] for c in chunks) == whole
-        # vLLM's own spellings.
-        guided = (await post(client, url, "/v1/completions", completion(max_tokens=400, guided_json=SCHEMA)))[1]
-        jsonschema.validate(json.loads(guided["choices"][0]["text"]), SCHEMA)
-        picked = (await post(client, url, "/v1/chat/completions", chat("?", guided_choice=["yes", "no"])))[1]
+        # vLLM's own spelling, structured_outputs.
+        own = (await post(client, url, "/v1/completions", completion(max_tokens=400,
+                                                                     structured_outputs={"json": SCHEMA})))[1]
+        jsonschema.validate(json.loads(own["choices"][0]["text"]), SCHEMA)
+        picked = (await post(client, url, "/v1/chat/completions",
+                             chat("?", structured_outputs={"choice": ["yes", "no"]})))[1]
         assert picked["choices"][0]["message"]["content"] in ("yes", "no")
+        # vLLM 0.19.1 no longer has the guided_* fields: it ignores them, and so does the simulator.
+        plain = (await post(client, url, "/v1/completions", completion(max_tokens=8, seed=3)))[1]
+        for extra in ({"guided_json": SCHEMA}, {"guided_choice": ["yes", "no"]}, {"guided_regex": "[a-z]+"}):
+            ignored = (await post(client, url, "/v1/completions", completion(max_tokens=8, seed=3, **extra)))[1]
+            assert ignored["choices"][0]["text"] == plain["choices"][0]["text"]
 
 
 async def test_max_tokens_cuts_a_document_short_as_with_vllm() -> None:
@@ -328,8 +364,6 @@ async def test_schemas_and_formats_the_simulator_cannot_follow_are_refused() -> 
             (response_format({"type": "integer", "minimum": 5, "maximum": 4}), "numeric bounds", "response_format"),
             (response_format({"type": "integer", "multipleOf": 3}), "multipleOf", "response_format"),
             (response_format({"$ref": "https://example.com/schema.json"}), "$ref", "response_format"),
-            ({"type": "json_schema"}, "json_schema.schema is required", "response_format"),
-            ({"type": "yaml"}, "response_format.type must be one of", "response_format"),
             ({"type": "structural_tag", "structures": [], "triggers": []}, "not supported by the simulator",
              "response_format"),
         ]
@@ -337,9 +371,31 @@ async def test_schemas_and_formats_the_simulator_cannot_follow_are_refused() -> 
             status, body = await post(client, url, "/v1/chat/completions", chat("x", response_format=fmt))
             assert status == 400 and fragment in body["error"]["message"], (fmt, body)
             assert body["error"]["param"] == param and body["error"]["type"] == "BadRequestError"
-        for extra, fragment in (({"guided_regex": "[a-z]+"}, "guided_regex is not supported"),
-                                ({"guided_json": SCHEMA, "guided_choice": ["a"]}, "only use one kind of guided"),
-                                ({"guided_choice": []}, "guided_choice must be a non-empty list"),
-                                ({"suffix": "!"}, "suffix is not currently supported")):
+        unsupported: list[tuple[dict[str, Any], str]] = [
+            ({"structured_outputs": {"regex": "[a-z]+"}}, "structured_outputs.regex is not supported by the simulator"),
+            ({"structured_outputs": {"grammar": 'root ::= "a"'}},
+             "structured_outputs.grammar is not supported by the simulator"),
+        ]
+        for extra, fragment in unsupported:
             status, body = await post(client, url, "/v1/completions", completion(**extra))
             assert status == 400 and fragment in body["error"]["message"], (extra, body)
+            assert body["error"]["param"] == "structured_outputs"
+        # What vLLM itself refuses, as it refuses it: its request validation ("Bad Request"), then its own checks.
+        refused: list[tuple[str, dict[str, Any], str, str, str | None]] = [
+            ("/v1/chat/completions", {"response_format": {"type": "json_schema"}},
+             ("When response_format type is 'json_schema', the 'json_schema' field must be provided. "
+             "(parameter=response_format)"), "Bad Request", "response_format"),
+            ("/v1/chat/completions", {"response_format": {"type": "yaml"}},
+             "'msg': \"Input should be 'text', 'json_object' or 'json_schema'\"", "Bad Request", None),
+            ("/v1/completions", {"structured_outputs": {"json": SCHEMA, "choice": ["a"]}},
+             ("You can only use one kind of constraints for structured outputs ('json', 'regex' or 'choice'). "
+             "(parameter=structured_outputs)"), "Bad Request", "structured_outputs"),
+            ("/v1/completions", {"structured_outputs": {"choice": []}}, "Choice '[]' cannot be an empty list",
+             "BadRequestError", None),
+            ("/v1/completions", {"suffix": "!"}, "suffix is not currently supported", "BadRequestError", None),
+        ]
+        for path, extra, fragment, type_, refused_param in refused:
+            request = chat("x", **extra) if path.endswith("chat/completions") else completion(**extra)
+            status, body = await post(client, url, path, request)
+            assert status == 400 and fragment in body["error"]["message"], (extra, body)
+            assert (body["error"]["type"], body["error"]["param"]) == (type_, refused_param), (extra, body)

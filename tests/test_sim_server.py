@@ -12,6 +12,7 @@ import pytest
 from tensorfleet import contract
 from tensorfleet.cli import build_parser
 from tensorfleet.sim.profile import make_profile
+from tensorfleet.sim.tokenizer import count_tokens
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
@@ -73,6 +74,47 @@ async def test_stream_sends_one_event_per_token_as_it_is_generated() -> None:
 
 
 @pytest.mark.asyncio
+async def test_streams_merge_tokens_as_vllm_and_carry_usage_on_every_event_when_asked() -> None:
+    """--stream-interval 4: the first token alone, then four at a time, the last one with the finish reason;
+    continuous_usage_stats: every event's usage counts its choice's tokens so far, exactly."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    async with sim(stream_interval=4) as s, aiohttp.ClientSession() as client:
+        for path, body in (("/v1/chat/completions", chat("tell me a story", max_tokens=10)),
+                           ("/v1/completions", {"model": MODEL, "prompt": "Once upon", "max_tokens": 10})):
+            async with client.post(s.url + path, json=body) as resp:
+                whole = await resp.json()
+            async with client.post(s.url + path, json={**body, "stream": True, "stream_options": options}) as resp:
+                events = [data async for _, data in sse_events(resp)]
+            assert events[-1] == "[DONE]"
+            chunks = [json.loads(data) for data in events[:-1]]
+            prompt = whole["usage"]["prompt_tokens"]
+            final = chunks.pop()
+            assert final["choices"] == [] and final["usage"]["completion_tokens"] == 10
+            assert final["usage"]["prompt_tokens"] == prompt and final["usage"]["total_tokens"] == prompt + 10
+            if path == "/v1/chat/completions":
+                role = chunks.pop(0)
+                assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                assert role["usage"] == {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}
+                texts = [c["choices"][0]["delta"]["content"] for c in chunks]
+                assert "".join(texts) == whole["choices"][0]["message"]["content"]
+            else:
+                texts = [c["choices"][0]["text"] for c in chunks]
+                assert "".join(texts) == whole["choices"][0]["text"]
+            assert [count_tokens(t) for t in texts] == [1, 4, 4, 1]
+            assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+            sent = [count_tokens("".join(texts[:i + 1])) for i in range(len(texts))]
+            # (vLLM's completions events also name prompt_tokens_details, as null.)
+            assert all(c["usage"].pop("prompt_tokens_details", None) is None for c in chunks)
+            assert [c["usage"] for c in chunks] == [
+                {"prompt_tokens": prompt, "total_tokens": prompt + n, "completion_tokens": n} for n in sent]
+        # Without include_usage, continuous_usage_stats adds nothing (vLLM reads it only with include_usage).
+        body = chat("hi", max_tokens=3, stream=True, stream_options={"continuous_usage_stats": True})
+        async with client.post(s.url + "/v1/chat/completions", json=body) as resp:
+            events = [data async for _, data in sse_events(resp)]
+        assert not any("usage" in json.loads(data) for data in events[:-1])
+
+
+@pytest.mark.asyncio
 async def test_health_flips_after_the_startup_delay() -> None:
     async with sim(startup_delay=0.5) as s, aiohttp.ClientSession() as client:
         async with client.get(s.url + "/health") as resp:
@@ -96,11 +138,11 @@ async def test_bad_requests_get_openai_errors() -> None:
             ("/v1/chat/completions", b"{not json", 400, None),
             ("/v1/chat/completions", b"[1, 2]", 400, None),
             ("/v1/chat/completions", json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}).encode(), 404, "model"),
-            ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), 400, "messages"),
-            ("/v1/chat/completions", json.dumps(chat("word " * 400)).encode(), 400, "messages"),
-            ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400, "max_tokens"),
-            ("/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(), 400, "prompt"),
-            ("/v1/embeddings", b"{}", 404, None),
+            # vLLM's param is null for what its request validation or plain ValueErrors refuse.
+            ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": []}).encode(), 400, None),
+            ("/v1/chat/completions", json.dumps(chat("word " * 400)).encode(), 400, "input_tokens"),
+            ("/v1/completions", json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "many"}).encode(), 400, None),
+            ("/v1/completions", json.dumps({"model": MODEL, "prompt": {"a": 1}}).encode(), 400, None),
         ]
         for path, data, status, param in cases:
             async with client.post(s.url + path, data=data, headers={"Content-Type": "application/json"}) as resp:
@@ -108,6 +150,11 @@ async def test_bad_requests_get_openai_errors() -> None:
                 assert resp.status == status, (path, data[:40], body)
                 assert set(body["error"]) == {"message", "type", "param", "code"}
                 assert body["error"]["code"] == status and body["error"]["param"] == param
+        # A path it does not serve, or a method a path does not take: FastAPI's answers, as vLLM's server gives.
+        for method, path, status, detail in (("POST", "/v1/embeddings", 404, "Not Found"),
+                                             ("GET", "/v1/chat/completions", 405, "Method Not Allowed")):
+            async with client.request(method, s.url + path, data=b"{}") as resp:
+                assert (resp.status, await resp.json()) == (status, {"detail": detail})
 
 
 @pytest.mark.asyncio
@@ -152,8 +199,14 @@ async def test_waiting_gauge_shows_real_queueing_when_kv_runs_out() -> None:
 
 @pytest.mark.asyncio
 async def test_prefix_hits_counted_in_metrics_and_usage() -> None:
+    request = chat("a long shared system prompt " * 20, max_tokens=2)
     async with sim() as s, aiohttp.ClientSession() as client:
-        request = chat("a long shared system prompt " * 20, max_tokens=2)
+        # By default usage names no hit, as vLLM's (its --enable-prompt-tokens-details is off).
+        for _ in range(2):
+            async with client.post(s.url + "/v1/chat/completions", json=request) as resp:
+                body = await resp.json()
+        assert body["usage"]["prompt_tokens_details"] is None
+    async with sim(prompt_tokens_details=True) as s, aiohttp.ClientSession() as client:
         for _ in range(2):
             async with client.post(s.url + "/v1/chat/completions", json=request) as resp:
                 body = await resp.json()
@@ -228,7 +281,7 @@ async def test_time_scale_zero_runs_without_sleeping() -> None:
 
 @pytest.mark.asyncio
 async def test_next_turn_hits_on_the_answer_blocks_too() -> None:
-    async with sim() as s, aiohttp.ClientSession() as client:
+    async with sim(prompt_tokens_details=True) as s, aiohttp.ClientSession() as client:
         messages = [{"role": "system", "content": "Be brief. " * 30}, {"role": "user", "content": "First question?"}]
         async with client.post(s.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
                                                                     "max_tokens": 40}) as resp:

@@ -178,12 +178,14 @@ def test_serving_status_fields_and_condition_order() -> None:
     assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (2, 2, 2)
     assert status["endpoint"] == "http://m.ns.svc/v1" and status["selector"] == "a=b"
     assert status["plan"]["tensor"] == 8 and status["plan"]["pipeline"] == 2 and status["plan"]["gpusPerReplica"] == 16
-    assert [c["type"] for c in status["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded"]
+    assert [c["type"] for c in status["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded",
+                                                         "Reconciling", "Stalled"]
     for condition in status["conditions"]:
         assert list(condition) == ["type", "status", "reason", "message", "lastTransitionTime", "observedGeneration"]
     assert {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]} == {
         "PlanValid": ("True", "PlanAccepted"), "Progressing": ("False", "Complete"),
         "Ready": ("True", "Serving"), "Degraded": ("False", "AsExpected"),
+        "Reconciling": ("False", "Reconciled"), "Stalled": ("False", "AsExpected"),
     }
 
 
@@ -192,7 +194,8 @@ def test_last_transition_time_moves_only_with_the_status() -> None:
     assert condition_status(starting["conditions"], "Ready") == "False"
     serving = _serving(_ready_pods(1), desired=1, previous=starting, generation=2, now="t1")
     since = {c["type"]: c["lastTransitionTime"] for c in serving["conditions"]}
-    assert since == {"PlanValid": "t0", "Progressing": "t1", "Ready": "t1", "Degraded": "t0"}
+    assert since == {"PlanValid": "t0", "Progressing": "t1", "Ready": "t1", "Degraded": "t0", "Reconciling": "t1",
+                     "Stalled": "t0"}
     assert all(c["observedGeneration"] == 2 for c in serving["conditions"])
 
 
@@ -203,14 +206,19 @@ def test_rejected_spec_keeps_what_runs_and_says_why() -> None:
         {k: v for k, v in serving.items() if k not in ("observedGeneration", "conditions")}
     assert rejected["observedGeneration"] == 2
     conditions = {c["type"]: c for c in rejected["conditions"]}
-    assert [c["type"] for c in rejected["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded"]
+    assert [c["type"] for c in rejected["conditions"]] == ["PlanValid", "Progressing", "Ready", "Degraded",
+                                                           "Reconciling", "Stalled"]
     assert (conditions["PlanValid"]["status"], conditions["PlanValid"]["reason"]) == ("False", "InvalidSpec")
     assert conditions["PlanValid"]["message"] == "spec.accelerator.type: unknown GPU type 'B100'"
     assert conditions["Ready"] == next(c for c in serving["conditions"] if c["type"] == "Ready"), "still serving"
+    # kstatus computes Failed: Stalled carries PlanValid's reason and message.
+    assert (conditions["Stalled"]["status"], conditions["Stalled"]["reason"], conditions["Stalled"]["message"]) == (
+        "True", "InvalidSpec", conditions["PlanValid"]["message"])
     fresh = _written()["rejected-at-creation"]
     assert list(fresh) == ["observedGeneration", "conditions"]
     assert {c["type"]: (c["status"], c["reason"]) for c in fresh["conditions"]} == {
         "PlanValid": ("False", "InvalidSpec"), "Progressing": ("False", "PlanInvalid"), "Ready": ("False", "PlanInvalid"),
+        "Reconciling": ("False", "Stalled"), "Stalled": ("True", "InvalidSpec"),
     }
 
 
@@ -335,3 +343,45 @@ def test_the_spec_is_loaded_without_a_status_it_cannot_read() -> None:
     loaded = load_inference_service(document, ignore_status=True)
     assert loaded.status is None and loaded.spec.model.name == "meta-llama/Llama-3.1-8B-Instruct"
     assert "status" in document, "the caller's document is left as it was"
+
+
+# --- kstatus (sigs.k8s.io/cli-utils/pkg/kstatus), what Flux's health checks compute ----------------------------------
+
+
+def _kstatus_conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {t: (c["status"], c["reason"]) for t, c in _conditions(status).items() if t in ("Reconciling", "Stalled")}
+
+
+def test_reconciling_follows_progressing_and_stalled_needs_a_person() -> None:
+    """Reconciling mirrors Progressing; Stalled is True only for a cause that does not heal on its own (and then
+    Reconciling is False, since kstatus takes whichever True one comes first); a missing GPU is not one."""
+    starting = _serving([_pod(0, 0, 8, scheduled=True), _pod(1, 0, 8, scheduled=True)], desired=1)
+    assert _kstatus_conditions(starting) == {"Reconciling": ("True", "WaitingForReady"),
+                                             "Stalled": ("False", "AsExpected")}
+    assert _conditions(starting)["Reconciling"]["message"] == _conditions(starting)["Progressing"]["message"]
+    scaling = _serving(_ready_pods(1), desired=2)
+    assert _kstatus_conditions(scaling)["Reconciling"] == ("True", "ScalingUp")
+    assert _conditions(scaling)["Ready"]["status"] == "True", "Ready alone would read as Current"
+    for reason, message, last in (("CrashLoopBackOff", "back-off 40s", {"exitCode": 1, "reason": "Error"}),
+                                  ("ImagePullBackOff", PULL, None),
+                                  ("CreateContainerConfigError", 'secret "hf-token" not found', None)):
+        pods = [_failing(_pod(stage, 0, 8, scheduled=True), reason, message, restarts=2, last=last)
+                for stage in range(2)]
+        stuck = _serving(pods, desired=1)
+        assert _kstatus_conditions(stuck) == {"Reconciling": ("False", "Stalled"), "Stalled": ("True", reason)}
+        assert _conditions(stuck)["Stalled"]["message"] == _conditions(stuck)["Degraded"]["message"]
+    waiting = _serving([_pod(0, 0, 8, scheduled=False), _pod(1, 0, 8, scheduled=False)], desired=1)
+    assert _conditions(waiting)["Degraded"]["reason"] == "Unschedulable"
+    assert _kstatus_conditions(waiting) == {"Reconciling": ("True", "WaitingForReady"),
+                                            "Stalled": ("False", "AsExpected")}
+    healed = _serving(_ready_pods(1), desired=1, previous=stuck, generation=1, now="2026-01-01T00:09:00Z")
+    assert _kstatus_conditions(healed) == {"Reconciling": ("False", "Reconciled"), "Stalled": ("False", "AsExpected")}
+
+
+def test_spec_replicas_zero_is_ready_so_kstatus_reads_it_as_current() -> None:
+    """Parked at zero by the spec, as a Deployment at 0 replicas is reconciled: Ready True, nothing reconciling."""
+    status = _serving([], desired=0)
+    conditions = _conditions(status)
+    assert (conditions["Ready"]["status"], conditions["Ready"]["reason"]) == ("True", "ScaledToZero")
+    assert conditions["Ready"]["message"].startswith("spec.replicas is 0")
+    assert _kstatus_conditions(status) == {"Reconciling": ("False", "Reconciled"), "Stalled": ("False", "AsExpected")}

@@ -37,7 +37,7 @@ SHELLS = {"sh", "bash", "/bin/sh", "/bin/bash", "dash", "zsh"}
 WORKER_PACKAGE = Path(__file__).resolve().parent.parent / "operator" / "tensorfleet" / "worker"
 
 # Every optional field set, and extra args a shell would mangle.
-FULL = {
+FULL: dict[str, Any] = {
     "apiVersion": contract.API_VERSION,
     "kind": contract.KIND,
     "metadata": {"name": "full", "namespace": "ml"},
@@ -110,7 +110,11 @@ def _check_engine_argv(argv: list[str], doc: dict[str, Any], pipeline: int) -> N
         assert _flag(argv, "--served-model-name") == served
         assert _flag(argv, "--tensor-parallel-size") == str(plan.tensor)
         assert _flag(argv, "--max-model-len") == str(plan.max_model_len)
-        assert _flag(argv, "--gpu-memory-utilization") == str(spec.engine.gpu_memory_utilization)
+        if plan.cpu:
+            # vLLM's CPU backend allocates the KV cache the pod env names (VLLM_CPU_KVCACHE_SPACE) instead.
+            assert "--gpu-memory-utilization" not in argv
+        else:
+            assert _flag(argv, "--gpu-memory-utilization") == str(spec.engine.gpu_memory_utilization)
         # The spec's dtype, `auto` included: vLLM then follows the checkpoint (an fp16 or AWQ one stays
         # float16). This used to be the planner's resolved dtype, so `auto` always ran as bfloat16.
         assert _flag(argv, "--dtype") == plan.engine_dtype == spec.model.dtype
@@ -267,7 +271,7 @@ class RecordingEnv(dict[str, str]):
         super().__init__(*args)
         self.read: set[str] = set()
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]  # a looser get() than dict's, as the stand-in needs
+    def get(self, key: str, default: Any = None) -> Any:
         self.read.add(key)
         return super().get(key, default)
 
@@ -298,10 +302,10 @@ def test_every_var_the_renderer_sets_is_read_by_the_launcher() -> None:
     # Set by the renderer for vLLM and huggingface_hub themselves (HOME and USER: GPU engines
     # run as a uid stock vLLM images have no passwd entry for); the launcher passes them through.
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: vLLM's (and the simulator's) own switch, with LoRA.
-    # VLLM_NIXL_SIDE_CHANNEL_*: vLLM's, with spec.prefill.
+    # VLLM_NIXL_SIDE_CHANNEL_*: vLLM's, with spec.prefill. VLLM_CPU_KVCACHE_SPACE: vLLM's, on accelerator CPU.
     passed_through = {contract.ENV_HF_HOME, contract.ENV_HF_TOKEN, contract.ENV_HOME, contract.ENV_USER,
                       contract.ENV_RUNTIME_LORA_UPDATING, contract.ENV_NIXL_SIDE_CHANNEL_HOST,
-                      contract.ENV_NIXL_SIDE_CHANNEL_PORT}
+                      contract.ENV_NIXL_SIDE_CHANNEL_PORT, contract.ENV_CPU_KVCACHE_SPACE}
     for case, env, user in _all_rendered_envs():
         recording = RecordingEnv(env)
         role_from_env(recording)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -309,7 +310,9 @@ def test_xid_watcher_records_events(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     watcher.join(timeout=10)
     assert not watcher.is_alive()
     assert seen == [(1, 79), (0, 13)]
-    assert [(x["gpu"], x["xid"]) for x in statefile.read_state(tmp_path / "s.json")["xids"]] == seen
+    written = statefile.read_state(tmp_path / "s.json")
+    assert written is not None, "the watcher wrote its state file"
+    assert [(x["gpu"], x["xid"]) for x in written["xids"]] == seen
     assert "GPU 1 reported XID 79" in logs
 
 
@@ -381,12 +384,17 @@ def test_accelerator_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 # --- the pod's /health (the GPU pods' readiness probe) -------------------------------
 
 class _FakeEngine:
-    """vLLM's /health on loopback, answering whatever `status` says."""
+    """vLLM's /health on loopback, answering whatever `status` says, and /v1/completions answering
+    `generate_status` once `generate` is set (it records each request's body)."""
 
     def __init__(self) -> None:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
         self.status = 200
+        self.generate_status = 200
+        self.generate = threading.Event()
+        self.generate.set()
+        self.generations: list[dict[str, Any]] = []
         engine = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -394,6 +402,19 @@ class _FakeEngine:
                 self.send_response(engine.status if self.path == contract.HEALTH_PATH else 404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/completions":
+                    self.send_response(404)
+                else:
+                    engine.generations.append(body)
+                    engine.generate.wait(30)
+                    self.send_response(engine.generate_status)
+                payload = b'{"choices": []}'
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -516,3 +537,175 @@ def test_the_launcher_stops_when_it_cannot_serve_its_health(monkeypatch: pytest.
         launcher._stop_background.set()
     assert caught.value.code == EXIT_START_FAILED
     assert f":{launcher.role.gpu_metrics_port}" in str(caught.value) and "readiness" in str(caught.value)
+
+
+# --- CPU mode: vLLM's CPU backend (accelerator CPU) -------------------------------------
+
+
+def _no_gpu_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if anything reads NVML or starts the XID watcher."""
+    def refused(*_: Any, **__: Any) -> Any:
+        raise AssertionError("CPU mode touched NVML")
+
+    monkeypatch.setattr(gpus, "sample", refused)
+    monkeypatch.setattr(gpus, "XidWatcher", refused)
+
+
+def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A CPU engine pod's readiness: the launcher runs its engine and vLLM's /health answers 200. No NVML, no
+    XID watcher, no GPU gauges; the launcher serves /health on its port all the same."""
+    _no_gpu_calls(monkeypatch)
+    engine = _FakeEngine()
+    launcher, logs = _launcher(tmp_path, engine_port=engine.port, tensor_parallel_size=1,
+                               accelerator=contract.CPU_ACCELERATOR)
+    assert launcher.role.cpu
+    port = launcher.role.gpu_metrics_port
+    url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
+    try:
+        launcher._cpu_side()
+        code, body = _get(url)
+        assert code == 503 and body.startswith("launcher: starting")
+        launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
+        code, body = _until_ready(url)
+        assert f"engine: http://127.0.0.1:{engine.port}/health answered 200" in body
+        assert "engine: warmed up" in body
+        assert "CPU mode" in body and body.splitlines()[-1] == "healthy"
+        # vLLM not ready (loading, or broken): not ready either.
+        engine.status = 503
+        code, body = _get(url)
+        assert code == 503 and "answered 503" in body.splitlines()[-1]
+        engine.close()
+        code, body = _get(url)
+        assert code == 503 and "did not answer" in body.splitlines()[-1]
+        # The launcher gone: its phase no longer counts.
+        engine = _FakeEngine()
+        launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
+        assert _get(url)[0] == 200
+        launcher.state.phase(statefile.PHASE_STOPPING)
+        assert _get(url)[0] == 503
+        # No GPU gauges are served (nothing for a PodMonitor to find); /health alone.
+        assert _get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")[0] == 404
+    finally:
+        launcher._stop_background.set()
+        if launcher._metrics_server is not None:
+            launcher._metrics_server.shutdown()
+        engine.close()
+    assert any(line.startswith("CPU mode") for line in logs)
+    assert not any("GPU metrics" in line for line in logs)
+
+
+def _until_ready(url: str, bound: float = 10.0) -> tuple[int, str]:
+    """The pod's /health once it answers 200 (the warm-up runs on a thread of its own)."""
+    deadline = time.monotonic() + bound
+    code, body = _get(url)
+    while code != 200 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        code, body = _get(url)
+    assert code == 200, body
+    return code, body
+
+
+def _until_healthy(launcher: Any, bound: float = 10.0) -> tuple[bool, list[str]]:
+    """The launcher's verdict once healthy, or its last one after BOUND seconds."""
+    deadline = time.monotonic() + bound
+    healthy, lines = launcher.pod_health()
+    while not healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+        healthy, lines = launcher.pod_health()
+    return healthy, lines
+
+
+def _cpu_launcher(tmp_path: Path, engine: _FakeEngine) -> Any:
+    launcher, logs = _launcher(tmp_path, engine_port=engine.port, tensor_parallel_size=1,
+                               accelerator=contract.CPU_ACCELERATOR, served_model_name="served-name")
+    launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
+    return launcher, logs
+
+
+def test_a_cpu_engine_turns_ready_only_once_warmed_up(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """vLLM's CPU backend compiles on its first generations (20-35 s on 2 cores): the pod stays out of its
+    Service, saying so, until one sampled and one greedy generation of the served model have answered."""
+    _no_gpu_calls(monkeypatch)
+    engine = _FakeEngine()
+    engine.generate.clear()   # the first generation "compiles" until released
+    try:
+        launcher, logs = _cpu_launcher(tmp_path, engine)
+        for _ in range(3):
+            healthy, lines = launcher.pod_health()
+            assert not healthy and lines[-1].startswith("unhealthy: engine: warming up ("), lines
+        assert len(engine.generations) == 1, "one warm-up at a time, started once"
+        engine.generate.set()
+        healthy, lines = _until_healthy(launcher)
+        assert healthy and "engine: warmed up" in lines, lines
+    finally:
+        engine.close()
+    assert [g["model"] for g in engine.generations] == ["served-name", "served-name"]
+    assert sorted(g["temperature"] for g in engine.generations) == [0.0, 1.0]
+    assert any(line.startswith("engine warmed up in ") for line in logs), logs
+    # Warmed up once: an engine that restarts its /health later is judged on /health alone.
+    engine_again = _FakeEngine()
+    try:
+        launcher.role = launcher.role.model_copy(update={"engine_port": engine_again.port})
+        assert launcher.pod_health()[0] and not engine_again.generations
+    finally:
+        engine_again.close()
+
+
+def test_a_failed_warm_up_does_not_keep_a_cpu_engine_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A warm-up the engine refuses (a model that cannot generate, say) is logged and the pod turns Ready."""
+    _no_gpu_calls(monkeypatch)
+    engine = _FakeEngine()
+    engine.generate_status = 400
+    try:
+        launcher, logs = _cpu_launcher(tmp_path, engine)
+        assert _until_healthy(launcher)[0]
+    finally:
+        engine.close()
+    assert len(engine.generations) == 1
+    warning = next(line for line in logs if "warm-up failed" in line)
+    assert "answered 400" in warning and "turning Ready without it" in warning
+
+
+def test_gpu_pods_do_not_warm_up(tmp_path: Path) -> None:
+    """The GPU backend captures its graphs at start-up: no warm-up generation before Ready."""
+    launcher, _ = _launcher(tmp_path, accelerator="H100-80GB")
+    assert launcher.warmup is None
+
+
+def test_a_gpu_pod_without_nvml_stays_unhealthy_whatever_its_engine_says(tmp_path: Path) -> None:
+    """CPU mode comes from the plan (TF_ACCELERATOR), never from NVML failing: a GPU pod on this machine (no
+    driver) with vLLM answering 200 and its launcher running is not ready."""
+    engine = _FakeEngine()
+    try:
+        launcher, _ = _launcher(tmp_path, engine_port=engine.port, accelerator="H100-80GB")
+        assert not launcher.role.cpu
+        launcher.state.phase(statefile.PHASE_RUNNING)
+        healthy, lines = launcher.pod_health()
+    finally:
+        engine.close()
+    assert not healthy
+    assert f"engine: http://127.0.0.1:{engine.port}/health answered 200" in lines
+    assert "cannot check GPU health" in lines[-1]
+
+
+def test_the_health_command_in_cpu_mode(monkeypatch: pytest.MonkeyPatch, run_health: Any, tmp_path: Path) -> None:
+    """`tensorfleet-worker health` reads CPU mode from the pod env: exit 0 without NVML once the launcher runs
+    its engine; the same env with a GPU type still exits 3 (no NVML here)."""
+    monkeypatch.setenv(contract.ENV_TENSOR_PARALLEL, "1")
+    monkeypatch.setenv(contract.ENV_ACCELERATOR, "L4")
+    assert run_health()[0] == EXIT_NO_NVML
+    monkeypatch.setenv(contract.ENV_ACCELERATOR, contract.CPU_ACCELERATOR)
+    _no_gpu_calls(monkeypatch)
+    path = tmp_path / "state.json"
+    state = statefile.StateFile(path)
+    state.phase(statefile.PHASE_STARTING)
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_UNHEALTHY and out.startswith("launcher: starting")
+    state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
+    code, out, _ = run_health("--state-file", str(path), "--json")
+    doc = json.loads(out)
+    assert code == EXIT_OK and doc["healthy"] is True and doc["cpu"] is True
+    # A simulator never is in CPU mode, whatever its accelerator says.
+    monkeypatch.setenv(contract.ENV_ENGINE_KIND, "simulator")
+    code, out, _ = run_health("--state-file", str(path))
+    assert code == EXIT_OK and "simulator mode" in out

@@ -369,7 +369,7 @@ def test_parse_ray_status(text: str, nodes: int, gpus: float) -> None:
 
 def test_leader_watch_notices_a_recreated_leader() -> None:
     now = [0.0]
-    answers = {"ip": ["10.0.0.5"], "open": True}
+    answers: dict[str, Any] = {"ip": ["10.0.0.5"], "open": True}
     logs: list[str] = []
     watch = raywait.LeaderWatch("leader.svc", 6379, ["10.0.0.5"], lost_after=30, interval=5, log=logs.append,
                                 resolver=lambda host: answers["ip"], connect=lambda h, p: bool(answers["open"]),

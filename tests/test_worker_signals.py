@@ -82,3 +82,53 @@ def test_a_signal_from_another_process_ends_a_long_wait() -> None:
     woke, waited = out.split()
     assert woke == "True"
     assert float(waited) < 60, f"the wait ran {waited}s: the signal did not end it"
+
+
+def test_an_engine_that_ignores_sigterm_is_killed_with_its_processes_after_kill_after() -> None:
+    """vLLM loading weights or compiling does not act on SIGTERM: kill_after seconds after the launcher sent it,
+    the engine and every process of its group (vLLM's engine core, its workers) get SIGKILL."""
+    out = _run("""
+        from tensorfleet.worker.supervise import run_child
+        import tempfile
+        pids = tempfile.mktemp()
+        engine = ("import os, signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "core = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)']); "
+                  f"open({pids!r}, 'w').write(str(core.pid)); time.sleep(600)")
+        threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        lines = []
+        started = time.monotonic()
+        code, _ = run_child([sys.executable, "-c", engine], os.environ, signals=signals, log=lines.append,
+                            poll=0.05, kill_after=0.5)
+        took = time.monotonic() - started
+        core = int(open(pids).read())
+        for _ in range(100):   # the engine core, orphaned, is reaped by init: gone within moments
+            try:
+                os.kill(core, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the engine core {core} outlived the engine")
+        print(code, round(took, 1))
+        print(lines[-1])
+    """)
+    first, last = out.strip().splitlines()
+    code, took = first.split()
+    assert int(code) == 128 + 9
+    assert 2.0 <= float(took) < 10, took
+    assert "still runs 0.5s after SIGTERM: killing it" in last
+
+
+def test_without_kill_after_only_a_third_signal_kills_the_engine() -> None:
+    out = _run("""
+        from tensorfleet.worker.supervise import run_child
+        engine = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+        for delay in (1.0, 2.0, 3.0):
+            threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        code, _ = run_child([sys.executable, "-c", engine], os.environ, signals=signals, log=lambda _: None, poll=0.05)
+        print(code, round(time.monotonic() - started, 1))
+    """)
+    code, took = out.split()
+    assert int(code) == 128 + 9 and float(took) >= 3.0

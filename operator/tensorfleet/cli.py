@@ -26,6 +26,7 @@ from tensorfleet.catalog import GPUS, MODELS, ModelFacts
 from tensorfleet.extras import MissingExtra
 from tensorfleet.planner import Plan, make_plan, sizing
 from tensorfleet.planner.memory import GiB, MiB, cuda_total_bytes
+from tensorfleet.planner.plan import CPU_MEMORY_FIELD
 
 EXIT_INVALID = 1
 EXIT_USAGE = 2
@@ -123,6 +124,9 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
             "loraRankAssumed": plan.lora.rank_assumed,
         }),
         "maxConcurrency": round(plan.max_concurrency, 2),
+        "kvCacheGroups": [spec.kind + (f":{spec.window}" if spec.window else "") for spec in plan.kv_pool.specs],
+        "kvCacheBlocks": plan.kv_pool.num_blocks,
+        "vllmArithmetic": contract.VLLM_VERSION,
         "maxNumSeqs": plan.max_num_seqs,
         "replicas": replicas,
         "totalGPUs": replicas * plan.gpus_per_replica,
@@ -175,31 +179,60 @@ def _prefill_rows(isvc: InferenceService, plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
-def plan_table(isvc: InferenceService, plan: Plan) -> str:
-    replicas = _replicas(isvc)
-    per_token = plan.kv_bytes_per_token_per_gpu
-    rows = [
-        ("model", plan.model),
+def _device_rows(plan: Plan) -> list[tuple[str, str]]:
+    """What one replica runs on: GPUs of a type, or on CPU the engine container's memory request."""
+    if plan.cpu:
+        return [
+            ("accelerator", f"{plan.accelerator} (vLLM's CPU backend; {_gib(plan.gpu_memory_bytes)} memory request)"),
+            ("layout", "tensor 1 x pipeline 1: one engine pod per replica, no GPU"),
+        ]
+    return [
         ("accelerator", f"{plan.accelerator} ({plan.gpu_memory_bytes // MiB} MiB, {_gib(cuda_total_bytes(plan.gpu_memory_bytes))} usable by CUDA)"),
         ("layout", f"tensor {plan.tensor} x pipeline {plan.pipeline} = {plan.gpus_per_replica} GPU(s) per replica"
                    + (" (chosen by the planner)" if plan.auto_layout else "")),
+    ]
+
+
+def _kv_groups(plan: Plan) -> str:
+    """How vLLM groups the layers, where it matters: several groups (sliding or chunked layers beside full ones)."""
+    specs = plan.kv_pool.specs
+    if len(specs) == 1 and specs[0].kind == "full":
+        return ""
+    kinds = ", ".join(f"{specs.count(spec)} {spec.kind}" + (f" ({spec.window:,}-token)" if spec.window else "")
+                      for spec in dict.fromkeys(specs))
+    return (f" ({len(specs)} KV-cache groups: {kinds}; the pool as if every layer were full attention, as vLLM "
+            "logs it)")
+
+
+def plan_table(isvc: InferenceService, plan: Plan) -> str:
+    replicas = _replicas(isvc)
+    per_token = plan.kv_bytes_per_token_per_gpu
+    typical = min(isvc.spec.router.typical_request_tokens, plan.max_model_len)
+    per = "per pod" if plan.cpu else "per GPU"
+    rows = [
+        ("model", plan.model),
+        *_device_rows(plan),
         ("precision", (f"weights {plan.weight_format}, activations {plan.dtype} (--dtype {plan.engine_dtype}), "
                        f"KV cache {plan.kv_cache_dtype}")),
         ("model facts", plan.model_source + (f" (config.json at {plan.model_revision[:12]})" if plan.model_revision else "")),
         ("weight format", plan.weight_detail or plan.weight_format),
         ("max model len", f"{plan.max_model_len:,} tokens"),
-        ("memory budget", f"{_gib(plan.budget_bytes_per_gpu)} per GPU"),
-        ("  weights", f"{_gib(plan.weight_bytes_per_gpu)} per GPU ({_gib(plan.weight_bytes_total)} in all)"),
-        ("  activations", f"{_gib(plan.activation_bytes_per_gpu)} per GPU (profiling peak)"),
-        ("  non-torch", f"{_gib(plan.non_torch_bytes_per_gpu)} per GPU (CUDA context, NCCL)"),
+        ("memory budget", f"{_gib(plan.budget_bytes_per_gpu)} {per}"),
+        ("  weights", f"{_gib(plan.weight_bytes_per_gpu)} {per} ({_gib(plan.weight_bytes_total)} in all)"),
+        ("  activations", f"{_gib(plan.activation_bytes_per_gpu)} {per} ({'one step' if plan.cpu else 'profiling'} peak)"),
+        (("  vLLM processes", f"{_gib(plan.non_torch_bytes_per_gpu)} per pod (API server, engine core)") if plan.cpu else
+         ("  non-torch", f"{_gib(plan.non_torch_bytes_per_gpu)} per GPU (CUDA context, NCCL)")),
         *_lora_rows(plan),
-        ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} per GPU" + (" (what the LoRA slots leave)" if plan.lora else "")),
-        ("KV per token", f"{per_token / 1024:.1f} KiB per GPU"),
-        ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica"),
+        ("  KV cache", f"{_gib(plan.kv_bytes_per_gpu)} {per}" + (" (what the LoRA slots leave)" if plan.lora else "")
+                       + (f" ({contract.ENV_CPU_KVCACHE_SPACE}={plan.cpu_kv_cache_gib})" if plan.cpu else "")),
+        ("KV per token", f"{per_token / 1024:.1f} KiB {per}"),
+        ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica" + _kv_groups(plan)),
         ("max concurrency", (f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "
-                             f"({plan.max_concurrent_sequences} full-length at once)")),
+                             f"({plan.max_concurrent_sequences} full-length at once); at the router's typical "
+                             f"{typical:,} tokens {plan.kv_pool.concurrency(typical):.2f}x")),
+        ("arithmetic", f"vLLM {contract.VLLM_VERSION}'s (the default engine image's profiling and KV-cache manager)"),
         ("max num seqs", str(plan.max_num_seqs)),
-        ("replicas", f"{replicas} ({replicas * plan.gpus_per_replica} GPUs)"
+        ("replicas", f"{replicas} ({'no' if plan.cpu else replicas * plan.gpus_per_replica} GPUs)"
                      + (f", autoscaling {isvc.spec.autoscaling.min_replicas}-{isvc.spec.autoscaling.max_replicas}"
                         if isvc.spec.autoscaling else "")),
     ]
@@ -383,12 +416,14 @@ def _cmd_catalog(args: argparse.Namespace) -> int:
          "moe": m.arch.moe is not None, "mla": m.arch.mla is not None, "maxContextLength": m.arch.max_context_length}
         for m in MODELS
     ]
+    cpu = {"type": contract.CPU_ACCELERATOR, "memoryFrom": CPU_MEMORY_FIELD, "tensor": 1, "pipeline": 1}
     if args.output == "json":
-        print(json.dumps({"gpus": gpus, "models": models}, indent=2))
+        print(json.dumps({"gpus": gpus, "cpu": cpu, "models": models}, indent=2))
         return 0
-    print("GPU types (spec.accelerator.type):")
+    print("Accelerator types (spec.accelerator.type):")
     for g in gpus:
         print(f"  {g['type']:<14} {g['memoryMiB']:>7} MiB  {g['bandwidthGBps']:>5} GB/s  labels: {', '.join(g['productLabels'])}")
+    print(f"  {cpu['type']:<14} vLLM's CPU backend, tensor and pipeline 1; memory from {CPU_MEMORY_FIELD}")
     print("\nModels (matched by the last part of spec.model.name):")
     for m in models:
         extra = " MoE" if m["moe"] else ""

@@ -39,6 +39,9 @@ CONTROL_PLANE_IMAGE: Final = f"{IMAGE_REGISTRY}/tensorfleet:{__version__}"
 VLLM_VERSION: Final = "v0.19.1"
 VLLM_IMAGE: Final = f"docker.io/vllm/vllm-openai:{VLLM_VERSION}"
 DEFAULT_ENGINE_IMAGE: Final = VLLM_IMAGE
+# vLLM's CPU build of the same release (x86-64), for accelerator CPU: the image vLLM's release publishes
+# (and copies to Docker Hub as vllm/vllm-openai-cpu). CUDA images cannot run vLLM's CPU backend.
+VLLM_CPU_IMAGE: Final = f"public.ecr.aws/q9t5s3a7/vllm-cpu-release-repo:{VLLM_VERSION}"
 WORKER_IMAGE: Final = f"{IMAGE_REGISTRY}/tensorfleet-worker:{__version__}"
 
 # --- Labels ----------------------------------------------------------------
@@ -85,11 +88,19 @@ KARPENTER_GPU_NAME_LABEL: Final = "karpenter.k8s.aws/instance-gpu-name"
 KARPENTER_GPU_MEMORY_LABEL: Final = "karpenter.k8s.aws/instance-gpu-memory"  # MiB per GPU
 INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"
 GPU_TAINT_KEY: Final = "nvidia.com/gpu"
+# spec.accelerator.type of vLLM on its CPU backend: no GPU requested, selected or tolerated; the pod's
+# memory request sizes the plan, and the launcher's /health needs no NVML (passed on as ENV_ACCELERATOR).
+CPU_ACCELERATOR: Final = "CPU"
 # Well-known node label the kubelet sets; spreads router pods over nodes.
 LABEL_HOSTNAME: Final = "kubernetes.io/hostname"
 
 # --- Ports -----------------------------------------------------------------
 ENGINE_PORT: Final = 8000          # vLLM's OpenAI server (and the simulator)
+# vLLM's API server closes a connection idle this long (the default of VLLM_HTTP_TIMEOUT_KEEP_ALIVE; the
+# simulator does the same). Its clients drop an idle pooled connection a second sooner: a request sent on a
+# connection the engine is closing fails (ServerDisconnectedError) and would count against a healthy engine.
+ENGINE_KEEP_ALIVE_S: Final = 5
+ENGINE_CLIENT_KEEP_ALIVE_S: Final = ENGINE_KEEP_ALIVE_S - 1
 RAY_PORT: Final = 6379             # Ray GCS on the group leader
 ROUTER_PORT: Final = 8080          # router container
 SERVICE_PORT: Final = 80           # user-facing Service NAME
@@ -97,6 +108,9 @@ WORKER_METRICS_PORT: Final = 9400  # GPU health exporter beside the engine
 PORT_NAME_HTTP: Final = "http"
 PORT_NAME_RAY: Final = "ray"
 PORT_NAME_GPU_METRICS: Final = "gpu-metrics"
+# The same port on a CPU engine pod (accelerator CPU), where the launcher serves only /health: no GPU
+# gauges, so no `gpu-metrics` port for the chart's PodMonitor to scrape.
+PORT_NAME_POD_HEALTH: Final = "pod-health"
 # The uid GPU engine containers run as, whatever the image (the worker image
 # creates it: worker-image/Dockerfile ARG TENSORFLEET_UID; stock vLLM images
 # run it without a passwd entry, see ENGINE_HOME_PATH); engine pods use it as
@@ -189,7 +203,14 @@ ENV_EXTRA_ARGS: Final = "TF_EXTRA_ARGS"
 # beside vLLM's own figure.
 ENV_ACCELERATOR: Final = "TF_ACCELERATOR"
 ENV_KV_CACHE_TOKENS: Final = "TF_KV_CACHE_TOKENS"
+# The launcher's port: the GPU gauges and the pod's /health (on a CPU engine pod, /health only).
 ENV_GPU_METRICS_PORT: Final = "TF_GPU_METRICS_PORT"
+# vLLM's own, on CPU engine pods (accelerator CPU): the KV cache in whole GiB, which its CPU backend
+# allocates instead of sizing one from --gpu-memory-utilization; the operator sets it from the plan.
+ENV_CPU_KVCACHE_SPACE: Final = "VLLM_CPU_KVCACHE_SPACE"
+# vLLM's CPU backend: the cores each tensor-parallel worker's threads are bound to ("0-3|4-7"); vLLM binds by
+# NUMA node itself and refuses more workers than NUMA nodes, so the launcher sets it from the pod's cores.
+ENV_CPU_OMP_THREADS_BIND: Final = "VLLM_CPU_OMP_THREADS_BIND"
 # Standard names read by huggingface_hub / vLLM themselves.
 ENV_HF_TOKEN: Final = "HF_TOKEN"
 ENV_HF_HOME: Final = "HF_HOME"
@@ -238,6 +259,7 @@ ENV_OPERATOR_POD_NAME: Final = "POD_NAME"            # the leader-election ident
 ENV_WATCH_NAMESPACES: Final = "WATCH_NAMESPACES"     # comma-separated, like repeated -n
 ENV_ALLOWED_REGISTRIES: Final = "TENSORFLEET_ALLOWED_REGISTRIES"  # comma-separated, like repeated --allowed-registry
 ENV_DEFAULT_WORKER_IMAGE: Final = "TENSORFLEET_WORKER_IMAGE"
+ENV_DEFAULT_CPU_WORKER_IMAGE: Final = "TENSORFLEET_CPU_WORKER_IMAGE"
 ENV_DEFAULT_CONTROL_PLANE_IMAGE: Final = "TENSORFLEET_CONTROL_PLANE_IMAGE"
 # The router pod's own IP (downward API): it leaves itself out of its peers, the router Service's endpoints.
 ENV_ROUTER_POD_IP: Final = "TENSORFLEET_POD_IP"

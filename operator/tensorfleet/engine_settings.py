@@ -29,6 +29,7 @@ has pydantic and pyyaml but no kopf or Kubernetes client) both import it.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -179,6 +180,22 @@ def vllm_flag_name(item: str) -> str | None:
     if key.startswith("--"):
         return "--" + key[2:].replace("_", "-")
     return key
+
+
+def engine_arg_value(args: Sequence[str], flag: str) -> str | None:
+    """The value the last FLAG in ARGS (spec.engine.args) gives, in either spelling vLLM reads (`--flag value`,
+    `--flag=value`, underscores); "" for a flag without a value (a switch); None when ARGS do not set it."""
+    value: str | None = None
+    for i, arg in enumerate(args):
+        if vllm_flag_name(arg) != flag:
+            continue
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        elif i + 1 < len(args) and vllm_flag_name(args[i + 1]) is None:
+            value = args[i + 1]
+        else:
+            value = ""
+    return value
 
 
 def _shown(item: str) -> str:

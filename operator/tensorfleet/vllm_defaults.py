@@ -20,6 +20,13 @@ worker-image/Dockerfile's VLLM_VERSION), for the OpenAI server
                            the larger budget lowering A100 throughput); see
                            vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults
 
+On vLLM's CPU backend (accelerator CPU; vllm/platforms/cpu.py and the same
+get_batch_defaults):
+
+  CPU_BLOCK_SIZE           the CPU platform sets 128 when --block-size is not given
+  CPU_MAX_NUM_SEQS,        128 and 2048 per CPU worker, times the workers (tensor x pipeline)
+  CPU_MAX_NUM_BATCHED_TOKENS
+
 Imports nothing from Tensorfleet: every layer, the worker included, may use it.
 """
 
@@ -42,6 +49,10 @@ LARGE_GPU_MAX_NUM_BATCHED_TOKENS: Final = 8192
 LARGE_GPU_MIN_MIB: Final = 70 * 1024
 LARGE_GPU_EXCLUDED_NAME: Final = "a100"
 
+CPU_BLOCK_SIZE: Final = 128
+CPU_MAX_NUM_SEQS: Final = 128
+CPU_MAX_NUM_BATCHED_TOKENS: Final = 2048
+
 
 @dataclass(frozen=True)
 class BatchDefaults:
@@ -49,6 +60,12 @@ class BatchDefaults:
 
     max_num_seqs: int
     max_num_batched_tokens: int
+
+
+def cpu_batch_defaults(world_size: int = 1) -> BatchDefaults:
+    """`--max-num-seqs` and `--max-num-batched-tokens` as vLLM defaults them on its CPU backend with WORLD_SIZE
+    workers (EngineArgs.get_batch_defaults scales both by it there)."""
+    return BatchDefaults(CPU_MAX_NUM_SEQS * world_size, CPU_MAX_NUM_BATCHED_TOKENS * world_size)
 
 
 def batch_defaults(*, gpu_memory_mib: int, gpu_name: str) -> BatchDefaults:

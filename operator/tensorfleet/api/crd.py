@@ -117,6 +117,10 @@ def spec_schema() -> dict[str, Any]:
 def status_schema() -> dict[str, Any]:
     schema = structural(InferenceServiceStatus.model_json_schema(by_alias=True), "status")
     schema["description"] = "Observed state, written by the operator."
+    # Before the operator's first write the API server shows observedGeneration 0 (defaulted on read), so kstatus
+    # (Flux's health checks) sees a generation not yet observed, InProgress, instead of a status-less object it
+    # would call Current the moment it is applied.
+    schema["default"] = {"observedGeneration": 0}
     _set(schema, "conditions", **{"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
     return schema
 

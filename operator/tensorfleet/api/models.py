@@ -34,6 +34,19 @@ ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 MAX_NAME_LENGTH = 43
 
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+_QUANTITY_FACTORS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+                     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(value: str) -> int:
+    """A Quantity (QUANTITY_PATTERN: `24Gi`, `16G`, `1.5Ti`, `512000000`) in bytes, rounded down."""
+    number = value.rstrip("kMGTPEi")
+    suffix = value[len(number):]
+    if suffix not in _QUANTITY_FACTORS or not number:
+        raise ValueError(f"{value!r} is not a quantity such as 24Gi")
+    whole, _, fraction = number.partition(".")
+    scale = 10 ** len(fraction)
+    return (int(whole + fraction) * _QUANTITY_FACTORS[suffix]) // scale
 
 
 class ApiModel(BaseModel):
@@ -91,6 +104,14 @@ class ArchitectureSpec(ApiModel):
         default=None, ge=0, le=1024,
         description="How many layers use the sliding window (gpt-oss: every other one). Default: all layers, when slidingWindow is set.",
     )
+    attention_chunk_size: int | None = Field(
+        default=None, ge=1, le=100_000_000,
+        description="Chunked local attention span in tokens (Llama 4's `attention_chunk_size`), when the model uses one.",
+    )
+    chunked_attention_layers: int | None = Field(
+        default=None, ge=0, le=1024,
+        description="How many layers use chunked local attention (Llama 4: three of every four). Default: all layers, when attentionChunkSize is set.",
+    )
     weight_format: Literal[
         "bf16", "fp16", "fp8", "int8", "int4", "awq", "gptq", "gptq-int8", "mxfp4", "nvfp4", "bnb-4bit", "bnb-8bit"
     ] = Field(
@@ -111,6 +132,15 @@ class ArchitectureSpec(ApiModel):
             )
         if self.sliding_window_layers is not None and self.sliding_window_layers > self.layers:
             raise ValueError(f"slidingWindowLayers {self.sliding_window_layers} exceeds layers {self.layers}")
+        if self.chunked_attention_layers is not None and self.chunked_attention_layers > self.layers:
+            raise ValueError(f"chunkedAttentionLayers {self.chunked_attention_layers} exceeds layers {self.layers}")
+        windowed = ((self.sliding_window_layers if self.sliding_window_layers is not None else self.layers)
+                    if self.sliding_window else 0)
+        chunked = ((self.chunked_attention_layers if self.chunked_attention_layers is not None else self.layers)
+                   if self.attention_chunk_size else 0)
+        if windowed + chunked > self.layers:
+            raise ValueError(f"{windowed} sliding-window and {chunked} chunked-attention layers exceed layers "
+                             f"{self.layers}: a layer has one kind of attention")
         if self.head_dim is None and self.hidden_size % self.attention_heads:
             raise ValueError("headDim is required when hiddenSize is not a multiple of attentionHeads")
         return self
@@ -210,7 +240,8 @@ class EngineSpec(ApiModel):
     gpu_memory_utilization: float = Field(
         default=vllm_defaults.GPU_MEMORY_UTILIZATION, ge=0.1, le=0.99,
         description=(
-            "Share of each GPU's memory vLLM may use for weights, activations and KV cache. "
+            "Share of each GPU's memory vLLM may use for weights, activations and KV cache. Not for accelerator "
+            f"{contract.CPU_ACCELERATOR}, where spec.engine.resources.requests.memory sizes them. "
             f"Default: {vllm_defaults.GPU_MEMORY_UTILIZATION}."
         ),
     )
@@ -235,7 +266,13 @@ class EngineSpec(ApiModel):
     )
     env: list[EnvVar] = Field(default_factory=list, max_length=256, description="Extra environment variables for the engine container.")
     resources: ResourceRequirements | None = Field(
-        default=None, description="CPU, memory and other requests/limits of the engine container. GPUs are set from the plan."
+        default=None,
+        description=(
+            "CPU, memory and other requests/limits of the engine container. GPUs are set from the plan. With "
+            f"accelerator {contract.CPU_ACCELERATOR}, requests.memory is required: the memory the planner fits the "
+            "weights, the KV cache and vLLM's own processes in (e.g. 24Gi); give the engine whole cores in "
+            "requests.cpu."
+        ),
     )
     shm_size: Quantity = Field(
         default="16Gi", description="Size of the memory-backed /dev/shm (NCCL needs it for tensor parallelism). Default: 16Gi."
@@ -274,6 +311,9 @@ class EngineSpec(ApiModel):
             if var.name == contract.ENV_RUNTIME_LORA_UPDATING:
                 raise ValueError(f"{var.name} is set by the operator when spec.adapters lists adapters "
                                  "(it loads them through the engines' API)")
+            if var.name == contract.ENV_CPU_KVCACHE_SPACE:
+                raise ValueError(f"{var.name} is set by the operator for accelerator {contract.CPU_ACCELERATOR}, from "
+                                 "the plan's KV cache; size it with spec.engine.resources.requests.memory")
             if var.name in (contract.ENV_NIXL_SIDE_CHANNEL_HOST, contract.ENV_NIXL_SIDE_CHANNEL_PORT):
                 raise ValueError(f"{var.name} is set by the operator with spec.prefill (the pod's address and "
                                  f"port {contract.NIXL_SIDE_CHANNEL_PORT})")
@@ -397,7 +437,13 @@ class Toleration(ApiModel):
 class AcceleratorSpec(ApiModel):
     type: str = Field(
         min_length=1, max_length=64,
-        description="GPU type from the catalog, e.g. H100-80GB, A100-80GB, A100-40GB, H200-141GB, L40S, L4, A10G (`tensorfleet catalog` lists them).",
+        description=(
+            "GPU type from the catalog, e.g. H100-80GB, A100-80GB, A100-40GB, H200-141GB, L40S, L4, A10G (`tensorfleet "
+            f"catalog` lists them), or {contract.CPU_ACCELERATOR}: vLLM's CPU backend (engine kind vllm, pipeline "
+            "1, tensor parallel as worker processes in the one pod, the vLLM CPU image by default). A CPU pod requests no GPU, selects no GPU node and tolerates "
+            "no GPU taint; the planner sizes weights and KV cache from spec.engine.resources.requests.memory, "
+            f"which it then requires, and hands vLLM the KV cache as {contract.ENV_CPU_KVCACHE_SPACE}."
+        ),
     )
     gpus_per_node: int | None = Field(
         default=None, ge=1, le=16,
@@ -513,8 +559,9 @@ class RouterAuthSpec(ApiModel):
         description=(
             "Prompt and completion tokens each key may use per minute, per router pod. A request is admitted while "
             "the key's bucket holds its estimate (its prompt's characters / 3, plus max_tokens times n, or 1024 "
-            "without max_tokens); the estimate is then settled to the usage the engine reports (a stream without "
-            "usage: one token per event streamed). Over it, 429 with Retry-After. Default: no limit."
+            "without max_tokens); the estimate is then settled to the usage the engine reports (for a stream, the "
+            "engine's own running counts, which the router asks for). Over it, 429 with Retry-After. Default: no "
+            "limit."
         ),
     )
 
@@ -725,7 +772,7 @@ class InferenceServiceSpec(ApiModel):
     model: ModelSpec = Field(description="What to serve.")
     engine: EngineSpec = Field(default_factory=EngineSpec, description="How the engine runs.")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="How one replica is split over GPUs and nodes.")
-    accelerator: AcceleratorSpec = Field(description="Which GPUs to run on.")
+    accelerator: AcceleratorSpec = Field(description="Which GPUs (or CPU, for vLLM's CPU backend) to run on.")
     replicas: int | None = Field(
         default=None, ge=0, le=1000,
         description=(
@@ -822,10 +869,10 @@ ModelSourceName = Literal["hub", "cache", "file", "spec", "catalog", "catalog+id
 
 
 class PlanStatus(ApiModel):
-    accelerator: str = Field(description="GPU type planned for.")
+    accelerator: str = Field(description="GPU type planned for (CPU: vLLM's CPU backend).")
     tensor: int = Field(description="Tensor-parallel size in use.")
     pipeline: int = Field(description="Pipeline-parallel size in use.")
-    gpus_per_replica: int = Field(description="tensor x pipeline.")
+    gpus_per_replica: int = Field(description="tensor x pipeline (0 on CPU).")
     max_model_len: int = Field(description="Longest sequence in tokens.")
     weights_per_gpu: str = Field(description="Model weights held by each GPU (largest stage), e.g. 32.9Gi.")
     kv_cache_bytes_per_token: int = Field(description="KV-cache bytes per token on one GPU of the largest stage.")

@@ -8,11 +8,12 @@ it from a config.json (pure: the files are fetched by `tensorfleet.modelinfo`),
 from tensorfleet.catalog import sizes
 from tensorfleet.catalog.facts import ModelFacts, ModelSource
 from tensorfleet.catalog.formats import WeightFormat
-from tensorfleet.catalog.gpus import GPUS, GPUType, find_gpu, gpu_names
+from tensorfleet.catalog.gpus import CPU, GPUS, GPUType, accelerator_names, find_gpu, gpu_names, is_cpu
 from tensorfleet.catalog.modelconfig import ModelConfigError, parse_model_config
 from tensorfleet.catalog.models import MODELS, ModelEntry, catalog_facts, find_model, normalise
 
 __all__ = [
-    "GPUS", "MODELS", "GPUType", "ModelConfigError", "ModelEntry", "ModelFacts", "ModelSource", "WeightFormat",
-    "catalog_facts", "find_gpu", "find_model", "gpu_names", "normalise", "parse_model_config", "sizes",
+    "CPU", "GPUS", "MODELS", "GPUType", "ModelConfigError", "ModelEntry", "ModelFacts", "ModelSource", "WeightFormat",
+    "accelerator_names", "catalog_facts", "find_gpu", "find_model", "gpu_names", "is_cpu", "normalise",
+    "parse_model_config", "sizes",
 ]

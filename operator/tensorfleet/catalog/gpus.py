@@ -28,6 +28,11 @@ one nodeSelectorTerm each, any of which may hold):
   GPU-accelerated families: NCasT4_v3, NVadsA10_v5, NC_A100_v4, NDasrA100_v4,
   NDm_A100_v4, NCads_H100_v5, ND_H100_v5, ND_H200_v5). Only sizes with whole
   GPUs are listed (NVadsA10_v5 below NV36ads shares a GPU).
+
+Besides the GPUs, `spec.accelerator.type: CPU` (`CPU`, `is_cpu`) runs vLLM on its
+CPU backend: not a GPUType, since its memory is the pod's own
+(spec.engine.resources.requests.memory, which the planner sizes weights and KV
+cache from) and no node label names it. `accelerator_names` lists every type.
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ class GPUType:
     gke_accelerators: tuple[str, ...] = field(default=())      # cloud.google.com/gke-accelerator values
     karpenter_gpu: tuple[str, int | None] | None = None         # (instance-gpu-name, instance-gpu-memory or None)
     azure_vm_sizes: tuple[str, ...] = field(default=())         # node.kubernetes.io/instance-type values on AKS
+    # GPUs of a node all joined by NVLink (the SXM boards): vLLM's custom all-reduce runs under tensor parallelism.
+    # PCIe cards without peer-to-peer access leave it to NCCL (vLLM logs "Custom allreduce is disabled").
+    nvlink: bool = False
 
     @property
     def memory_bytes(self) -> int:
@@ -89,22 +97,23 @@ def _term(*expressions: tuple[str, tuple[str, ...]]) -> dict[str, Any]:
 
 
 GPUS: tuple[GPUType, ...] = (
-    GPUType("A100-40GB", 40960, 1555, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), aliases=("A100",),
+    GPUType("A100-40GB", 40960, 1555, ("NVIDIA A100-SXM4-40GB", "NVIDIA A100-PCIE-40GB"), aliases=("A100",), nvlink=True,
             gke_accelerators=("nvidia-tesla-a100",), karpenter_gpu=("a100", 40960),
             azure_vm_sizes=("Standard_ND96asr_v4",)),
-    GPUType("A100-80GB", 81920, 2039, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"),
+    GPUType("A100-80GB", 81920, 2039, ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 80GB PCIe"), nvlink=True,
             gke_accelerators=("nvidia-a100-80gb",), karpenter_gpu=("a100", 81920),
             azure_vm_sizes=("Standard_NC24ads_A100_v4", "Standard_NC48ads_A100_v4", "Standard_NC96ads_A100_v4",
                             "Standard_ND96amsr_A100_v4")),
     GPUType("H100-80GB", 81559, 3350, ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe"), fp8=True, aliases=("H100",),
+            nvlink=True,
             gke_accelerators=("nvidia-h100-80gb", "nvidia-h100-mega-80gb"), karpenter_gpu=("h100", None),
             azure_vm_sizes=("Standard_ND96isr_H100_v5",)),
     GPUType("H100-NVL-94GB", 95830, 3900, ("NVIDIA H100 NVL",), fp8=True, aliases=("H100-NVL",),
             azure_vm_sizes=("Standard_NC40ads_H100_v5", "Standard_NC80adis_H100_v5")),
-    GPUType("H200-141GB", 143771, 4800, ("NVIDIA H200", "NVIDIA H200 NVL"), fp8=True, aliases=("H200",),
+    GPUType("H200-141GB", 143771, 4800, ("NVIDIA H200", "NVIDIA H200 NVL"), fp8=True, aliases=("H200",), nvlink=True,
             gke_accelerators=("nvidia-h200-141gb",), karpenter_gpu=("h200", None),
             azure_vm_sizes=("Standard_ND96isr_H200_v5",)),
-    GPUType("B200-180GB", 183359, 8000, ("NVIDIA B200",), fp8=True, aliases=("B200",),
+    GPUType("B200-180GB", 183359, 8000, ("NVIDIA B200",), fp8=True, aliases=("B200",), nvlink=True,
             gke_accelerators=("nvidia-b200",), karpenter_gpu=("b200", None)),
     GPUType("L40S", 46068, 864, ("NVIDIA L40S",), fp8=True, karpenter_gpu=("l40s", None)),
     GPUType("L40", 46068, 864, ("NVIDIA L40",), fp8=True),
@@ -136,3 +145,17 @@ def find_gpu(name: str) -> GPUType | None:
 
 def gpu_names() -> list[str]:
     return [gpu.name for gpu in GPUS]
+
+
+# vLLM's CPU backend: the spec.accelerator.type value, as the plan and the pod env spell it.
+CPU = contract.CPU_ACCELERATOR
+
+
+def is_cpu(name: str) -> bool:
+    """Whether a spec.accelerator.type value (case-insensitive) names vLLM's CPU backend."""
+    return _key(name) == CPU
+
+
+def accelerator_names() -> list[str]:
+    """Every spec.accelerator.type: the GPU types, then CPU."""
+    return [*gpu_names(), CPU]

@@ -20,8 +20,7 @@ and Llama 4 do; the fields a config leaves out take the defaults of its
                         mlp_only_layers, moe_layers, interleave_moe_layer_step)
     windows             layer_types (sliding_attention), Gemma's sliding_window_pattern, Qwen's
                         use_sliding_window + max_window_layers, Mistral's sliding_window; Llama 4's
-                        attention_chunk_size is noted but sized as full attention, as vLLM does by
-                        default (it turns its hybrid KV-cache manager off for chunked attention)
+                        attention_chunk_size on its layers with rotary embeddings
     context length      vLLM's rule (ModelConfig's max-length derivation): the smallest of
                         max_position_embeddings and its synonyms, times the RoPE factor unless the
                         rope type is llama3/longrope/su or the model is Gemma 3 (yarn scales
@@ -432,7 +431,7 @@ def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple
         notes.append(f"{c.num('num_nextn_predict_layers')} multi-token-prediction layer(s) in the checkpoint are "
                      "not counted: vLLM loads them only for speculative decoding")
 
-    window, window_layers = _windows(c, layers, notes)
+    window, window_layers, chunk, chunk_layers = _windows(c, layers)
     embeddings = c.num("vocab_size") * hidden * (1 if tied else 2)
     try:
         arch = ArchitectureSpec(
@@ -448,6 +447,8 @@ def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple
             max_context_length=_max_context(c),
             sliding_window=window,
             sliding_window_layers=window_layers,
+            attention_chunk_size=chunk,
+            chunked_attention_layers=chunk_layers,
             moe=moe,
             mla=mla,
         )
@@ -458,8 +459,8 @@ def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple
     return arch, notes
 
 
-def _windows(c: _Config, layers: int, notes: list[str]) -> tuple[int | None, int | None]:
-    """(sliding window, how many layers use it), as vLLM sizes their KV cache."""
+def _windows(c: _Config, layers: int) -> tuple[int | None, int | None, int | None, int | None]:
+    """(sliding window, how many layers use it, attention chunk, how many layers use it), as vLLM reads them."""
     window = c.get("sliding_window")
     layer_types = c.get("layer_types")
     if isinstance(layer_types, list) and layer_types:
@@ -470,28 +471,29 @@ def _windows(c: _Config, layers: int, notes: list[str]) -> tuple[int | None, int
                 "cannot be sized from config.json here (give spec.model.architecture)"
             )
         sliding = sum(1 for t in layer_types if t == "sliding_attention")
-        return (c.num("sliding_window"), sliding) if sliding and window else (None, None)
+        chunked = sum(1 for t in layer_types if t == "chunked_attention")
+        windows = (c.num("sliding_window"), sliding) if sliding and window else (None, None)
+        chunks = (c.num("attention_chunk_size"), chunked) if chunked and c.get("attention_chunk_size") else (None, None)
+        return windows[0], windows[1], chunks[0], chunks[1]
     if c.model_type.startswith(("gemma2", "gemma3")):
         pattern = c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or c.defaults.get("sliding_window_pattern")
         if window and pattern:
-            return c.num("sliding_window"), layers - layers // int(pattern)
-        return None, None
+            return c.num("sliding_window"), layers - layers // int(pattern), None, None
+        return None, None, None, None
     if c.model_type == "llama4_text" and c.get("attention_chunk_size"):
+        # Chunked local attention on the layers with rotary embeddings (no_rope_layers 1), full on the rest.
         rope_layers = c.nums("no_rope_layers")
         chunked = sum(1 for v in rope_layers if v) if rope_layers else layers - layers // 4
-        notes.append(f"chunked local attention ({c.num('attention_chunk_size')} tokens) on {chunked} of {layers} "
-                     "layers is sized as full attention: vLLM turns its hybrid KV-cache manager off for chunked "
-                     "attention by default (VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE)")
-        return None, None
+        return None, None, c.num("attention_chunk_size"), chunked
     if "use_sliding_window" in c.text:
         # Qwen: layers from max_window_layers on use the window, when use_sliding_window is on.
         sliding = layers - min(c.num("max_window_layers", 0), layers)
         if c.get("use_sliding_window") and window and sliding:
-            return c.num("sliding_window"), sliding
-        return None, None
+            return c.num("sliding_window"), sliding, None, None
+        return None, None, None, None
     if window:
-        return c.num("sliding_window"), layers
-    return None, None
+        return c.num("sliding_window"), layers, None, None
+    return None, None, None, None
 
 
 def _max_context(c: _Config) -> int | None:

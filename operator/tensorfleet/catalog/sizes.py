@@ -18,11 +18,8 @@ KV cache bytes per token and layer:
                     replicates heads when tensor > kv_heads)
     MLA (DeepSeek)  (kv_lora_rank + qk_rope_head_dim) x element bytes, the same on
                     every tensor rank: the latent is not split by head.
-Sliding-window layers (gpt-oss alternates 128-token windows with full
-attention) keep at most `window` tokens per sequence; vLLM's hybrid KV-cache
-manager gives them only that. They are charged here as a share
-window / maxModelLen of a full layer per token, i.e. their cost spread over a
-full-length sequence.
+Sliding-window and chunked-attention layers take the same bytes per token; how
+vLLM's KV-cache manager pools and shares them is planner/kvcache.py's.
 """
 
 from __future__ import annotations
@@ -70,11 +67,3 @@ def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_byt
     heads_here = max(1, kv_heads // tensor)
     return 2 * heads_here * head_dim * kv_element_bytes
 
-
-def effective_kv_layers(arch: ArchitectureSpec, layers: int, max_model_len: int) -> float:
-    """Layers of a stage as full-attention equivalents for KV sizing."""
-    if not arch.sliding_window:
-        return float(layers)
-    sliding_share = (arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers) / arch.layers
-    sliding = layers * sliding_share
-    return (layers - sliding) + sliding * min(1.0, arch.sliding_window / max_model_len)

@@ -33,6 +33,10 @@ def register(commands: Any) -> None:
     tuning.add_argument("--worker-image", default=os.environ.get(contract.ENV_DEFAULT_WORKER_IMAGE) or None,
                         help=f"default engine image for vllm InferenceServices (env {contract.ENV_DEFAULT_WORKER_IMAGE}; "
                              "default: the worker image of this release)")
+    tuning.add_argument("--cpu-worker-image", default=os.environ.get(contract.ENV_DEFAULT_CPU_WORKER_IMAGE) or None,
+                        help=f"default engine image for vllm InferenceServices on accelerator {contract.CPU_ACCELERATOR} "
+                             f"(env {contract.ENV_DEFAULT_CPU_WORKER_IMAGE}; default: vLLM's CPU image of the release "
+                             "the worker image runs)")
     tuning.add_argument("--control-plane-image", default=os.environ.get(contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE) or None,
                         help=f"default router and simulator image (env {contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE}; "
                              "default: the control-plane image of this release)")
@@ -162,7 +166,8 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         health_port=args.health_port or None,
         webhook=webhook,
         images=Images(worker=args.worker_image or Images.worker,
-                      control_plane=args.control_plane_image or Images.control_plane),
+                      control_plane=args.control_plane_image or Images.control_plane,
+                      cpu_worker=args.cpu_worker_image or Images.cpu_worker),
         model_facts=ModelFactsConfig(hub=not args.no_hub, timeout_seconds=args.hub_timeout_seconds,
                                      admission_timeout_seconds=min(2.0, args.hub_timeout_seconds)),
     )

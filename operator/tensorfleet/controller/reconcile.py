@@ -26,10 +26,11 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
+from tensorfleet.catalog import is_cpu
 from tensorfleet.controller import adapters, metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
 from tensorfleet.controller.diff import contains
-from tensorfleet.controller.idle import NOT_IDLE, Idle, parse_time
+from tensorfleet.controller.idle import NOT_IDLE, SCALED_TO_ZERO, Idle, parse_time
 from tensorfleet.controller.idle import decide as decide_idle
 from tensorfleet.controller.modelfacts import (
     DEFAULT_MODEL_FACTS,
@@ -97,7 +98,8 @@ def _handler(kind: Kind) -> ChildHandler:
 def spec_warnings(isvc: InferenceService) -> list[str]:
     """What an accepted spec asks for that a person should know it asked for."""
     accelerator = isvc.spec.accelerator
-    if isvc.spec.engine.kind == "vllm" and accelerator.node_affinity == "none":
+    # CPU engines (vLLM's CPU backend) select no GPU nodes either way.
+    if isvc.spec.engine.kind == "vllm" and accelerator.node_affinity == "none" and not is_cpu(accelerator.type):
         pinned = ", ".join(f"{k}={v}" for k, v in sorted(accelerator.node_selector.items())) or "nothing"
         return [(f"spec.accelerator.nodeAffinity is none: engine pods are not held to {accelerator.type} nodes "
                  f"(spec.accelerator.nodeSelector pins {pinned}); on another GPU type the plan does not hold")]
@@ -195,7 +197,7 @@ class Reconciler:
         desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle,
                          operator_namespace=self.operator_namespace)
         annotate_wanted_groups(desired, desired_replicas(isvc.spec, idle=zero.idle))
-        first_time = status.get("observedGeneration") is None
+        first_time = not status.get("observedGeneration")  # absent, or 0: the CRD's default before a first write
         # Going to zero or coming back changes the StatefulSets by the operator's own decision: not a revert.
         idling = (status.get("idleSince") is not None) != (zero.since is not None)
         spec_unchanged = status.get("observedGeneration") == generation and not idling
@@ -346,7 +348,9 @@ class Reconciler:
             done = f"all {obs.desired} groups ready and updated"
             await self.events.normal(body, "RolloutComplete", done if generation is None else f"generation {generation}: {done}")
         if condition_status(before, READY) != "True" and condition_status(after, READY) == "True":
-            await self.events.normal(body, "Ready", f"serving at {new['endpoint']}")
+            serving = condition_status(after, READY, "reason") != SCALED_TO_ZERO
+            await self.events.normal(body, "Ready", f"serving at {new['endpoint']}" if serving
+                                     else condition_status(after, READY, "message") or "scaled to zero")
         for reason, message in pod_causes(obs):  # the recorder posts each once per window
             await self.events.warning(body, reason, message)
         return condition_status(after, READY) or "False"

@@ -25,12 +25,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.api.models import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
-from tensorfleet.controller.diagnose import UNSCHEDULABLE, Diagnosis, causes, diagnose_all
+from tensorfleet.controller.diagnose import (
+    OOM_KILLED,
+    STUCK_REASONS,
+    UNSCHEDULABLE,
+    Diagnosis,
+    causes,
+    diagnose_all,
+)
+from tensorfleet.controller.idle import SCALED_TO_ZERO
 from tensorfleet.controller.observe import Observation, pod_gpus, pod_unschedulable
 from tensorfleet.controller.rollout import IN_PLACE, STEADY, SURGE_UNSCHEDULABLE, SURGING, Mode
 from tensorfleet.planner import Plan
 
 PLAN_VALID, PROGRESSING, READY, DEGRADED = "PlanValid", "Progressing", "Ready", "Degraded"
+# kstatus's abnormal-true pair (sigs.k8s.io/cli-utils, what Flux's health checks compute): derived, never set apart.
+RECONCILING, STALLED = "Reconciling", "Stalled"
+# Degraded reasons that do not go away without a person (a spec, Secret, image or name change): Stalled.
+# Unschedulable is not one (a cluster autoscaler may add the nodes), nor a Failed pod (its StatefulSet replaces it).
+STALLED_REASONS = STUCK_REASONS | {OOM_KILLED, "ChildConflict"}
 MAX_PROBLEMS_SHOWN = 3
 # rejected_status: leave status.modelFacts as it was.
 KEEP: Any = object()
@@ -82,10 +95,12 @@ def _readiness(obs: Observation, cause: tuple[str, str] | None,
     if obs.desired == 0 and idle_since is not None:
         if obs.router_available == 0:
             return "False", "RouterUnavailable", f"scaled to zero since {idle_since}, and no router pod is available"
-        return "True", "ScaledToZero", (f"idle since {idle_since}: no engine runs; the routers hold the next request "
+        return "True", SCALED_TO_ZERO, (f"idle since {idle_since}: no engine runs; the routers hold the next request "
                                         "and start the fleet")
     if obs.desired == 0:
-        return "False", "ScaledToZero", "spec.replicas is 0"
+        # Reconciled as asked, as a Deployment at 0 replicas is: Ready False would hold kstatus (and a GitOps
+        # tool waiting on it) at InProgress for good.
+        return "True", SCALED_TO_ZERO, "spec.replicas is 0: nothing runs and requests are refused until it is raised"
     groups = f"{obs.ready_replicas} of {obs.desired} groups ready"
     if obs.ready_replicas == 0:
         if cause is not None:
@@ -152,6 +167,34 @@ def _degradation(cause: tuple[str, str] | None, conflicts: Sequence[str]) -> tup
     return "True", cause[0], cause[1]
 
 
+def with_kstatus(conditions: list[Condition], generation: int | None, now: str) -> list[Condition]:
+    """CONDITIONS with Reconciling and Stalled set from PlanValid, Progressing and Degraded, so that kstatus
+    computes Failed for a spec that cannot be served or a cause that needs a person, InProgress while the fleet
+    converges or rolls out, and Current (with Ready True) otherwise. The two are never True together: kstatus
+    takes whichever comes first in the list."""
+    def find(type_: str) -> Condition | None:
+        return next((c for c in conditions if c.type == type_), None)
+
+    plan, progressing, degraded = find(PLAN_VALID), find(PROGRESSING), find(DEGRADED)
+    cause: Condition | None = None
+    if plan is not None and plan.status == "False":
+        cause = plan
+    elif degraded is not None and degraded.status == "True" and degraded.reason in STALLED_REASONS:
+        cause = degraded
+    reconciling: tuple[ConditionStatus, str, str]
+    if cause is not None:
+        reconciling = "False", "Stalled", "stopped until the cause Stalled names is fixed"
+        stalled: tuple[ConditionStatus, str, str] = "True", cause.reason or STALLED, cause.message or ""
+    else:
+        stalled = "False", "AsExpected", "nothing needs a person"
+        reconciling = ("True", progressing.reason or PROGRESSING, progressing.message or "") \
+            if progressing is not None and progressing.status == "True" \
+            else ("False", "Reconciled", "the fleet is as the spec asks")
+    for type_, (status, reason, message) in ((RECONCILING, reconciling), (STALLED, stalled)):
+        conditions = set_condition(conditions, type_, status, reason, message, generation, now)
+    return conditions
+
+
 def pod_causes(obs: Observation) -> list[tuple[str, str]]:
     """One (reason, message) per distinct cause that stops pods, worst first: the Warning events to post."""
     return causes(_diagnoses(obs))
@@ -215,7 +258,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(
         observed_generation=generation,
-        conditions=conditions,
+        conditions=with_kstatus(conditions, generation, now),
         replicas=obs.existing,
         ready_replicas=obs.ready_replicas,
         updated_replicas=obs.updated_replicas,
@@ -245,5 +288,5 @@ def rejected_status(previous: dict[str, Any], *, generation: int | None, field: 
     if not any(c.type == READY for c in conditions):
         conditions = set_condition(conditions, READY, "False", "PlanInvalid", "nothing deployed", generation, now)
     status.observed_generation = generation
-    status.conditions = conditions
+    status.conditions = with_kstatus(conditions, generation, now)
     return _wire(status)

@@ -14,7 +14,8 @@ dtype it follows when `auto`: a prefill pool on a GPU without bfloat16 beside a
 bfloat16 decode pool is refused), and single-stage engines on both sides
 (the operator runs NIXL between tensor-parallel engines; vLLM's compatibility
 matrix supports different tensor sizes on the two sides for dense and MoE
-models, which is allowed).
+models, which is allowed), and GPU types on both sides (accelerator CPU serves
+colocated engines only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import replace
 from tensorfleet import contract
 from tensorfleet.api.errors import SpecError
 from tensorfleet.api.models import InferenceServiceSpec, ParallelismSpec
-from tensorfleet.catalog import ModelFacts
+from tensorfleet.catalog import ModelFacts, is_cpu
 from tensorfleet.engine_settings import BY_FIELD, vllm_flag_name
 from tensorfleet.planner.plan import Plan, plan_pool
 
@@ -46,6 +47,11 @@ def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Pl
     if spec.adapters or spec.engine.lora is not None:
         raise SpecError("spec.adapters", "LoRA adapters are not served by disaggregated pools yet; remove "
                                          "spec.adapters and spec.engine.lora, or spec.prefill")
+    for field, accelerator in (("spec.accelerator", spec.accelerator), (f"{PREFILL}.accelerator", prefill.accelerator)):
+        if accelerator is not None and is_cpu(accelerator.type):
+            raise SpecError(f"{field}.type", f"{accelerator.type}: disaggregated pools run on GPU types (their KV moves "
+                                             "between GPUs over NIXL); vLLM's CPU backend serves colocated engines, "
+                                             "without spec.prefill")
     for index, item in enumerate(spec.engine.args):
         if vllm_flag_name(item) == KV_TRANSFER_FLAG:
             raise SpecError(f"spec.engine.args[{index}]",
@@ -57,13 +63,13 @@ def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Pl
                                                  "single-stage engines (tensor parallelism only, up to a node's GPUs); "
                                                  "set pipeline 1 or a larger GPU type")
     single = ParallelismSpec(tensor=spec.parallelism.tensor, pipeline=1)
-    decode = plan_pool(spec.model_copy(update={"parallelism": single, "prefill": None}), facts)
+    decode = plan_pool(spec.model_copy(update={"parallelism": single, "prefill": None}), facts, kv_connector=True)
     prefill_spec = spec.model_copy(update={
         "parallelism": ParallelismSpec(tensor=prefill.parallelism.tensor, pipeline=1),
         "accelerator": prefill.accelerator or spec.accelerator, "prefill": None, "autoscaling": None,
     })
     try:
-        pool = plan_pool(prefill_spec, facts)
+        pool = plan_pool(prefill_spec, facts, kv_connector=True)
     except SpecError as exc:
         raise _renamed(exc) from None
     if pool.dtype != decode.dtype:

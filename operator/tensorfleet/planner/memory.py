@@ -28,6 +28,20 @@ published vLLM start-up logs cited in tests/test_planner_published.py:
                     sampled rows (and the sampler's working copies)
     non-torch       CUDA context, cuBLAS workspaces; with tensor >= 2 also
                     NCCL and custom all-reduce buffers
+
+On vLLM's CPU backend (accelerator CPU) the budget is the engine container's
+memory request, nothing is profiled, and the KV cache is what vLLM is told
+(VLLM_CPU_KVCACHE_SPACE, whole GiB; vllm/platforms/cpu.py):
+
+    kv      = floor((request - weights - peak activations - runtime) / GiB) GiB
+    tokens  = floor(kv / (128 x kv bytes per token)) x 128   (the CPU block size)
+
+where runtime (cpu_runtime_bytes) is vLLM's processes themselves: the API
+server and the engine core, with Python, torch, the tokenizer and the compiled
+model, and with tensor parallel one worker process per rank (measured below).
+Under tensor parallel each rank holds its shard of the weights and a KV cache
+of VLLM_CPU_KVCACHE_SPACE (a per-process figure), so the request is shared by
+the ranks: request / tensor is each one's budget.
 """
 
 from __future__ import annotations
@@ -37,7 +51,7 @@ from dataclasses import dataclass
 
 from tensorfleet.api.models import ArchitectureSpec
 from tensorfleet.catalog.facts import EMBEDDING_BITS, ModelFacts, from_architecture
-from tensorfleet.catalog.sizes import DEFAULT_VOCAB, effective_kv_layers, kv_bytes_per_token_layer
+from tensorfleet.catalog.sizes import DEFAULT_VOCAB, kv_bytes_per_token_layer
 
 GiB = 1024**3
 MiB = 1024**2
@@ -48,10 +62,30 @@ MiB = 1024**2
 DRIVER_RESERVED_BYTES = 512 * MiB
 # Measured "non-torch forward increase" in vLLM 0.19 logs on H100: 0.25-0.27 GiB
 # on one GPU; 2.07-2.21 GiB per GPU once tensor parallelism brings NCCL and the
-# custom all-reduce buffers; under 0.1 GiB for pipeline-only layouts.
+# custom all-reduce buffers; under 0.1 GiB for pipeline-only layouts. Without
+# custom all-reduce (PCIe cards without peer-to-peer access, or
+# --disable-custom-all-reduce) NCCL alone: about 1.4 GiB less (Qwen2-7B at tensor 2
+# on A100s that log "Custom allreduce is disabled", tests/data/published_vllm_logs.yaml).
 NON_TORCH_SINGLE_GPU = int(0.27 * GiB)
 NON_TORCH_TENSOR_PARALLEL = int(2.1 * GiB)
+NON_TORCH_NCCL_ONLY = int(0.7 * GiB)
 NON_TORCH_PIPELINE_ONLY = int(0.1 * GiB)
+# The tensor sizes vLLM's custom all-reduce supports (vllm/distributed/device_communicators/custom_all_reduce.py).
+CUSTOM_ALL_REDUCE_SIZES = (2, 4, 6, 8)
+# vLLM's own processes on its CPU backend, beside the weights, activations and KV cache: measured 1.9 GiB
+# resident (API server 0.9 GiB, engine core 1.0 GiB besides a 1 GiB KV cache and 3 MiB of weights) with
+# vLLM 0.19.1's CPU build serving a tiny Llama (tensorfleet.testing.tinymodel); 3 GiB leaves room for a
+# real model's tokenizer and torch.compile's working memory.
+CPU_RUNTIME_BYTES = 3 * GiB
+# With tensor parallel on CPU the engine core starts one worker process per rank: measured 0.9 GiB resident
+# each beside its KV cache (tensor 2: API server 0.87, engine core 0.85, two workers 1.9 GiB each with 1 GiB
+# of KV cache).
+CPU_WORKER_BYTES = 1 * GiB
+
+
+def cpu_runtime_bytes(tensor: int) -> int:
+    """vLLM's own processes on its CPU backend with TENSOR worker processes (one runs inside the engine core)."""
+    return CPU_RUNTIME_BYTES + (tensor - 1) * CPU_WORKER_BYTES
 # fp32 logits plus the sampler's working copy during profiling.
 LOGITS_COPIES = 2
 ACTIVATION_BYTES = 2
@@ -61,7 +95,13 @@ ACTIVATION_BYTES = 2
 class Stage:
     layers: int
     weight_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: int
+    kv_bytes_per_token_per_gpu: int    # every layer of the stage as full attention (what vLLM's logged pool counts)
+    first: int = 0                     # the index of its first layer
+    kv_bytes_per_token_layer: int = 0  # one layer's, on one GPU
+
+    @property
+    def layer_indices(self) -> range:
+        return range(self.first, self.first + self.layers)
 
 
 def stage_layers(layers: int, pipeline: int) -> list[int]:
@@ -74,18 +114,15 @@ def stage_layers(layers: int, pipeline: int) -> list[int]:
     return parts
 
 
-def stages(
-    arch: ArchitectureSpec, weight_format: str, tensor: int, pipeline: int, kv_element_bytes: int, max_model_len: int
-) -> list[Stage]:
+def stages(arch: ArchitectureSpec, weight_format: str, tensor: int, pipeline: int, kv_element_bytes: int
+           ) -> list[Stage]:
     """Stages of a model known by its totals (catalog, spec.model.architecture) in WEIGHT_FORMAT."""
     facts = from_architecture("", arch, weight_format, "catalog")
-    return facts_stages(facts, tensor, pipeline, kv_element_bytes, max_model_len)
+    return facts_stages(facts, tensor, pipeline, kv_element_bytes)
 
 
-def facts_stages(
-    facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes: int, max_model_len: int,
-    bits: float | None = None,
-) -> list[Stage]:
+def facts_stages(facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes: int, bits: float | None = None
+                 ) -> list[Stage]:
     """Weights and KV bytes per token on one GPU of each pipeline stage.
 
     The first stage also holds the input embedding and any vision encoder, the
@@ -107,8 +144,7 @@ def facts_stages(
             fixed += facts.final * EMBEDDING_BITS / 8
             if not (facts.tied and pipeline == 1):
                 fixed += facts.head * (EMBEDDING_BITS if facts.tied else facts.head_bits) / 8
-        kv_per_token = math.ceil(effective_kv_layers(arch, count, max_model_len) * per_layer_kv)
-        out.append(Stage(count, math.ceil(weights + fixed / tensor), kv_per_token))
+        out.append(Stage(count, math.ceil(weights + fixed / tensor), count * per_layer_kv, first - count, per_layer_kv))
     return out
 
 
@@ -124,9 +160,17 @@ def activation_peak_bytes(arch: ArchitectureSpec, tensor: int, batched_tokens: i
     return mlp + hidden + logits
 
 
-def non_torch_bytes(tensor: int, pipeline: int) -> int:
+def custom_all_reduce(tensor: int, nvlink: bool, disabled: bool) -> bool:
+    """Whether vLLM's custom all-reduce runs: tensor parallel over NVLink-joined GPUs, at a size it supports, and
+    not turned off (--disable-custom-all-reduce)."""
+    return tensor in CUSTOM_ALL_REDUCE_SIZES and nvlink and not disabled
+
+
+def non_torch_bytes(tensor: int, pipeline: int, all_reduce: bool = True) -> int:
+    """Memory vLLM's profiler finds beside torch's: CUDA context, NCCL, and custom all-reduce buffers where
+    ALL_REDUCE (custom_all_reduce) says they run."""
     if tensor > 1:
-        return NON_TORCH_TENSOR_PARALLEL
+        return NON_TORCH_TENSOR_PARALLEL if all_reduce else NON_TORCH_NCCL_ONLY
     return NON_TORCH_SINGLE_GPU if pipeline == 1 else NON_TORCH_PIPELINE_ONLY
 
 

@@ -19,6 +19,15 @@ With LoRA on (spec.adapters, spec.engine.lora), the adapters' GPU slots and
 their working buffers (`lora.py` sizes them) come out of every layout's budget
 before the KV cache, so the layout search picks one with room for both; the
 plan's KV cache is what they leave (Plan.lora, Plan.lora_bytes_per_gpu).
+
+`spec.accelerator.type: CPU` plans vLLM's CPU backend (`_check_cpu` says what
+it takes: engine kind vllm, pipeline 1, no fp8 KV cache; tensor parallel runs
+one worker process per rank in the one pod): the
+device is the engine container's memory request, which must hold the weights,
+the activations, vLLM's own processes and a KV cache of whole GiB (`memory.py`),
+the size the renderer hands vLLM as VLLM_CPU_KVCACHE_SPACE (Plan.cpu_kv_cache_gib).
+A request too small for one sequence of maxModelLen is refused with the
+request that would fit.
 """
 
 from __future__ import annotations
@@ -26,18 +35,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from tensorfleet import vllm_defaults
+from tensorfleet import contract, vllm_defaults
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import LORA_RANKS, ArchitectureSpec, InferenceServiceSpec, PlanStatus
-from tensorfleet.catalog import GPUType, ModelFacts, catalog_facts, find_gpu, gpu_names, sizes
+from tensorfleet.api.models import LORA_RANKS, ArchitectureSpec, InferenceServiceSpec, PlanStatus, quantity_bytes
+from tensorfleet.catalog import CPU, GPUType, ModelFacts, accelerator_names, catalog_facts, find_gpu, is_cpu, sizes
 from tensorfleet.catalog.facts import from_architecture
 from tensorfleet.catalog.formats import BITS, UNQUANTIZED, family
+from tensorfleet.engine_settings import engine_arg_value
+from tensorfleet.planner import kvcache, memory
 from tensorfleet.planner import lora as lora_memory
-from tensorfleet.planner import memory
 from tensorfleet.planner.lora import LoraPlan, LoraSettings
 from tensorfleet.planner.memory import GiB
 
 MAX_PIPELINE = 64
+CPU_MEMORY_FIELD = "spec.engine.resources.requests.memory"
 # Plan.load_seconds: vLLM's own start (CUDA init, profiling, graph capture) is one to two minutes on an
 # H100; weights stream from the model cache volume at a conservative 500 MB/s per GPU.
 ENGINE_START_SECONDS = 120
@@ -63,6 +74,9 @@ class Resolved:
     max_num_seqs: int
     batched_tokens: int
     lora: LoraSettings | None = None   # None: LoRA off
+    cpu: bool = False                  # vLLM's CPU backend: `gpu` stands for the container's memory request
+    hybrid_kv: bool = True             # vLLM's hybrid KV-cache manager runs (planner/kvcache.py)
+    engine_args: tuple[str, ...] = ()  # spec.engine.args, for the flags that change what vLLM allocates
 
 
 @dataclass(frozen=True)
@@ -85,6 +99,7 @@ class Plan:
     kv_bytes_per_gpu: int
     kv_bytes_per_token_per_gpu: int
     kv_cache_tokens: int
+    kv_pool: kvcache.KVPool   # the blocks and groups behind kv_cache_tokens and the concurrency figures
     max_num_seqs: int
     # vLLM's --max-num-batched-tokens as it defaults on this GPU: one step's token budget, the most prompt an
     # engine computes at once (the router bounds each engine's queued prompts by it: router/dispatch.py).
@@ -105,27 +120,45 @@ class Plan:
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tensor * self.pipeline
+        """tensor x pipeline; none on CPU."""
+        return 0 if self.cpu else self.tensor * self.pipeline
+
+    @property
+    def cpu(self) -> bool:
+        """vLLM's CPU backend: gpu_memory_bytes is the engine container's memory request, no GPU is used."""
+        return self.accelerator == CPU
+
+    @property
+    def cpu_kv_cache_gib(self) -> int:
+        """On CPU, the KV cache vLLM allocates, in whole GiB (its VLLM_CPU_KVCACHE_SPACE)."""
+        return self.kv_bytes_per_gpu // GiB
 
     @property
     def max_concurrency(self) -> float:
-        """vLLM's "Maximum concurrency for N tokens per request" figure."""
-        return self.kv_cache_tokens / self.max_model_len
+        """vLLM's "Maximum concurrency for N tokens per request" figure (planner/kvcache.py)."""
+        return self.kv_pool.concurrency(self.max_model_len)
 
     @property
     def max_concurrent_sequences(self) -> int:
-        return self.kv_cache_tokens // self.max_model_len
+        return math.floor(self.max_concurrency)
 
     @property
     def fits(self) -> bool:
-        return self.kv_cache_tokens >= self.max_model_len
+        """vLLM starts only when one request of max_model_len tokens fits the pool."""
+        return self.kv_pool.num_blocks > 0 and self.max_concurrency >= 1
+
+    @property
+    def longest_request(self) -> int:
+        """The longest max_model_len this pool holds one request of (vLLM's estimate when it refuses to start)."""
+        return self.kv_pool.longest_request(max(self.max_model_len, self.kv_cache_tokens))
 
     def engine_concurrency(self, typical_request_tokens: int) -> int:
-        """Requests one replica's engine holds at once without running out of KV cache: its KV tokens over
-        a typical request's (prompt + output, capped at max_model_len), within [1, max_num_seqs]. Beyond it
-        vLLM only queues or preempts, so the router keeps the rest (and the autoscaler sees them)."""
+        """Requests one replica's engine holds at once without running out of KV cache: vLLM's maximum
+        concurrency at a typical request's length (prompt + output, capped at max_model_len), within
+        [1, max_num_seqs]. Beyond it vLLM only queues or preempts, so the router keeps the rest (and the
+        autoscaler sees them)."""
         typical = max(1, min(typical_request_tokens, self.max_model_len))
-        return max(1, min(self.max_num_seqs, self.kv_cache_tokens // typical))
+        return max(1, min(self.max_num_seqs, math.floor(self.kv_pool.concurrency(typical))))
 
     @property
     def load_seconds(self) -> int:
@@ -162,12 +195,30 @@ def gib(value: float) -> str:
 # --- resolving facts -------------------------------------------------------------
 
 
-def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None) -> Resolved:
-    gpu = find_gpu(spec.accelerator.type)
+def _hybrid_kv(spec: InferenceServiceSpec, cpu: bool, kv_connector: bool) -> bool:
+    """Whether vLLM runs its hybrid KV-cache manager (vllm/config/vllm.py): not on its CPU backend, not beside a
+    KV connector (spec.prefill) or KV events, not when engine.args turn it off; engine.args can insist on it
+    only where nothing turns it off."""
+    args = spec.engine.args
+    if cpu or any(engine_arg_value(args, flag) is not None
+                  for flag in ("--disable-hybrid-kv-cache-manager", "--kv-events-config")):
+        return False
+    return engine_arg_value(args, "--no-disable-hybrid-kv-cache-manager") is not None or not kv_connector
+
+
+def _batched_tokens(spec: InferenceServiceSpec, default: int) -> int:
+    """vLLM's --max-num-batched-tokens: engine.args' where they set one, else its default on this device."""
+    value = engine_arg_value(spec.engine.args, "--max-num-batched-tokens")
+    return int(value) if value is not None and value.strip().isdigit() and int(value) > 0 else default
+
+
+def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None, kv_connector: bool = False) -> Resolved:
+    cpu = is_cpu(spec.accelerator.type)
+    gpu = _cpu_device(spec) if cpu else find_gpu(spec.accelerator.type)
     if gpu is None:
         raise SpecError(
             "spec.accelerator.type",
-            f"unknown GPU type {spec.accelerator.type!r}; known types: {', '.join(gpu_names())}",
+            f"unknown GPU type {spec.accelerator.type!r}; known types: {', '.join(accelerator_names())}",
         )
     facts = _model_facts(spec, given)
     arch = facts.arch
@@ -178,7 +229,8 @@ def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None) -> Resolved:
     dtype = _dtype(spec, gpu, checkpoint)
     kv_element_bytes = sizes.kv_element_bytes(spec.engine.kv_cache_dtype)
     max_model_len = _max_model_len(spec, arch)
-    batch = vllm_defaults.batch_defaults(gpu_memory_mib=gpu.memory_mib, gpu_name=gpu.name)
+    batch = (vllm_defaults.cpu_batch_defaults(spec.parallelism.tensor or 1) if cpu
+             else vllm_defaults.batch_defaults(gpu_memory_mib=gpu.memory_mib, gpu_name=gpu.name))
     return Resolved(
         model=spec.model.name,
         arch=arch,
@@ -191,11 +243,46 @@ def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None) -> Resolved:
         engine_dtype=_engine_dtype(spec, gpu),
         kv_element_bytes=kv_element_bytes,
         max_model_len=max_model_len,
-        utilization=spec.engine.gpu_memory_utilization,
+        utilization=1.0 if cpu else spec.engine.gpu_memory_utilization,
         max_num_seqs=spec.engine.max_num_seqs or batch.max_num_seqs,
-        batched_tokens=batch.max_num_batched_tokens,
+        batched_tokens=_batched_tokens(spec, batch.max_num_batched_tokens),
         lora=lora_memory.settings(spec),
+        cpu=cpu,
+        hybrid_kv=_hybrid_kv(spec, cpu, kv_connector),
+        engine_args=tuple(spec.engine.args),
     )
+
+
+def _check_cpu(spec: InferenceServiceSpec) -> None:
+    """What vLLM's CPU backend takes (vllm/platforms/cpu.py), each refusal naming its field."""
+    where = f"with spec.accelerator.type {CPU} (vLLM's CPU backend)"
+    if spec.engine.kind != "vllm":
+        raise SpecError("spec.accelerator.type", f"{CPU} runs vLLM's CPU backend, for spec.engine.kind vllm; the "
+                                                 f"{spec.engine.kind} models a GPU type's timing: name one (it needs no GPU)")
+    if spec.parallelism.pipeline not in (None, 1):
+        raise SpecError("spec.parallelism.pipeline", f"{spec.parallelism.pipeline}: {where} a replica is one pod (the CPU "
+                                                     "backend runs its workers as local processes instead of over Ray, so "
+                                                     "it cannot span pods); set pipeline 1 and a larger memory request")
+    if spec.accelerator.gpus_per_node is not None:
+        raise SpecError("spec.accelerator.gpusPerNode", f"applies to GPU types; remove it {where}")
+    if spec.engine.kv_cache_dtype != "auto":
+        raise SpecError("spec.engine.kvCacheDtype", f"{spec.engine.kv_cache_dtype}: vLLM's CPU backend refuses a quantized "
+                                                    "KV cache beside chunked prefill and prefix caching (its defaults); "
+                                                    "use auto")
+    if "gpu_memory_utilization" in spec.engine.model_fields_set:
+        raise SpecError("spec.engine.gpuMemoryUtilization", f"does not apply {where}: it takes a KV cache of the size "
+                                                            f"the planner fits in {CPU_MEMORY_FIELD}; remove it")
+
+
+def _cpu_device(spec: InferenceServiceSpec) -> GPUType:
+    """The engine container's memory request, standing for a GPU's memory in the sizing (the CPU backend's "device")."""
+    _check_cpu(spec)
+    resources = spec.engine.resources
+    memory = resources.requests.get("memory") if resources is not None else None
+    if memory is None:
+        raise SpecError(CPU_MEMORY_FIELD, f"required with spec.accelerator.type {CPU}: the planner fits the weights, the "
+                                          "KV cache and vLLM's processes in it, e.g. 24Gi")
+    return GPUType(CPU, quantity_bytes(memory) // (1024 * 1024), 0, (), gpus_per_node=1)
 
 
 def _model_facts(spec: InferenceServiceSpec, given: ModelFacts | None) -> ModelFacts:
@@ -307,39 +394,64 @@ def valid_tensor_sizes(arch: ArchitectureSpec, gpus_per_node: int) -> list[int]:
     return [t for t in range(1, gpus_per_node + 1) if _tensor_problem(arch, t) is None]
 
 
-def _kv_tokens(stages: list[memory.Stage], reserve: int) -> tuple[int, memory.Stage]:
-    """KV tokens of the stage with the fewest, and that stage, with RESERVE bytes per GPU beside the weights."""
-    tokens: int | None = None
-    worst = stages[0]
-    for stage in stages:
-        free = reserve - stage.weight_bytes_per_gpu
-        blocks = max(free, 0) // (vllm_defaults.BLOCK_SIZE * stage.kv_bytes_per_token_per_gpu)
-        stage_tokens = blocks * vllm_defaults.BLOCK_SIZE
-        if tokens is None or stage_tokens < tokens:
-            tokens, worst = stage_tokens, stage
-    return tokens or 0, worst
+def _kv_bytes(free: int, cpu: bool) -> int:
+    """The KV cache FREE bytes give: all of them on a GPU; on CPU whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    free = max(free, 0)
+    return free // GiB * GiB if cpu else free
+
+
+def _kv_pool(r: Resolved, stages: list[memory.Stage], reserve: int) -> tuple[kvcache.KVPool, memory.Stage]:
+    """The engine's KV pool with RESERVE bytes per GPU beside each stage's weights, and the stage that sized it
+    (the fewest blocks: planner/kvcache.py)."""
+    block = vllm_defaults.CPU_BLOCK_SIZE if r.cpu else vllm_defaults.BLOCK_SIZE
+    grouping = kvcache.group_layers(kvcache.model_layers(r.arch), r.hybrid_kv)
+    found, worst = kvcache.pool(
+        grouping, [(stage.layer_indices, _kv_bytes(reserve - stage.weight_bytes_per_gpu, r.cpu)) for stage in stages],
+        block * stages[0].kv_bytes_per_token_layer, block, max(r.batched_tokens, r.max_num_seqs))
+    return found, stages[worst]
 
 
 def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max_loras: int | None = None) -> Plan:
     """Size one layout (assumed valid). `plan.fits` says whether it serves. MAX_LORAS overrides the LoRA slots."""
     arch = r.arch
-    stages = memory.facts_stages(r.facts, tensor, pipeline, r.kv_element_bytes, r.max_model_len, r.bits)
-    budget = int(memory.cuda_total_bytes(r.gpu.memory_bytes) * r.utilization)
-    activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
-    non_torch = memory.non_torch_bytes(tensor, pipeline)
-    tokens, worst = _kv_tokens(stages, budget - activation - non_torch)
+    stages = memory.facts_stages(r.facts, tensor, pipeline, r.kv_element_bytes, r.bits)
     notes: list[str] = list(r.facts.notes)
+    if r.cpu:
+        # The container's memory request, all of it, shared by the tensor ranks (each holds its shard of the
+        # weights, its activations and a KV cache of VLLM_CPU_KVCACHE_SPACE); nothing is profiled; vLLM's
+        # processes take their share.
+        budget, non_torch = r.gpu.memory_bytes // tensor, memory.cpu_runtime_bytes(tensor) // tensor
+    else:
+        budget = int(memory.cuda_total_bytes(r.gpu.memory_bytes) * r.utilization)
+        flag = engine_arg_value(r.engine_args, "--disable-custom-all-reduce") is not None
+        all_reduce = memory.custom_all_reduce(tensor, r.gpu.nvlink, flag)
+        non_torch = memory.non_torch_bytes(tensor, pipeline, all_reduce)
+        if tensor > 1 and not all_reduce:
+            why = ("--disable-custom-all-reduce in spec.engine.args" if flag else
+                   f"{r.gpu.name} GPUs are not joined by NVLink" if not r.gpu.nvlink else
+                   f"tensor {tensor} is not a size it supports")
+            notes.append(f"vLLM's custom all-reduce does not run ({why}): NCCL's buffers alone, "
+                         f"{gib(non_torch)} per GPU")
+    activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
+    kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch)
     lora: LoraPlan | None = None
     if r.lora is not None:
         # The LoRA slots come out of every stage's budget, like the activation reserve.
         kv_without_lora = max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0)
         lora = lora_memory.size(r.lora, arch, tensor, pipeline, r.batched_tokens, kv_without_lora, max_loras)
-        tokens, worst = _kv_tokens(stages, budget - activation - non_torch - lora.bytes_per_gpu)
+        kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch - lora.bytes_per_gpu)
         notes += lora_memory.notes(r.lora, lora, arch)
     lora_bytes = lora.bytes_per_gpu if lora is not None else 0
     kv_heads = arch.kv_heads or arch.attention_heads
     if arch.mla is None and tensor > kv_heads:
         notes.append(f"tensor {tensor} > {kv_heads} KV heads: each KV head is replicated on {tensor // kv_heads} GPUs")
+    kv_bytes = _kv_bytes(budget - worst.weight_bytes_per_gpu - activation - non_torch - lora_bytes, r.cpu)
+    if r.cpu:
+        per = f" per tensor-parallel worker ({tensor} share the request)" if tensor > 1 else ""
+        notes.append(f"vLLM's CPU backend: a KV cache of {kv_bytes // GiB} GiB ({contract.ENV_CPU_KVCACHE_SPACE}) "
+                     f"beside {gib(max(s.weight_bytes_per_gpu for s in stages))} of weights and "
+                     f"{gib(activation + non_torch + lora_bytes)} for activations and vLLM's processes{per}, in the "
+                     f"{gib(r.gpu.memory_bytes)} of {CPU_MEMORY_FIELD}")
     return Plan(
         model=r.model,
         accelerator=r.gpu.name,
@@ -356,9 +468,9 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
         weight_bytes_per_gpu=max(s.weight_bytes_per_gpu for s in stages),
         activation_bytes_per_gpu=activation,
         non_torch_bytes_per_gpu=non_torch,
-        kv_bytes_per_gpu=max(budget - worst.weight_bytes_per_gpu - activation - non_torch - lora_bytes, 0),
+        kv_bytes_per_gpu=kv_bytes,
         kv_bytes_per_token_per_gpu=max(s.kv_bytes_per_token_per_gpu for s in stages),
-        kv_cache_tokens=tokens,
+        kv_cache_tokens=kv_pool.tokens,
         max_num_seqs=r.max_num_seqs,
         # vLLM raises the budget to max-num-seqs, so a step can hold one token of every sequence.
         batched_tokens=max(r.batched_tokens, r.max_num_seqs),
@@ -368,6 +480,7 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
         model_revision=r.facts.revision,
         weight_detail=f"{r.weight_format}, quantized at load time" if r.bits is not None else r.facts.weight_format.detail,
         lora=lora,
+        kv_pool=kv_pool,
     )
 
 
@@ -413,8 +526,8 @@ def _alternatives(r: Resolved, spec: InferenceServiceSpec, failed: Plan) -> str:
         kv8 = size_layout(replace(r, kv_element_bytes=1), failed.tensor, failed.pipeline)
         if kv8.fits:
             options.append("or spec.engine.kvCacheDtype: fp8")
-    if failed.kv_cache_tokens >= 128:
-        options.append(f"or spec.model.maxModelLen <= {failed.kv_cache_tokens}")
+    if failed.longest_request >= 128:
+        options.append(f"or spec.model.maxModelLen <= {failed.longest_request}")
     if r.utilization < 0.95:
         tighter = size_layout(replace(r, utilization=0.95), failed.tensor, failed.pipeline)
         if tighter.fits:
@@ -450,15 +563,26 @@ def _check_layout(r: Resolved, tensor: int | None, pipeline: int | None) -> None
         )
 
 
-def plan_pool(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
+def plan_pool(spec: InferenceServiceSpec, facts: ModelFacts | None = None, kv_connector: bool = False) -> Plan:
     """Plan one replica of the pool SPEC describes. Raises SpecError with the field and a layout that fits.
 
     FACTS are the model's, read from its config.json by the caller
     (`tensorfleet.modelinfo.resolve_model`); without them the catalog answers.
-    spec.model.architecture wins over both.
+    spec.model.architecture wins over both. KV_CONNECTOR: the engines run a KV connector (a pool of spec.prefill's).
     """
-    r = _resolve(spec, facts)
+    r = _resolve(spec, facts, kv_connector)
     tensor, pipeline = spec.parallelism.tensor, spec.parallelism.pipeline
+    if r.cpu:
+        # One pod (_check_cpu) of `tensor` worker processes, each on its own share of the pod's cores; the memory
+        # request decides the rest.
+        cpu_tensor = tensor or 1
+        problem = _tensor_problem(r.arch, cpu_tensor)
+        if problem is not None:
+            raise SpecError("spec.parallelism.tensor", problem)
+        chosen = size_layout(r, cpu_tensor, 1, auto=not (tensor and pipeline))
+        if chosen.fits:
+            return chosen
+        raise _cpu_does_not_fit(r, chosen)
     _check_layout(r, tensor, pipeline)
     if tensor and pipeline:
         chosen = size_layout(r, tensor, pipeline)
@@ -522,11 +646,54 @@ def _lora_does_not_fit(r: Resolved, failed: Plan) -> SpecError:
         field_name = "spec.engine.lora.maxRank"
     if lora.max_rank > LORA_RANKS[0]:
         fixes.append("lower spec.engine.lora.maxRank (no adapter's rank may exceed it)")
-    if failed.kv_cache_tokens >= 128:
-        fixes.append(f"set spec.model.maxModelLen <= {failed.kv_cache_tokens}")
+    if failed.longest_request >= 128:
+        fixes.append(f"set spec.model.maxModelLen <= {failed.longest_request}")
     larger = _search(r, None, None)
     if larger is not None and (larger.tensor, larger.pipeline) != (failed.tensor, failed.pipeline):
         fixes.append(f"use {_describe_layout(larger)} on {r.gpu.name}")
     if not fixes:
         fixes.append("choose a larger GPU type")
     return SpecError(field_name, f"{why}; {', or '.join(fixes)}")
+
+
+def _cpu_request_that_fits(r: Resolved, failed: Plan) -> int | None:
+    """The smallest memory request, in whole GiB, that serves one sequence of maxModelLen on CPU (None: none
+    up to 4 TiB, the model's context alone being too large)."""
+    def fits(gib_: int) -> bool:
+        return size_layout(replace(r, gpu=replace(r.gpu, memory_mib=gib_ * 1024)), failed.tensor, 1).fits
+
+    high = 1
+    while not fits(high):
+        high *= 2
+        if high > 4096:
+            return None
+    low = high // 2   # does not fit (or 0)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle, high)
+    return high
+
+
+def _cpu_does_not_fit(r: Resolved, failed: Plan) -> SpecError:
+    """The request is too small: say what takes it, and the request (or context) that would fit."""
+    ranks = failed.tensor
+    request = gib(r.gpu.memory_bytes)
+    reserve = failed.activation_bytes_per_gpu + failed.non_torch_bytes_per_gpu + failed.lora_bytes_per_gpu
+    each = " each" if ranks > 1 else ""
+    workers = f" for {ranks} tensor-parallel workers" if ranks > 1 else ""
+    if failed.budget_bytes_per_gpu - failed.weight_bytes_per_gpu - reserve < GiB:
+        why = (f"{r.model} ({r.weight_format}) needs {gib(failed.weight_bytes_per_gpu * ranks)} of weights, "
+               f"{gib(reserve * ranks)} for activations and vLLM's processes and a KV cache of at least 1 GiB{each}"
+               f"{workers}: more than the {request} of {CPU_MEMORY_FIELD}")
+    else:
+        why = (f"{request} of {CPU_MEMORY_FIELD} leaves a KV cache of {failed.cpu_kv_cache_gib} GiB{each}{workers} "
+               f"beside {gib(failed.weight_bytes_per_gpu * ranks)} of weights: {failed.kv_cache_tokens} tokens, fewer "
+               f"than one sequence of maxModelLen {r.max_model_len}")
+    fixes: list[str] = []
+    needed = _cpu_request_that_fits(r, failed)
+    if needed is not None:
+        fixes.append(f"request at least {needed}Gi there")
+    if failed.longest_request >= 128:
+        fixes.append(f"set spec.model.maxModelLen <= {failed.longest_request}")
+    fixes.append("choose a GPU type")
+    return SpecError(CPU_MEMORY_FIELD, f"{why}; {', or '.join(fixes)}")

@@ -26,6 +26,14 @@ the launcher runs its engine or Ray worker, and, on stage 0, vLLM's own
 `/health` answers; it runs in the launcher, so a probe costs no process and
 no NVML start-up. Stage 0's startup and liveness probes stay on vLLM's
 `/health`: a restart would not mend a GPU, only reload the model.
+
+Accelerator CPU (vLLM's CPU backend; `is_cpu`): the same launcher and pod,
+minus everything GPU: no nvidia.com/gpu request, no GPU node affinity, no GPU
+taint toleration, no `gpu-metrics` port (the launcher's port is named
+`pod-health` and serves only `/health`, which needs no NVML there: the
+launcher reads CPU mode from TF_ACCELERATOR), no --gpu-memory-utilization;
+VLLM_CPU_KVCACHE_SPACE carries the plan's KV cache instead, and the image is
+vLLM's CPU build (Images.cpu_worker).
 """
 
 from __future__ import annotations
@@ -80,8 +88,19 @@ def desired_replicas(spec: InferenceServiceSpec, *, idle: bool = False) -> int:
     return spec.replicas if spec.replicas is not None else 1
 
 
-def is_gpu(ctx: Context) -> bool:
+def is_vllm(ctx: Context) -> bool:
+    """A vLLM engine pod (on GPUs or CPU): the stock image, the launcher copied in by the init container."""
     return ctx.spec.engine.kind == "vllm"
+
+
+def is_gpu(ctx: Context) -> bool:
+    """vLLM on GPUs: what requests, selects and tolerates GPUs, and serves their gauges."""
+    return is_vllm(ctx) and not ctx.plan.cpu
+
+
+def is_cpu(ctx: Context) -> bool:
+    """vLLM on its CPU backend (accelerator CPU)."""
+    return is_vllm(ctx) and ctx.plan.cpu
 
 
 def statefulsets(ctx: Context) -> list[dict[str, Any]]:
@@ -173,7 +192,7 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         "containers": [_container(ctx, stage)],
         "volumes": _volumes(ctx),
     }
-    if is_gpu(ctx):
+    if is_vllm(ctx):
         pod["initContainers"] = [_launcher_init_container(ctx)]
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
@@ -192,13 +211,13 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
 
 def run_as_user(ctx: Context) -> int:
     """The numeric user the engine image is built to run as."""
-    return contract.WORKER_UID if is_gpu(ctx) else contract.CONTROL_PLANE_UID
+    return contract.WORKER_UID if is_vllm(ctx) else contract.CONTROL_PLANE_UID
 
 
 def _pod_security(ctx: Context) -> dict[str, Any]:
     uid = run_as_user(ctx)
     security: dict[str, Any] = {"runAsNonRoot": True, "runAsUser": uid}
-    if not is_gpu(ctx):
+    if not is_vllm(ctx):
         # The control-plane image's user has a group of its own; the worker
         # image's user is in group 0 (the image made its HOME group-writable),
         # which the runtime takes from the image when runAsGroup is unset.
@@ -223,6 +242,8 @@ def _image(ctx: Context) -> str:
     engine = ctx.spec.engine
     if engine.image:
         return engine.image
+    if is_cpu(ctx):
+        return ctx.images.cpu_worker
     return ctx.images.worker if is_gpu(ctx) else ctx.images.control_plane
 
 
@@ -257,8 +278,11 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
     if is_gpu(ctx):
         # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
         ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
+    elif is_cpu(ctx):
+        # The launcher's /health alone: no gauges for the PodMonitor (which scrapes `gpu-metrics`) to find.
+        ports.append(_port(contract.PORT_NAME_POD_HEALTH, contract.WORKER_METRICS_PORT))
     container.update({
-        "command": list(contract.LAUNCHER_COMMAND if is_gpu(ctx) else contract.WORKER_COMMAND),
+        "command": list(contract.LAUNCHER_COMMAND if is_vllm(ctx) else contract.WORKER_COMMAND),
         "env": _env(ctx, stage),
         "ports": ports,
         "resources": _resources(ctx),
@@ -277,7 +301,7 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
 
 
 def _launcher_mounts(ctx: Context) -> list[dict[str, Any]]:
-    if not is_gpu(ctx):
+    if not is_vllm(ctx):
         return []
     return [
         {"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR, "readOnly": True},
@@ -355,7 +379,8 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_QUANTIZATION: quantization if quantization and quantization != "none" else None,
         contract.ENV_KV_CACHE_DTYPE: spec.engine.kv_cache_dtype,
         contract.ENV_MAX_MODEL_LEN: str(plan.max_model_len),
-        contract.ENV_GPU_MEMORY_UTILIZATION: str(spec.engine.gpu_memory_utilization),
+        # vLLM's CPU backend sizes no KV cache from it: VLLM_CPU_KVCACHE_SPACE below does.
+        contract.ENV_GPU_MEMORY_UTILIZATION: None if plan.cpu else str(spec.engine.gpu_memory_utilization),
         contract.ENV_MAX_NUM_SEQS: str(plan.max_num_seqs),
         # LoRA's sizes are the plan's, and do not follow the adapters listed: adding one restarts nothing.
         contract.ENV_ENABLE_LORA: "true" if lora is not None else None,
@@ -368,10 +393,13 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_EXTRA_ARGS: json.dumps(list(spec.engine.args)),
         contract.ENV_ACCELERATOR: plan.accelerator,
         contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),
-        # The launcher serves GPU health gauges (pynvml) on this port.
-        contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_gpu(ctx) else None,
+        # The launcher serves GPU health gauges (pynvml) and the pod's /health on this port; on CPU /health alone.
+        contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_vllm(ctx) else None,
     })
     env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
+    if is_cpu(ctx):
+        # vLLM's CPU backend allocates this KV cache (GiB) instead of sizing one from GPU memory.
+        env.append(_value(contract.ENV_CPU_KVCACHE_SPACE, str(plan.cpu_kv_cache_gib)))
     if lora is not None:
         # vLLM's own switch (the simulator reads it too): the operator loads spec.adapters through the API.
         env.append(_value(contract.ENV_RUNTIME_LORA_UPDATING, "True"))
@@ -399,7 +427,7 @@ def _home_env(ctx: Context) -> list[dict[str, Any]]:
     getpass.getuser() (torch's inductor cache) would fail. The same values as
     the worker image's user.
     """
-    if not is_gpu(ctx):
+    if not is_vllm(ctx):
         return []
     theirs = {var.name for var in ctx.spec.engine.env}
     ours = ((contract.ENV_HOME, contract.ENGINE_HOME_PATH), (contract.ENV_USER, contract.ENGINE_USER))
@@ -456,7 +484,7 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
     ]
     if not ctx.spec.cache.size:
         volumes.append({"name": contract.CACHE_VOLUME, "emptyDir": {}})
-    if is_gpu(ctx):
+    if is_vllm(ctx):
         volumes += [
             {"name": contract.LAUNCHER_VOLUME, "emptyDir": {"sizeLimit": LAUNCHER_VOLUME_SIZE}},
             {"name": contract.ENGINE_HOME_VOLUME, "emptyDir": {}},
@@ -466,10 +494,11 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
 
 def _probes(ctx: Context, stage: int) -> dict[str, Any]:
     engine_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
-    if is_gpu(ctx):
-        # The launcher's verdict on this pod: its GPUs (NVML), its engine or Ray
+    if is_vllm(ctx):
+        # The launcher's verdict on this pod: its GPUs (NVML; not on CPU), its engine or Ray
         # worker running, and on stage 0 vLLM's /health (see the module docstring).
-        pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_GPU_METRICS}}
+        port = contract.PORT_NAME_GPU_METRICS if is_gpu(ctx) else contract.PORT_NAME_POD_HEALTH
+        pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": port}}
         startup, readiness, liveness = (engine_health, pod_health, engine_health) if stage == 0 else (pod_health,) * 3
     elif stage == 0:
         startup = readiness = liveness = engine_health

@@ -15,12 +15,14 @@ class Images:
     """Default images when a spec names none; the operator's flags can point them at a mirror.
 
     worker: the GPU engine image (a stock vLLM image by default). control_plane:
-    the router's and the simulator's, and the one GPU engine pods' init
-    container copies the launcher from.
+    the router's and the simulator's, and the one vLLM engine pods' init
+    container copies the launcher from. cpu_worker: the engine image of
+    accelerator CPU (vLLM's CPU build of the same release by default).
     """
 
     worker: str = contract.DEFAULT_ENGINE_IMAGE
     control_plane: str = contract.CONTROL_PLANE_IMAGE
+    cpu_worker: str = contract.VLLM_CPU_IMAGE
 
 
 # The images when no flag overrides them (frozen, so one instance serves every default).

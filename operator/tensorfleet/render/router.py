@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.engine_settings import vllm_flag_name
+from tensorfleet.engine_settings import engine_arg_value
 from tensorfleet.render.meta import (
     Context,
     metadata,
@@ -128,15 +128,7 @@ BATCHED_TOKENS_FLAG = "--max-num-batched-tokens"
 def engine_step_tokens(ctx: Context) -> int:
     """The engines' prefill budget per step: spec.engine.args' --max-num-batched-tokens (in any spelling vLLM
     reads) where it sets one, else vLLM's default as the plan has it."""
-    args = list(ctx.spec.engine.args)
-    value: str | None = None
-    for i, arg in enumerate(args):
-        if vllm_flag_name(arg) != BATCHED_TOKENS_FLAG:
-            continue
-        if "=" in arg:
-            value = arg.split("=", 1)[1]
-        elif i + 1 < len(args):
-            value = args[i + 1]
+    value = engine_arg_value(ctx.spec.engine.args, BATCHED_TOKENS_FLAG)
     if value is not None and value.strip().isdigit() and int(value) > 0:
         return int(value)
     return ctx.plan.batched_tokens

@@ -2,25 +2,32 @@
 
 Request path: refuse what the router can refuse itself, read the body
 (bounded), parse it once (model check, routing keys, prompt size), take an
-engine slot from the dispatcher (maybe queueing), forward the bytes unchanged,
-relay the answer. Streams are relayed chunk by chunk as the engine writes
-them; the client's headers are sent only once the engine's first byte is in
-hand, so until then a failed engine can be replaced by another one without the
-client noticing. After that, a generation's stream whose engine stalls, stops
-answering or breaks is resumed: re-issued to another engine as a continuation
-of the answer already sent (prompt + text, or the chat's assistant message
-with continue_final_message; max_tokens less the tokens sent), whose events are
-relayed rewritten to the first stream's id, created and model, without a
-second role delta, usage counting the original prompt and every token sent; the
-client sees one uninterrupted stream. At most --stream-resumptions times per
-stream, never on an engine it broke on, and only where a continuation is the
-same answer (router/resume.py lists what is not: n > 1, logprobs, echo, guided
-decoding, tool calls or reasoning already sent, ...; counted in
-ROUTER_METRIC_STREAM_RESUMPTIONS). Any other engine failure after the first
-byte ends the client's stream with an explicit SSE error event: never a silent
-truncation. A client that disconnects cancels its handler (see
+engine slot from the dispatcher (maybe queueing), forward the bytes unchanged
+(but for one addition, below), relay the answer. Streams are relayed chunk by
+chunk as the engine writes them; the client's headers are sent only once the
+engine's first byte is in hand, so until then a failed engine can be replaced
+by another one without the client noticing. After that, a generation's stream
+whose engine stalls, stops answering or breaks is resumed: re-issued to another
+engine as a continuation of the answer already sent (prompt + text, or the
+chat's assistant message with continue_final_message; max_tokens less the
+tokens sent), whose events are relayed rewritten to the first stream's id,
+created and model, without a second role delta, usage counting the original
+prompt and every token sent; the client sees one uninterrupted stream. At most
+--stream-resumptions times per stream, never on an engine it broke on, and only
+where a continuation is the same answer (router/resume.py lists what is not:
+n > 1, logprobs, echo, guided decoding, tool calls or reasoning already sent,
+...; counted in ROUTER_METRIC_STREAM_RESUMPTIONS). Any other engine failure
+after the first byte ends the client's stream with an explicit SSE error event:
+never a silent truncation. A client that disconnects cancels its handler (see
 httpapi.start_site), which closes the engine connection, which aborts the
 request in the engine.
+
+Token counts: an engine event may carry several tokens, so the router counts
+none itself. A stream it tracks (resumable, or with per-key token limits) asks
+its engine for `stream_options: {include_usage, continuous_usage_stats}` (added
+to the body; router/resume.py), reads the engine's running counts from every
+event, and relays only the usage its client asked for. Those counts give the
+continuation's max_tokens, the usage after a resumption and the key's charge.
 
 Endpoints (an allow-list): POST /v1/chat/completions, /v1/completions,
 /v1/embeddings, /tokenize and /detokenize are forwarded; GET /v1/models is the
@@ -50,10 +57,10 @@ The key's tenant then pays, in this order: one request from its
 token estimate from its --tokens-per-minute bucket (once parsed); either
 refusal is 429 with `code` rate_limit_exceeded and Retry-After (the seconds
 until that bucket holds enough). The token charge is settled once the answer
-is done (tenants.UsageMeter). While waiting for an engine, a tenant's
-requests queue apart from other tenants' and slots go round them (see
-dispatch.py), so a tenant at its limits, or flooding within them, does not
-delay the others' requests behind its own.
+is done (tenants.UsageMeter): to the engine's usage, for a stream the counts
+above. While waiting for an engine, a tenant's requests queue apart from other
+tenants' and slots go round them (see dispatch.py), so a tenant at its limits,
+or flooding within them, does not delay the others' requests behind its own.
 
 Refused by the router, never forwarded, never counted against an engine:
   415  a compressed body (Content-Encoding other than identity), unread. vLLM
@@ -67,7 +74,15 @@ Refused by the router, never forwarded, never counted against an engine:
   400  not JSON, not an object, nested deeper than --max-json-depth, or with
        more than --max-json-values values (a cheap upper bound taken on the
        bytes before parsing, so no body can inflate into millions of objects)
-  404  a model other than the served one
+  404  a model other than the served one and the LoRA adapters a healthy
+       engine lists (their /v1/models, as asked after the request came:
+       an adapter loaded a moment ago is found). While the router holds no healthy
+       engine's list (a cold start, every engine ejected, the router just
+       started), such a name may be an adapter it has not heard of yet: it
+       waits for an engine as the served model's requests do (and gets their
+       503 when none comes within the bound, or is unavailable), and the 404
+       comes once that engine's list lacks it (should its list not be had,
+       the request goes to it, and the engine answers).
 A request refused before its body was read also has its connection closed
 (after at most LINGER_SECONDS of reading and dropping the rest of it).
 
@@ -187,7 +202,7 @@ from tensorfleet.router.peers import OUTCOMES as PEER_OUTCOMES
 from tensorfleet.router.peers import PEER_MAX_BYTES, PeerMessageError, Peers
 from tensorfleet.router.prefill import KV_TRANSFER_PARAMS, PrefillStage
 from tensorfleet.router.prefill import OUTCOMES as PREFILL_OUTCOMES
-from tensorfleet.router.resume import StreamState, resumable
+from tensorfleet.router.resume import CHARS_PER_TOKEN, StreamState, ask_usage, resumable, usage_asked
 from tensorfleet.router.strategies import RequestInfo, hash_prompt, make_strategy
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
 
@@ -204,7 +219,6 @@ RETRY_AFTER_SECONDS = "1"
 ADAPTERS_ASK_AGAIN_SECONDS = 1.0   # an unknown model name asks the engines for their adapters at most this often
 ADAPTERS_REFRESH_SECONDS = 10.0    # once some are known, they are asked this often, so one unloaded is forgotten
 _ADAPTER = web.RequestKey("adapter", str)  # the request's LoRA adapter, for its metrics
-CHARS_PER_TOKEN = 3  # prompt length estimate: fewer characters per token than English has, so an over-estimate
 SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
 LINGER_SECONDS = 2.0  # a refused request's unread body is drained (and dropped) this long at most
 SHUTTING_DOWN = "the router is shutting down; retry the request"
@@ -289,6 +303,14 @@ class _Failed(Exception):
         self.final = final
 
 
+class _NoSuchModel(Exception):
+    """The model a request names is in no healthy engine's list: 404."""
+
+    def __init__(self, model: str) -> None:
+        super().__init__(model)
+        self.model = model
+
+
 class _Stopped(Exception):
     """The shutdown grace ended before the engine's first byte: answer 503."""
 
@@ -370,7 +392,10 @@ class _Call:
     meter: UsageMeter | None = None  # what it used, when tokens are limited
     resumable: bool = False  # a stream that may be continued elsewhere should it break (router/resume.py)
     adapter: str | None = None  # the LoRA adapter it asks for
-    stream: StreamState | None = None  # once it streams (resumable): what was sent; set on its continuations too
+    unresolved: str | None = None  # a model name no healthy engine's list has said anything of yet: maybe an adapter
+    usage: tuple[bool, bool] = (False, False)  # a stream's usage its client asked for (resume.usage_asked)
+    usage_added: bool = False  # the router asked the engine for usage on every event (resume.ask_usage)
+    stream: StreamState | None = None  # once it streams (resumable or metered): what was sent; on continuations too
     response: web.StreamResponse | None = None  # the client's stream, for a continuation to write on
 
 
@@ -490,6 +515,9 @@ class Router:
         self._adapter_hosts: dict[str, frozenset[str]] = {}  # engine URL -> the adapters it listed
         self._adapters_asked = -math.inf
         self._adapters_from: frozenset[str] = frozenset()  # the engines that answered then
+        self._refreshing: asyncio.Task[None] | None = None  # a round of asking them, in flight
+        self._round_started = -math.inf   # when the round in flight (or the last one) began
+        self._round_answered = -math.inf  # when the last round to end began
         self._idle = asyncio.Event()
         self._idle.set()
         # Router replicas share their placements when the strategy indexes prompts (router/peers.py).
@@ -530,7 +558,7 @@ class Router:
 
     async def _lifecycle(self, _: web.Application) -> AsyncIterator[None]:
         self._loop = asyncio.get_running_loop()
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=contract.ENGINE_CLIENT_KEEP_ALIVE_S)
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout,
                                         sock_connect=self.config.connect_timeout)
         # Bytes pass through untouched: no decompression, no added User-Agent. No cookie jar: the session is
@@ -571,6 +599,8 @@ class Router:
                                            connection=connection)
             tasks.append(asyncio.create_task(prefill.run(), name="router-prefill-discovery"))
         yield
+        if self._refreshing is not None:
+            tasks.append(self._refreshing)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -973,6 +1003,7 @@ class Router:
                 return refused
         body = _Body(self.body_budget)
         meter: UsageMeter | None = None
+        call: _Call | None = None
         charged = 0
         try:
             refused = await self._read(request, body)
@@ -982,12 +1013,12 @@ class Router:
             if isinstance(parsed, web.Response):
                 return parsed
             model = parsed.get("model")
-            adapter = await self._adapter(model)
+            adapter = await self._adapter(model, start)
+            unresolved: str | None = None
             if cfg.model and model is not None and model != cfg.model and adapter is None:
-                served = f"`{cfg.model}`" + (f" and its adapters ({', '.join(sorted(self.adapters)[:20])})"
-                                             if self.adapters else "")
-                return self._reject(404, f"The model `{str(model)[:200]}` does not exist; this endpoint serves "
-                                         f"{served}.", param="model")
+                if not isinstance(model, str) or self._models_known():
+                    return self._unknown_model(model)
+                unresolved = model  # no healthy engine has listed its models yet: it may be an adapter; wait
             if adapter is not None:
                 request[_ADAPTER] = adapter
             if tenant is not None and self.key_limits.counts_tokens:
@@ -1004,8 +1035,10 @@ class Router:
                 info.adapter = _adapter_key(adapter)
                 info.hosts = frozenset(url for url, names in self._adapter_hosts.items() if adapter in names)
             call = _Call(path, body, headers, info, self.first_byte_bound(path, parsed),
-                         start, tenant=tenant, meter=meter, adapter=adapter,
+                         start, tenant=tenant, meter=meter, adapter=adapter, unresolved=unresolved,
                          resumable=cfg.stream_resumptions > 0 and resumable(path, parsed, len(body.data)))
+            if path in GENERATION_PATHS and parsed.get("stream") is True and (call.resumable or meter is not None):
+                self._ask_usage(call, parsed)
             if self.prefill is not None and path in GENERATION_PATHS:
                 await self._prefill(self.prefill, call, parsed)
             del parsed  # the bytes are what is forwarded; the parsed copy can go now
@@ -1013,7 +1046,29 @@ class Router:
         finally:
             body.release()
             if meter is not None and tenant is not None:
+                if call is not None and call.stream is not None:
+                    meter.stream(call.stream.prompt_tokens, call.stream.tokens)
                 self._settle(tenant, charged, meter)
+
+    def _ask_usage(self, call: _Call, parsed: dict[str, Any]) -> None:
+        """Have a stream the router tracks (resumable or metered) carry the engine's token counts on every event
+        (router/resume.py), noting what usage its client asked for; the request goes as it came when its
+        stream_options are not an object (the engine refuses it) or the body budget cannot take the bytes."""
+        asked = usage_asked(parsed)
+        if asked is None:
+            return
+        call.usage = asked
+        rewritten = ask_usage(call.body.data, parsed)
+        if rewritten is not None and call.body.replace(rewritten[0]):
+            parsed["stream_options"] = rewritten[1]  # what a rewrite of the body from it (prefill) must keep
+            call.usage_added = True
+
+    def _unknown_model(self, model: Any) -> web.Response:
+        """The 404 for a model that is neither the served one nor an adapter a healthy engine lists."""
+        served = f"`{self.config.model}`" + (f" and its adapters ({', '.join(sorted(self.adapters)[:20])})"
+                                             if self.adapters else "")
+        return self._reject(404, f"The model `{str(model)[:200]}` does not exist; this endpoint serves {served}.",
+                            param="model")
 
     async def _prefill(self, stage: PrefillStage, call: _Call, parsed: dict[str, Any]) -> None:
         """The first of a disaggregated request's two phases (router/prefill.py): on success the call carries the
@@ -1035,17 +1090,77 @@ class Router:
                 outcome = "failed"  # no room in the body budget for the rewritten request: it goes as it came
         self.metrics.prefill(outcome)
 
-    async def _adapter(self, model: Any) -> str | None:
-        """MODEL when it names a LoRA adapter the engines serve; a name not known yet makes the router ask the
-        engines again (at most once a second), so an adapter loaded a moment ago is found."""
+    async def _adapter(self, model: Any, arrived: float) -> str | None:
+        """MODEL when it names a LoRA adapter the engines serve. A name not known yet waits for the engines' lists
+        as asked after the request ARRIVED (rounds start at most once a second, shared by every request waiting),
+        so an adapter loaded a moment ago is found, never refused."""
         if not isinstance(model, str) or model == self.config.model:
             return None
-        if model not in self.adapters and self._now() - self._adapters_asked >= ADAPTERS_ASK_AGAIN_SECONDS:
-            await self._refresh_adapters()
+        if model not in self.adapters:
+            if self._models_known():
+                await self._refresh_adapters(since=arrived)
+            elif self._now() - self._round_started >= ADAPTERS_ASK_AGAIN_SECONDS:
+                # No healthy engine's list to refuse it by: the request waits for an engine (unresolved), and
+                # asks once more now in case one has just come up.
+                await self._refresh_adapters()
         return model if model in self.adapters else None
 
-    async def _refresh_adapters(self) -> None:
-        """Learn the adapters the healthy engines list in /v1/models (entries with a parent)."""
+    def _models_known(self) -> bool:
+        """Whether the router holds the model list of an engine that is healthy now: a name no such list has is
+        no adapter of the fleet's (404). Without one (a cold start, every engine ejected, the router just
+        started) a name may be an adapter the router has not heard of yet."""
+        return any(b.healthy and b.url in self._adapter_hosts for b in self.pool)
+
+    async def _resolve_model(self, request: web.Request, call: _Call, backend: Backend, exclude: frozenset[str],
+                             waiting: float) -> Backend:
+        """A request naming a model no healthy engine had listed when it came (call.unresolved), now that it has
+        an engine: learn the lists (BACKEND is up). An adapter goes on as one, to an engine that lists it; a name
+        no list has is refused (_NoSuchModel: 404, the slot given back); with still no list to be had (BACKEND
+        did not answer /v1/models) it goes to BACKEND, which decides."""
+        name = call.unresolved
+        assert name is not None
+        call.unresolved = None
+        if name not in self.adapters:
+            # BACKEND's list is one the router lacks: a round from now on; else one begun since the request came
+            await self._refresh_adapters(since=self._now() if backend.url not in self._adapter_hosts else call.start)
+        if name in self.adapters:
+            call.adapter = request[_ADAPTER] = name
+            call.info.adapter = _adapter_key(name)
+            call.info.hosts = frozenset(url for url, names in self._adapter_hosts.items() if name in names)
+            if backend.url in call.info.hosts:
+                return backend
+            self.dispatcher.release(backend, call.info)  # picked without the adapter's placement: pick again
+            return await self.dispatcher.acquire(call.info, exclude, tenant=call.tenant, timeout=waiting)
+        if self._models_known():
+            self.dispatcher.release(backend, call.info)
+            raise _NoSuchModel(name)
+        return backend
+
+    async def _refresh_adapters(self, since: float | None = None) -> None:
+        """Learn the adapters the healthy engines list in /v1/models (entries with a parent); callers at the same
+        time share one round of asking. SINCE: return once a round begun at or after it has ended (a new one
+        begins at most every ADAPTERS_ASK_AGAIN_SECONDS); None: once the round in flight, or a new one, ends."""
+        while since is None or self._round_answered < since:
+            task = self._refreshing
+            if task is None or task.done():
+                wait = self._round_started + ADAPTERS_ASK_AGAIN_SECONDS - self._now()
+                if since is not None and wait > 0:
+                    await asyncio.sleep(wait)
+                    continue  # another waiter may have begun the round meanwhile
+                self._round_started = self._now()
+                task = self._refreshing = asyncio.create_task(self._ask_adapters(self._round_started),
+                                                              name="router-adapters")
+            await asyncio.shield(task)
+            if since is None:
+                return
+
+    async def _ask_adapters(self, started: float) -> None:
+        try:
+            await self._ask_engines_adapters()
+        finally:
+            self._round_answered = max(self._round_answered, started)
+
+    async def _ask_engines_adapters(self) -> None:
         assert self.session is not None
         session = self.session
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
@@ -1134,6 +1249,10 @@ class Router:
             try:
                 backend = await self.dispatcher.acquire(call.info, frozenset(tried), tenant=call.tenant,
                                                         timeout=waiting)
+                if call.unresolved is not None:
+                    backend = await self._resolve_model(request, call, backend, frozenset(tried), waiting)
+            except _NoSuchModel as exc:
+                return self._unknown_model(exc.model)
             except QueueFull as exc:
                 if call.tenant is not None:
                     self.metrics.tenant_rejected(call.tenant, "queue")
@@ -1241,7 +1360,7 @@ class Router:
             upstream = attempt.upstream
             assert upstream is not None
             if payload is not None:
-                if call.stream is not None:  # a continuation answered whole: an error (a stream was asked for)
+                if call.response is not None:  # a continuation answered whole: an error (a stream was asked for)
                     raise _Failed("status", f"an engine answered HTTP {upstream.status}: {payload[:300]!r}", fault=None,
                                   final=web.Response(body=payload, status=upstream.status))
                 if upstream.status >= 400:
@@ -1304,8 +1423,12 @@ class Router:
         stream = call.stream
         continuing = call.response is not None
         if call.response is None:
-            if call.resumable:  # its body stays for a continuation (resume.MAX_BODY_BYTES at most)
-                stream = call.stream = StreamState.start(call.path, call.body.data)
+            if call.resumable or call.meter is not None:
+                # Tracked for a continuation, or for its token charge; a resumable one's body stays for a
+                # continuation (resume.MAX_BODY_BYTES at most).
+                stream = call.stream = StreamState.start(call.path, call.body.data if call.resumable else b"",
+                                                         resumable=call.resumable, usage=call.usage,
+                                                         added=call.usage_added)
             call.body.release()  # no retry can need it from here on
             response = call.response = web.StreamResponse(status=upstream.status, headers={
                 **self._relay_headers(upstream, backend), "Cache-Control": "no-cache"})
@@ -1315,7 +1438,7 @@ class Router:
             response = call.response
         content = upstream.content
         loop_time = self._now
-        meter = call.meter
+        resumes = stream is not None and stream.resumable
         attempt.client = request.transport
         attempt.streaming = attempt.writing = True
         attempt.last = loop_time()
@@ -1325,8 +1448,6 @@ class Router:
             out = first if stream is None else stream.feed(first)
             if out:
                 await response.write(out)
-                if meter is not None:
-                    meter.chunk(out)
             attempt.writing = False
             if not continuing:
                 self.metrics.first_byte(loop_time() - call.start, call.adapter)
@@ -1336,7 +1457,7 @@ class Router:
                 try:
                     chunk = await content.readany()
                 except _Interrupted as exc:
-                    if stream is not None and exc.reason != "shutdown":
+                    if resumes and exc.reason != "shutdown":
                         status, message = self._breakage(backend, exc.reason)
                         raise _Resume(backend, exc.reason, status, message) from None
                     await self._end_interrupted(response, tail, backend, exc.reason)
@@ -1344,7 +1465,7 @@ class Router:
                 except (TimeoutError, aiohttp.ClientError) as exc:
                     self.pool.record_failure(backend, fatal=True)
                     status, message = self._breakage(backend, "failed", exc)
-                    if stream is not None:
+                    if resumes:
                         raise _Resume(backend, "failed", status, message) from None
                     self.metrics.stream_error(backend)
                     await self._stream_error(response, tail, status, message)
@@ -1358,8 +1479,6 @@ class Router:
                 attempt.last = loop_time()
                 await response.write(out)
                 attempt.writing = False
-                if meter is not None:
-                    meter.chunk(out)
                 tail = out[-2:] if len(out) >= 2 else tail[-1:] + out
             self.pool.record_success(backend)
             if stream is not None and (rest := stream.leftover()):

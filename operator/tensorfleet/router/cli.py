@@ -169,8 +169,9 @@ def register(subparsers: Any) -> None:
     auth.add_argument("--tokens-per-minute", type=argtypes.positive_int, metavar="N",
                       help="tokens each key may use per minute: a request is admitted while its key's bucket holds its "
                            "estimate (prompt characters / 3, plus max_tokens times n for a generation; a full bucket for "
-                           "an estimate above N), which is settled to the usage its answer reports (a stream without "
-                           "usage: one token per event streamed); over it, 429 with Retry-After (default: no limit)")
+                           "an estimate above N), which is settled to the usage its answer reports (a stream: the "
+                           "engine's own running counts, which the router asks for); over it, 429 with Retry-After "
+                           "(default: no limit)")
     auth.add_argument("--default-max-tokens", type=argtypes.positive_int, default=1024, metavar="N",
                       help="completion tokens a generation without max_tokens is charged at admission, until its "
                            "usage settles it (default: 1024)")

@@ -34,8 +34,11 @@ for a generation, max_tokens (or `--default-max-tokens` when unset) times `n`.
 It is admitted while the bucket holds the estimate, or a full minute's worth
 for an estimate larger than that, so every request can pass eventually. Once
 its answer is done the charge is settled to what it used: the engine's `usage`
-when the answer has one; for a stream without usage, the prompt estimate plus
-one token per streamed event; nothing for an answer that is an error. The
+of a whole answer; for a stream, the counts the router asked the engine for on
+every event (router/resume.py: the original prompt and every completion token
+the client got, across the engines of a resumed stream), or where an engine
+gave none, the prompt estimate and the completion estimated from the text
+streamed (resume.estimate_tokens); nothing for an answer that is an error. The
 bucket may go below zero (a debt the refill pays off first). A refusal says
 when the bucket will hold enough, as Retry-After.
 """
@@ -52,7 +55,7 @@ import secrets
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger("tensorfleet.router.auth")
@@ -65,9 +68,6 @@ BEARER = "bearer"
 # Usage in an engine's answer: the last `"total_tokens": N` (a JSON key; the same characters inside a string
 # value would have their quotes escaped).
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
-_SSE_DATA = b"data:"
-_SSE_DONE = b"[DONE]"
-MAX_PENDING_EVENT_BYTES = 1024 * 1024  # a stream's unfinished event kept for its usage, at most
 
 
 class KeysError(Exception):
@@ -341,16 +341,13 @@ def _seconds(wait: float) -> int:
 
 @dataclass
 class UsageMeter:
-    """Tokens one request used, from its answer: the engine's `usage` (a whole answer's, or a stream's usage
-    event), else for a stream its prompt estimate plus one per event; `answered` once an engine answered
-    without an error."""
+    """Tokens one request used, from its answer: the engine's `usage` of a whole answer, or a stream's counts as
+    the router tracked them (router/resume.StreamState: the engines' own, else estimated from the text);
+    `answered` once an engine answered without an error."""
 
     prompt: int
     total: int | None = None
-    events: int = 0
-    streamed: bool = False
     answered: bool = False
-    _pending: bytes = field(default=b"", repr=False)
 
     def answer(self, status: int, payload: bytes) -> None:
         """A whole answer."""
@@ -358,30 +355,16 @@ class UsageMeter:
             self.answered = True
             self.total = _usage_total(payload)
 
-    def chunk(self, data: bytes) -> None:
-        """A piece of a stream, as relayed."""
-        self.answered = self.streamed = True
-        *events, pending = (self._pending + data).split(b"\n\n")
-        self._pending = pending if len(pending) <= MAX_PENDING_EVENT_BYTES else b""
-        for event in events:
-            start = event.find(_SSE_DATA)
-            if start < 0:
-                continue
-            payload = event[start + len(_SSE_DATA):].strip()
-            if payload == _SSE_DONE:
-                continue
-            self.events += 1
-            if b'"usage"' in payload:
-                total = _usage_total(payload)
-                if total is not None:
-                    self.total = total
+    def stream(self, prompt_tokens: int | None, completion_tokens: int) -> None:
+        """A stream, once it ended: its prompt as an engine counted it (None: none did, the estimate stands for
+        it) and the completion tokens the client got."""
+        self.answered = True
+        self.total = (self.prompt if prompt_tokens is None else prompt_tokens) + completion_tokens
 
     def used(self) -> int | None:
         """Tokens to charge; None when an engine answered but said nothing of them (the estimate stands)."""
         if self.total is not None:
             return self.total
-        if self.streamed:
-            return self.prompt + self.events
         return None if self.answered else 0
 
 

@@ -3,6 +3,12 @@
 The worker launcher execs it in `engine.kind: simulator` pods with vLLM-style
 flags and appends the user's `engine.args`, so flags it does not know are
 ignored (and logged once) instead of failing the pod.
+
+`tensorfleet sim calibrate --url URL -o PROFILE.json` measures a running vLLM
+and writes a profile (sim/calibrate.py) that `tensorfleet sim --profile
+PROFILE.json` times its steps by. It is a word after `sim` rather than an
+argparse subcommand: the simulator's parser must keep unknown flags' values
+(`--gpu-memory-utilization 0.9`), which argparse would take for a subcommand.
 """
 
 from __future__ import annotations
@@ -14,22 +20,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet import argtypes, contract, extras, vllm_defaults
-from tensorfleet.sim.profile import DEFAULT_ACCELERATOR, DEFAULT_KV_CACHE_TOKENS, DEFAULT_MAX_MODEL_LEN, DEFAULT_MODEL
+from tensorfleet.sim.profile import (
+    DEFAULT_ACCELERATOR,
+    DEFAULT_KV_CACHE_TOKENS,
+    DEFAULT_MAX_MODEL_LEN,
+    DEFAULT_MODEL,
+    Profile,
+    resilient_profile,
+)
 
 log = logging.getLogger("tensorfleet.sim")
 
 
-def _lenient(parser: argparse.ArgumentParser) -> None:
+def _lenient(parser: argparse.ArgumentParser, words: dict[str, argparse.ArgumentParser] | None = None) -> None:
     """Make PARSER keep unknown flags in `ignored_args` instead of erroring.
 
     argparse's subcommand action hands unknown strings to the top-level parser,
-    which rejects them; answering "all known" here keeps them ours.
+    which rejects them; answering "all known" here keeps them ours. A first
+    argument in WORDS hands the rest to that word's own (strict) parser.
     """
     base = type(parser)
 
     class Lenient(base):  # type: ignore[valid-type, misc]  # a dynamic base: keeps the parser's own class
         def parse_known_args(self, args: Sequence[str] | None = None,
                              namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+            if args and words and args[0] in words:
+                return words[args[0]].parse_args(args[1:], namespace), []
             parsed, extra = super().parse_known_args(args, namespace)
             parsed.ignored_args = [*getattr(parsed, "ignored_args", []), *extra]
             return parsed, []
@@ -44,8 +60,11 @@ def register(subparsers: Any) -> None:
         "sim", allow_abbrev=False,
         help="run the vLLM-compatible engine simulator (no GPU)",
         description="Serve vLLM's OpenAI API and /metrics from a simulated engine whose capacity is what its flags "
-                    "say (in a pod, the operator's plan) and whose timing comes from the catalog's model and GPU facts. "
+                    "say (in a pod, the operator's plan) and whose timing comes from the catalog's model and GPU facts, "
+                    "or from a profile calibrated against a real vLLM (--profile). "
                     "Unknown vLLM flags are accepted and ignored.",
+        epilog="`tensorfleet sim calibrate --url URL -o PROFILE.json` measures a running vLLM and writes a profile "
+               "for --profile (`tensorfleet sim calibrate --help`).",
     )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=contract.ENGINE_PORT)
@@ -67,11 +86,22 @@ def register(subparsers: Any) -> None:
                         help=f"KV-cache size in tokens, as the operator plans it (default: {DEFAULT_KV_CACHE_TOKENS})")
     parser.add_argument("--block-size", type=argtypes.positive_int,
                         help=f"tokens per KV-cache block (default: vLLM's, {vllm_defaults.BLOCK_SIZE})")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="a profile from `tensorfleet sim calibrate`: steps timed by the step time fitted to that "
+                             "engine instead of the catalog's roofline, and its capacity (KV blocks and block size, "
+                             "max-model-len, max-num-seqs and max-num-batched-tokens when it has them) where no flag "
+                             "gives one")
     parser.add_argument("--startup-delay", type=argtypes.non_negative_float, default=0.0,
                         help="seconds /health answers 503, like a model loading")
     parser.add_argument("--time-scale", type=argtypes.non_negative_float, default=1.0,
                         help="wall-clock seconds per simulated second: 0.01 runs 100x faster, 0 as fast as possible")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated text and lengths")
+    parser.add_argument("--stream-interval", type=argtypes.positive_int, default=1,
+                        help="vLLM's flag: a streamed choice's first token goes alone, then an event once this many "
+                             "tokens are pending (default: 1, an event per engine step)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="vLLM's flag: answers' usage names the prompt tokens the prefix cache held "
+                             "(prompt_tokens_details.cached_tokens)")
     parser.add_argument("--kv-transfer-config", metavar="JSON",
                         help="vLLM's flag: take part in prefill/decode disaggregation, e.g. "
                              "'{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_both\"}' (the side channel "
@@ -96,7 +126,123 @@ def register(subparsers: Any) -> None:
                            "0.005)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     parser.set_defaults(func=run)
-    _lenient(parser)
+    _lenient(parser, {"calibrate": _calibrate_parser(type(parser), parser.prog)})
+
+
+def _calibrate_parser(parser_class: type[argparse.ArgumentParser], prog: str) -> argparse.ArgumentParser:
+    from tensorfleet.sim.calibrate import Sweep
+
+    default = Sweep()
+
+    def numbers(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: every value must be at least 1")
+        return values
+
+    def joined(values: tuple[int, ...]) -> str:
+        return ",".join(map(str, values))
+
+    parser = parser_class(
+        prog=f"{prog} calibrate", allow_abbrev=False,
+        description="Measure a running vLLM (GPU or CPU) with a short sweep (prefill at several prompt lengths, "
+                    "decode at several batch sizes and contexts, and under a sustained mixed load; a minute or two), "
+                    "read its capacity from /metrics "
+                    "and /v1/models, fit the simulator's step time to it (step = overhead + a x decode seqs + b x "
+                    "prefill tokens + c x context tokens, plus the latency before a request's first step on an idle "
+                    "and on a busy engine) and write "
+                    "a profile for `tensorfleet sim --profile`. Every request is a stream of random token ids with "
+                    "ignore_eos, so lengths are exact.")
+    parser.add_argument("--url", required=True, help="the engine, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="the served model to measure (default: the engine's base model)")
+    parser.add_argument("-o", "--output", required=True, metavar="PROFILE.json", help="where to write the profile")
+    parser.add_argument("--max-num-seqs", type=argtypes.positive_int,
+                        help="the engine's --max-num-seqs, to record (vLLM does not publish it; the sweep learns it "
+                             "when a batch it sends is larger)")
+    parser.add_argument("--max-num-batched-tokens", type=argtypes.positive_int,
+                        help="the engine's --max-num-batched-tokens, to record (vLLM does not publish it)")
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"),
+                        help="the engine's --api-key (default: $VLLM_API_KEY)")
+    sweep = parser.add_argument_group("the sweep (sim/calibrate.py)")
+    sweep.add_argument("--concurrencies", type=numbers, default=default.concurrencies, metavar="N,N,...",
+                       help=f"decode batch sizes (default: {joined(default.concurrencies)}; capped at max-num-seqs)")
+    sweep.add_argument("--contexts", type=numbers, default=default.contexts, metavar="N,N,...",
+                       help=f"prompt tokens of the decode requests (default: {joined(default.contexts)})")
+    sweep.add_argument("--decode-tokens", type=argtypes.positive_int, default=default.decode_tokens,
+                       help=f"tokens each decode request generates (default: {default.decode_tokens})")
+    sweep.add_argument("--prompt-lengths", type=numbers, default=default.prompt_lengths, metavar="N,N,...",
+                       help=f"prefill prompt lengths (default: {joined(default.prompt_lengths)}; capped at "
+                            "max-model-len)")
+    sweep.add_argument("--prefill-background", type=argtypes.non_negative_int, default=default.prefill_background,
+                       metavar="N", help="requests decoding behind a second set of prefill measurements (the TTFT of a "
+                                         f"busy engine; 0: none; default: {default.prefill_background})")
+    sweep.add_argument("--sustained-seconds", type=argtypes.non_negative_float, default=default.sustained_s,
+                       metavar="SECONDS", help="the window of each sustained point: a closed loop at a quarter, half "
+                                               "and all of the largest batch, mixed lengths, the engine's own step "
+                                               f"count (0: none; default: {default.sustained_s:g})")
+    sweep.add_argument("--repeats", type=argtypes.positive_int, default=default.repeats,
+                       help=f"samples of each decode point (default: {default.repeats})")
+    sweep.add_argument("--prefill-repeats", type=argtypes.positive_int, default=default.prefill_repeats,
+                       help=f"samples of each prefill length (default: {default.prefill_repeats})")
+    sweep.add_argument("--warmup", type=argtypes.non_negative_int, default=default.warmup,
+                       help=f"requests sent first and not measured (default: {default.warmup})")
+    sweep.add_argument("--time-limit", type=argtypes.positive_float, default=default.time_limit_s, metavar="SECONDS",
+                       help="start no new measurement after this long; fit what was measured "
+                            f"(default: {default.time_limit_s:g})")
+    sweep.add_argument("--seed", type=int, default=default.seed, help="seed of the prompts' token ids")
+    parser.set_defaults(func=calibrate)
+    return parser
+
+
+def calibrate(args: argparse.Namespace) -> int:
+    extras.require("tensorfleet sim calibrate", "sim")
+    import asyncio
+
+    from tensorfleet.sim.calibrate import CalibrationError, Sweep, measure, parse, write
+
+    sweep = Sweep(concurrencies=args.concurrencies, contexts=args.contexts, decode_tokens=args.decode_tokens,
+                  prompt_lengths=args.prompt_lengths, repeats=args.repeats, warmup=args.warmup,
+                  prefill_background=args.prefill_background, prefill_repeats=args.prefill_repeats,
+                  sustained_s=args.sustained_seconds,
+                  time_limit_s=args.time_limit, seed=args.seed)
+    try:
+        doc = asyncio.run(measure(args.url, args.model, sweep, max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens, api_key=args.api_key,
+                                  say=lambda line: print(line, flush=True)))
+    except CalibrationError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    write(args.output, doc)
+    fitted = doc["fit"]
+    print(f"fit: {parse(doc).step.describe()}; largest error {fitted['max_relative_error']:.1%}, "
+          f"mean {fitted['mean_relative_error']:.1%}")
+    for note in [*fitted["dropped"], *doc["notes"]]:
+        print(f"  {note}")
+    print(f"wrote {args.output}")
+    return 0
+
+
+def build_profile(args: argparse.Namespace) -> Profile:
+    """The simulated engine's Profile from the flags: the catalog's roofline, or with --profile the calibrated
+    step time and the capacity it recorded (flags win over both). SystemExit with one line on a bad input."""
+    from tensorfleet.api import SpecError
+
+    capacity = {"tensor": args.tensor_parallel_size, "max_model_len": args.max_model_len,
+                "max_num_seqs": args.max_num_seqs, "kv_cache_tokens": args.kv_cache_tokens,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size}
+    try:
+        if args.profile:
+            from tensorfleet.sim.calibrate import CalibrationError, load
+
+            try:
+                return load(args.profile).profile(args.model, args.accelerator, **capacity)
+            except CalibrationError as exc:
+                raise SystemExit(f"error: --profile {exc}") from None
+        return resilient_profile(args.model, args.accelerator, **capacity)
+    except SpecError as exc:
+        raise SystemExit(f"error: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,11 +250,9 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
     from prometheus_client import disable_created_metrics
 
-    from tensorfleet.api import SpecError
-    from tensorfleet.httpapi import run_server, setup_logging
+    from tensorfleet.httpapi import ServerLimits, run_server, setup_logging
     from tensorfleet.sim.kvtransfer import TransferConfigError, parse_config
     from tensorfleet.sim.lora import RUNTIME_UPDATING_ENV, LoraConfig, LoraError, LoraState, parse_module
-    from tensorfleet.sim.profile import resilient_profile
     from tensorfleet.sim.server import SimConfig, SimServer
 
     setup_logging(args.log_level)
@@ -117,14 +261,7 @@ def run(args: argparse.Namespace) -> int:
     ignored = getattr(args, "ignored_args", [])
     if ignored:
         log.warning("ignoring engine flags the simulator does not model: %s", " ".join(ignored))
-    try:
-        profile = resilient_profile(
-            args.model, args.accelerator, tensor=args.tensor_parallel_size, max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens,
-            max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        )
-    except SpecError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    profile = build_profile(args)
     log.info("profile: %s", profile.describe())
     transfer = None
     if args.kv_transfer_config:
@@ -154,9 +291,13 @@ def run(args: argparse.Namespace) -> int:
         startup_delay=args.startup_delay, time_scale=args.time_scale, seed=args.seed,
         kv_transfer=transfer, bind_host=args.host, lora=lora, lora_modules=modules,
         runtime_lora_updating=os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true"),
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        stream_interval=args.stream_interval,
     ))
 
     async def make_app() -> web.Application:
         return server.app()
 
-    return run_server(make_app, args.host, args.port, f"simulator {args.served_model_name!r}")
+    # Idle keep-alive connections close when vLLM's do, so its clients meet the same server.
+    return run_server(make_app, args.host, args.port, f"simulator {args.served_model_name!r}",
+                      limits=ServerLimits(idle_timeout=contract.ENGINE_KEEP_ALIVE_S))

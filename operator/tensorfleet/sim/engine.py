@@ -15,8 +15,14 @@ One asyncio task runs the scheduler loop. Each iteration is one engine step:
    `vllm:num_requests_waiting` is real queueing behind KV blocks and batch slots.
    A long prompt is prefilled in chunks over several steps (chunked prefill).
 3. The step lasts `Profile.step_seconds(...)` simulated seconds (x time_scale
-   on the wall clock). At its end every decoding request gains one token, and
-   a request whose prefill completed gains its first token.
+   on the wall clock; `EngineStats.step_seconds` adds them up). At its end
+   every decoding request gains one token, and a request whose prefill
+   completed gains its first token.
+
+With a calibrated profile (`Profile.fitted`, sim/calibrate.py) a request joins
+the waiting queue `first_token_s` after it is submitted (`first_token_busy_s`
+when requests are running): the latency a real engine's API server adds
+before its engine core sees the request.
 
 Prefix caching is block-hashed like vLLM's: each full block of 16 prompt
 tokens is named by a hash chained over all tokens before it, so a block is
@@ -69,6 +75,9 @@ from dataclasses import dataclass, field
 from tensorfleet.prompts import block_hashes
 from tensorfleet.sim.lora import LoraState
 from tensorfleet.sim.profile import Profile
+from tensorfleet.sim.validation import RequestRejected, rejected
+
+__all__ = ["Engine", "RequestRejected", "SimRequest"]
 
 log = logging.getLogger("tensorfleet.sim")
 
@@ -95,14 +104,6 @@ def greedy_words(context: str, seed: int, count: int) -> list[str]:
         words.append(word)
         h = zlib.crc32(_WORD_BYTES[word], h)
     return words
-
-
-class RequestRejected(ValueError):
-    """A request the engine can never serve (vLLM answers these with 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 @dataclass(eq=False)
@@ -187,6 +188,24 @@ class SimRequest:
         return self.generated
 
 
+def check_length(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str = "max_tokens") -> None:
+    """vLLM's length checks on a tokenized prompt (vllm/renderers/params.py): RequestRejected when MAX_TOKENS
+    exceeds MAX_MODEL_LEN, or the prompt does not fit beside it. vLLM tokenizes at most one token more than fits,
+    so a longer prompt is "at least" that long in its message."""
+    wanted = max_tokens or 0
+    if wanted > max_model_len:
+        raise rejected(f"{param}={wanted}cannot be greater than max_model_len=max_total_tokens={max_model_len}. "
+                       "Please request fewer output tokens.", param, wanted)
+    room = max_model_len - wanted
+    if prompt_len > room:
+        count = min(prompt_len, room + 1)
+        qualifier = "at least " if count == room + 1 else ""
+        raise rejected(f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                       f"{wanted} output tokens and your prompt contains {qualifier}{count} input tokens, for a "
+                       f"total of {qualifier}{count + wanted} tokens. Please reduce the length of the input prompt "
+                       "or the number of requested output tokens.", "input_tokens", count)
+
+
 class BlockPool:
     """KV blocks: referenced cached blocks, an LRU of unreferenced cached
     blocks (still hits until evicted), and anonymous blocks in use."""
@@ -269,6 +288,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     aborted: int = 0
     steps: int = 0
+    step_seconds: float = 0.0        # simulated seconds of the steps run (the timing model's, not the wall clock's)
     max_running: int = 0
     max_waiting: int = 0
 
@@ -294,6 +314,7 @@ class Engine:
         # Observers the metrics layer installs: (request) -> None.
         self.on_first_token: Callable[[SimRequest, float], None] | None = None
         self.on_finish: Callable[[SimRequest, float], None] | None = None
+        self.on_abort: Callable[[], None] | None = None
         # KV held for another engine to read: its first block id -> (finished prefill request, hold expiry).
         self.held: dict[int, tuple[SimRequest, float]] = {}
         self._next_block_id = 1
@@ -325,33 +346,31 @@ class Engine:
                seed: int | None = None, index: int = 0, output: Sequence[str] | None = None,
                stop: Sequence[str] = (), include_stop: bool = False,
                wakeup: asyncio.Event | None = None, remote_decode: bool = False, remote_tokens: int = 0,
-               arrival: float | None = None, lora: str | None = None) -> SimRequest:
+               arrival: float | None = None, lora: str | None = None,
+               max_tokens_param: str = "max_tokens") -> SimRequest:
         """Queue a request; raises RequestRejected for ones vLLM would refuse.
 
         `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
         (structured output: it ends with "stop" unless max_tokens cuts it), instead of words drawn at random;
         `wakeup` an event to share with other requests (a request's choices, one waiter); `remote_decode` and
         `remote_tokens` the halves of a disaggregated request (module docstring); `arrival` when it reached the
-        server, if earlier than now (a decode half that waited for its KV); `lora` the adapter to run with."""
+        server, if earlier than now (a decode half that waited for its KV); `lora` the adapter to run with;
+        `max_tokens_param` what the request called max_tokens (chat's max_completion_tokens), for vLLM's errors."""
         if lora is not None and (self.lora is None or lora not in self.lora.adapters):
-            raise RequestRejected(f"The model `{lora}` does not exist.", "model")
+            raise RequestRejected(f"The model `{lora}` does not exist.", "model", type_="NotFoundError", status=404)
         profile = self.profile
         prompt_len = len(prompt_tokens)
         room = profile.max_model_len - prompt_len
         if prompt_len == 0:
             raise RequestRejected("The prompt is empty; it must contain at least one token.", "prompt")
+        check_length(prompt_len, max_tokens, profile.max_model_len, max_tokens_param)
+        if max_tokens is None and room < 1:
+            # vLLM gives such a request the rest of the context as max_tokens: none.
+            raise rejected("max_tokens must be at least 1, got 0.", "max_tokens", 0)
         if max_tokens is not None and max_tokens < 1:
-            raise RequestRejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            asked = prompt_len + (max_tokens or 1)
-            raise RequestRejected(
-                f"This model's maximum context length is {profile.max_model_len} tokens. However, you requested "
-                f"{asked} tokens ({prompt_len} in the messages, {max_tokens or 1} in the completion). "
-                "Please reduce the length of the messages or completion.",
-                "messages" if room < 1 or max_tokens is None else "max_tokens",
-            )
+            raise rejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
         if any(not isinstance(s, str) or not s for s in stop):
-            raise RequestRejected("stop cannot contain an empty string.", "stop")
+            raise RequestRejected("stop cannot contain an empty string.")
         # Deterministic per prompt and seed: the same request gets the same answer.
         sample_seed = self.sample_seed(prompt_tokens, seed, index)
         rng = random.Random(sample_seed)
@@ -387,10 +406,22 @@ class Engine:
         )
         if wakeup is not None:
             request._wakeup = wakeup
+        fitted = profile.fitted
+        delay = fitted.first_token_delay(bool(self.running or self.waiting)) if fitted is not None else 0.0
+        if delay > 0 and self.time_scale > 0:
+            # A calibrated profile's latency outside the engine loop (sim/profile.py): the request joins the
+            # queue that much later, as a real engine's core sees it only after its API server is done with it.
+            asyncio.get_running_loop().call_later(delay * self.time_scale, self._enqueue, request)
+        else:
+            self._enqueue(request)
+        return request
+
+    def _enqueue(self, request: SimRequest) -> None:
+        if request.finished:  # aborted before it reached the queue
+            return
         self.waiting.append(request)
         self.stats.max_waiting = max(self.stats.max_waiting, len(self.waiting))
         self._wakeup.set()
-        return request
 
     def abort(self, request: SimRequest) -> None:
         """Drop a request whose client went away; frees its KV blocks now."""
@@ -407,6 +438,8 @@ class Engine:
         request.finished = True
         request.finish_reason = "abort"
         self.stats.aborted += 1
+        if self.on_abort:
+            self.on_abort()
         request._wakeup.set()
 
     # --- KV held for transfer (the prefill half) --------------------------------
@@ -631,7 +664,9 @@ class Engine:
                     context += request.context_len
                 else:
                     prefill_tokens += chunk
-            seconds = (self.profile.step_seconds(decodes, context, prefill_tokens) + self._lora_seconds) * self.time_scale
+            simulated = self.profile.step_seconds(decodes, context, prefill_tokens) + self._lora_seconds
+            stats.step_seconds += simulated
+            seconds = simulated * self.time_scale
             self._lora_seconds = 0.0
             # Sleep to an absolute deadline so the time this loop itself takes
             # is part of the step, not added to it.

@@ -26,11 +26,19 @@ UNLOAD_PATH = contract.LORA_UNLOAD_PATH
 
 
 class LoraError(ValueError):
-    """An adapter the engine cannot take (vLLM answers 400); `not_found` for a name it does not know (404)."""
+    """An adapter request the engine refuses, with vLLM's answer: STATUS and error TYPE_ (vLLM 0.19.1's: 400
+    "InvalidUserInput" for a request it does not try, 404 "NotFoundError" for no adapter at the path or no such
+    name to unload, 500 "InternalServerError" for an adapter the engine cannot take, such as one of too high a
+    rank); `not_found` for the 404s."""
 
-    def __init__(self, message: str, *, not_found: bool = False) -> None:
+    def __init__(self, message: str, *, status: int = 400, type_: str = "InvalidUserInput") -> None:
         super().__init__(message)
-        self.not_found = not_found
+        self.status = status
+        self.type_ = type_
+
+    @property
+    def not_found(self) -> bool:
+        return self.status == 404
 
 
 @dataclass(frozen=True)
@@ -88,24 +96,32 @@ class LoraState:
         self.loads = 0   # brought in from disk
         self.swaps = 0   # brought in from the CPU cache
 
-    def add(self, name: str, path: str) -> Adapter:
-        if name in self.adapters:
-            raise LoraError(f"The lora adapter '{name}' has already been loaded.")
+    def add(self, name: str, path: str, *, replace: bool = False) -> Adapter:
+        """Serve adapter NAME from PATH (REPLACE: in place of the one of that name, vLLM's load_inplace)."""
+        if name in self.adapters and not replace:
+            raise LoraError(f"The lora adapter '{name}' has already been loaded. If you want to load the adapter in "
+                            "place, set 'load_inplace' to True.")
         if name == self.served_name:
             raise LoraError(f"The lora adapter '{name}' has the base model's served name.")
-        if path.startswith("/") and not Path(path).exists():
+        if path.startswith("/") and not (Path(path) / "adapter_config.json").is_file():
             # vLLM reads a local path as it is, and a Hub id from the Hub (which the simulator cannot reach).
-            raise LoraError(f"Loading lora {name} failed: No adapter found for {path}")
+            raise LoraError(f"Loading lora {name} failed: No adapter found for {path}", status=404,
+                            type_="NotFoundError")
         rank = adapter_rank(path, self.config.max_rank)
         if rank > self.config.max_rank:
-            raise LoraError(f"LoRA rank {rank} is greater than max_lora_rank {self.config.max_rank}.")
+            # vLLM's engine refuses it while adding it: its API server answers 500.
+            raise LoraError(f"Call to add_lora method failed: LoRA rank {rank} is greater than max_lora_rank "
+                            f"{self.config.max_rank}.", status=500, type_="InternalServerError")
         adapter = Adapter(name, path, rank)
+        if replace:
+            self.gpu.pop(name, None)
+            self.cpu.pop(name, None)
         self.adapters[name] = adapter
         return adapter
 
     def remove(self, name: str) -> None:
         if self.adapters.pop(name, None) is None:
-            raise LoraError(f"The lora adapter '{name}' cannot be found.", not_found=True)
+            raise LoraError(f"The lora adapter '{name}' cannot be found.", status=404, type_="NotFoundError")
         self.gpu.pop(name, None)
         self.cpu.pop(name, None)
 

@@ -26,6 +26,21 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 ENGINE_INDEX = "0"  # vLLM labels each data-parallel engine; one engine here
 
 
+def cache_config(block_size: int, num_blocks: int) -> dict[str, str]:
+    """vLLM's `vllm:cache_config_info` labels (every field of its CacheConfig, as vLLM 0.19.1 writes them, with
+    `engine` and without `model_name`), valued as a GPU engine with the defaults and this cache would value them."""
+    return {
+        "_block_size_resolved": "True", "block_size": str(block_size), "cache_dtype": "auto",
+        "calculate_kv_scales": "False", "cpu_kvcache_space_bytes": "None", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9", "is_attention_free": "False", "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_memory_bytes": "None", "kv_offloading_backend": "native", "kv_offloading_size": "None",
+        "kv_sharing_fast_prefill": "False", "mamba_block_size": "None", "mamba_cache_dtype": "auto",
+        "mamba_cache_mode": "none", "mamba_page_size_padded": "None", "mamba_ssm_cache_dtype": "auto",
+        "num_cpu_blocks": "None", "num_gpu_blocks": str(num_blocks), "num_gpu_blocks_override": "None",
+        "prefix_caching_hash_algo": "sha256", "sliding_window": "None", "user_specified_block_size": "False",
+    }
+
+
 def token_buckets(limit: int) -> tuple[int, ...]:
     """vLLM's buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to LIMIT."""
     edges: list[int] = []
@@ -57,9 +72,10 @@ class _EngineCollector(Collector):
             gauge = GaugeMetricFamily(name, doc, labels=names)
             gauge.add_metric(values, value)
             yield gauge
+        config = cache_config(engine.profile.block_size, engine.profile.num_blocks)
         info = GaugeMetricFamily(contract.VLLM_METRIC_CACHE_CONFIG, "Information of the LLMEngine CacheConfig",
-                                 labels=[*names, "block_size", "num_gpu_blocks"])
-        info.add_metric([*values, str(engine.profile.block_size), str(engine.profile.num_blocks)], 1.0)
+                                 labels=[contract.VLLM_LABEL_ENGINE, *config])
+        info.add_metric([ENGINE_INDEX, *config.values()], 1.0)
         yield info
         for name, doc, total in (
             (contract.VLLM_METRIC_PROMPT_TOKENS, "Number of prefill tokens processed.", stats.prompt_tokens),
@@ -105,7 +121,9 @@ class EngineMetrics:
         reg.register(_EngineCollector(engine, names, values))
         success = Counter(contract.VLLM_METRIC_REQUEST_SUCCESS, "Count of successfully processed requests.",
                           [*names, contract.VLLM_LABEL_FINISHED_REASON], registry=reg)
-        self._success = {reason: success.labels(*values, reason) for reason in ("stop", "length")}
+        # Every reason vLLM 0.19.1 exports a series for; the simulator's requests end in the first three.
+        self._success = {reason: success.labels(*values, reason)
+                         for reason in ("stop", "length", "abort", "error", "repetition")}
         self._ttft = Histogram(contract.VLLM_METRIC_TTFT, "Histogram of time to first token in seconds.", names,
                                buckets=TTFT_BUCKETS, registry=reg).labels(*values)
         self._e2e = Histogram(contract.VLLM_METRIC_E2E_LATENCY, "Histogram of e2e request latency in seconds.", names,
@@ -120,6 +138,7 @@ class EngineMetrics:
                                    registry=reg).labels(*values)
         engine.on_first_token = self._first_token
         engine.on_finish = self._finished
+        engine.on_abort = self._success["abort"].inc
 
     def _first_token(self, request: SimRequest, now: float) -> None:
         self._ttft.observe(now - request.arrival)

@@ -1,35 +1,48 @@
 """A completion request's sampling parameters, checked the way vLLM's OpenAI server checks them.
 
-What the simulator honours (see server.py for the answers' shapes): `n`, `stop` (with
-`include_stop_str_in_output`), `logprobs` (completions: how many alternatives per token; chat: `logprobs: true`
-with `top_logprobs`), `echo` (completions: the prompt before the answer, `max_tokens: 0` for the prompt alone;
-chat: vLLM's extension, the last message's content before the answer when it is the assistant's),
-`response_format` (`text`, `json_object`, `json_schema`) and vLLM's `guided_json` and `guided_choice`, `seed`.
+The body has been validated as vLLM validates it first (sim/validation.py: types, in pydantic's lax mode, and
+vLLM's `before` validators). What the simulator honours (see server.py for the answers' shapes): `n`, `stop`
+(with `include_stop_str_in_output`), `logprobs` (completions: how many alternatives per token; chat:
+`logprobs: true` with `top_logprobs`), `echo` (completions: the prompt before the answer, `max_tokens: 0` for
+the prompt alone; chat: vLLM's extension, the last message's content before the answer when it is the
+assistant's), `response_format` (`text`, `json_object`, `json_schema`) and vLLM's `structured_outputs` (`json`,
+`choice`, `json_object`), `seed`.
 
-What it refuses with 400, as vLLM refuses what it cannot do: `n` below 1, `best_of` above 1 (vLLM V1 does not
-support it), empty stop strings, logprobs below 0 or above MAX_LOGPROBS (vLLM's default --max-logprobs),
-`top_logprobs` without `logprobs: true`, `suffix`, more than one kind of guided decoding, and schemas outside
-what structured.py can generate. And what only the simulator cannot do, refused rather than ignored: `n` above
-MAX_N, beam search, `prompt_logprobs`, `stop_token_ids` (it has no token ids), `guided_regex`, `guided_grammar`,
-structural tags. Other sampling parameters (temperature, top_p, penalties, ...) change which tokens a model
-picks, not the shape or the cost of the answer; the simulator's words are random either way, so it takes them
-as given.
+What it refuses with 400 as vLLM 0.19.1 does, with vLLM's messages (`check_sampling`, vLLM's SamplingParams
+checks, in their order): `n` below 1 or above VLLM_MAX_N_SEQUENCES (16384), penalties out of range, a negative
+temperature, top_p outside (0, 1], top_k below -1, min_p outside [0, 1], min_tokens below 0 or above
+max_tokens, empty stop strings, logprobs above MAX_LOGPROBS (vLLM's default --max-logprobs), `suffix`. And what
+only the simulator cannot do, refused rather than ignored: beam search, `prompt_logprobs`, `stop_token_ids` (it
+has no token ids), structured outputs by `regex`, `grammar` or structural tag, and schemas outside what
+structured.py can generate. vLLM 0.19.1 ignores fields it no longer has (`best_of`, the `guided_*` family), and
+so does the simulator. Other sampling parameters (temperature, top_p, penalties, ...) change which tokens a
+model picks, not the shape or the cost of the answer; the simulator's words are random either way, so it checks
+them as vLLM does and takes them as given.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tensorfleet.sim.engine import RequestRejected
-from tensorfleet.sim.structured import JsonSchema, guided_choice, json_object
+from pydantic import ValidationError
+
+from tensorfleet.sim.structured import JsonSchema, choices_of, json_object
+from tensorfleet.sim.validation import RequestRejected, StructuredOutputsParams, rejected
 
 MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
-MAX_N = 128        # choices per request: the simulator's own bound (each is an engine request)
+MAX_N = 16384      # vLLM's VLLM_MAX_N_SEQUENCES default: choices per request (each is an engine request)
+MAX_N_ENV = "VLLM_MAX_N_SEQUENCES"
+VOCAB_SIZE = 128256  # what logprobs -1 ("every token") asks for: Llama 3's vocabulary
 COMPLETIONS_MAX_TOKENS = 16  # vLLM's default for /v1/completions (chat: the rest of the context)
+# vLLM's structured-output constraints (StructuredOutputsParams), and those the simulator can follow.
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+FOLLOWED = ("json", "choice", "json_object")
 
 Structure = Callable[[random.Random], str]
 
@@ -38,6 +51,7 @@ Structure = Callable[[random.Random], str]
 class Sampling:
     n: int = 1
     max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"   # what the request called it (chat's max_completion_tokens)
     prompt_only: bool = False              # completions: echo with max_tokens 0
     stop: tuple[str, ...] = ()
     include_stop: bool = False
@@ -56,6 +70,15 @@ def _integer(body: Mapping[str, Any], name: str, default: int | None) -> int | N
     return value
 
 
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise RequestRejected(f"{name} must be a number", name)
+    return float(value)
+
+
 def _boolean(body: Mapping[str, Any], name: str) -> bool:
     value = body.get(name)
     if value is None:
@@ -65,13 +88,56 @@ def _boolean(body: Mapping[str, Any], name: str) -> bool:
     return value
 
 
-def _too_many(count: int, param: str) -> RequestRejected:
-    return RequestRejected(f"Requested sample logprobs of {count}, which is greater than max allowed: {MAX_LOGPROBS}",
-                           param)
-
-
 def _unsupported(name: str, why: str = "") -> RequestRejected:
     return RequestRejected(f"{name} is not supported by the simulator{why}", name)
+
+
+def max_n() -> int:
+    try:
+        return int(os.environ.get(MAX_N_ENV, MAX_N))
+    except ValueError:
+        return MAX_N
+
+
+def check_sampling(body: Mapping[str, Any], n: int, max_tokens: int | None, stop: tuple[str, ...],
+                   logprobs: int | None) -> None:
+    """vLLM's SamplingParams checks (vllm/sampling_params.py `_verify_args`, then `_validate_logprobs`), in their
+    order, with their messages: plain ValueErrors (`param` null) and VLLMValidationErrors (`param` set)."""
+    if n < 1:
+        raise RequestRejected(f"n must be at least 1, got {n}.")
+    if n > (limit := max_n()):
+        raise RequestRejected(f"n must be at most {limit}, got {n}. To increase this limit, set the {MAX_N_ENV} "
+                              "environment variable.")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2.0 <= (penalty := _number(body, name, 0.0)) <= 2.0:
+            raise RequestRejected(f"{name} must be in [-2, 2], got {penalty}.")
+    if (repetition := _number(body, "repetition_penalty", 1.0)) <= 0.0:
+        raise RequestRejected(f"repetition_penalty must be greater than zero, got {repetition}.")
+    if (temperature := _number(body, "temperature", 1.0)) < 0.0:
+        raise rejected(f"temperature must be non-negative, got {temperature}.", "temperature", temperature)
+    if not 0.0 < (top_p := _number(body, "top_p", 1.0)) <= 1.0:
+        raise rejected(f"top_p must be in (0, 1], got {top_p}.", "top_p", top_p)
+    top_k = _integer(body, "top_k", 0)
+    assert top_k is not None
+    if top_k < -1:
+        raise RequestRejected(f"top_k must be 0 (disable), or at least 1, got {top_k}.")
+    if not 0.0 <= (min_p := _number(body, "min_p", 0.0)) <= 1.0:
+        raise RequestRejected(f"min_p must be in [0, 1], got {min_p}.")
+    if max_tokens is not None and max_tokens < 1:
+        raise rejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens)
+    min_tokens = _integer(body, "min_tokens", 0)
+    assert min_tokens is not None
+    if min_tokens < 0:
+        raise RequestRejected(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise RequestRejected(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.")
+    if any(not s for s in stop):
+        raise RequestRejected("stop cannot contain an empty string.")
+    if logprobs:
+        wanted = VOCAB_SIZE if logprobs == -1 else logprobs
+        if wanted > MAX_LOGPROBS:
+            raise rejected(f"Requested sample logprobs of {wanted}, which is greater than max allowed: "
+                           f"{MAX_LOGPROBS}", "logprobs", wanted)
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -82,28 +148,16 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise RequestRejected("stop must be a string or a list of strings", "stop")
-    if any(not s for s in stop):
-        raise RequestRejected("stop cannot contain an empty string.", "stop")
     return tuple(stop)
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    """The alternatives per token asked for (vLLM's SamplingParams.logprobs): chat's top_logprobs when logprobs
+    is true, completions' logprobs; None for none. The ranges are checked by validation.py and check_sampling."""
     if chat:
-        wanted = _boolean(body, "logprobs")
-        top = _integer(body, "top_logprobs", None)
-        if top is not None and top < 0:
-            raise RequestRejected("`top_logprobs` must be a positive value.", "top_logprobs")
-        if top and not wanted:
-            raise RequestRejected("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
-        if top is not None and top > MAX_LOGPROBS:
-            raise _too_many(top, "top_logprobs")
-        return (top or 0) if wanted else None
-    count = _integer(body, "logprobs", None)
-    if count is not None and count < 0:
-        raise RequestRejected("`logprobs` must be a positive value.", "logprobs")
-    if count is not None and count > MAX_LOGPROBS:
-        raise _too_many(count, "logprobs")
-    return count
+        top = _integer(body, "top_logprobs", 0)
+        return (top or 0) if _boolean(body, "logprobs") else None
+    return _integer(body, "logprobs", None)
 
 
 def _schema(value: Any, param: str) -> JsonSchema:
@@ -115,55 +169,57 @@ def _schema(value: Any, param: str) -> JsonSchema:
     return JsonSchema(value)
 
 
-def _structure(body: Mapping[str, Any]) -> Structure | None:
-    for name in ("guided_regex", "guided_grammar", "structural_tag", "structured_outputs"):
-        if body.get(name) is not None:
-            raise _unsupported(name, " (only json_object, json_schema, guided_json and guided_choice are)")
-    guided = [name for name in ("guided_json", "guided_choice") if body.get(name) is not None]
+def _constraints(body: Mapping[str, Any]) -> tuple[StructuredOutputsParams | None, bool]:
+    """The request's structured-output constraint as vLLM builds it: `structured_outputs`, with what
+    `response_format` asks for put over it (json_object; json_schema's schema as `json`; a structural tag), and
+    whether response_format gave it. RequestRejected with vLLM's error where the two make more than one."""
+    structured = body.get("structured_outputs")
+    params = None
+    if isinstance(structured, Mapping):
+        params = StructuredOutputsParams(**{k: v for k, v in structured.items() if not k.startswith("_")})
     response_format = body.get("response_format")
-    kind = None
-    if response_format is not None:
-        if not isinstance(response_format, Mapping):
-            raise RequestRejected("response_format must be an object", "response_format")
+    kwargs: dict[str, Any] = {}
+    if isinstance(response_format, Mapping):
         kind = response_format.get("type")
-        if kind == "structural_tag":
+        if kind == "json_object":
+            kwargs["json_object"] = True
+        elif kind == "json_schema":
+            kwargs["json"] = (response_format.get("json_schema") or {}).get("schema")
+        elif kind == "structural_tag":
             raise _unsupported("response_format", " with type structural_tag")
-        if kind not in ("text", "json_object", "json_schema"):
-            raise RequestRejected("response_format.type must be one of 'text', 'json_object', 'json_schema'",
-                                  "response_format")
-        if kind != "text":
-            guided.append("response_format")
-    if len(guided) > 1:
-        raise RequestRejected("You can only use one kind of guided decoding "
-                              "('guided_json', 'guided_regex' or 'guided_choice').", guided[-1])
+    if kwargs:
+        try:
+            if params is not None:
+                # As vLLM's own replace() (vllm/config/utils.py) does it: the fields in order, the new ones over.
+                kwargs = {**{f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}, **kwargs}
+            params = StructuredOutputsParams(**kwargs)
+        except ValidationError as exc:
+            raise RequestRejected(str(exc)) from None
+    return params, bool(kwargs)
+
+
+def _structure(body: Mapping[str, Any]) -> Structure | None:
+    params, from_response_format = _constraints(body)
+    if params is None:
+        return None
+    kind = next(name for name in CONSTRAINTS if getattr(params, name) is not None)
+    if kind not in FOLLOWED:
+        raise RequestRejected(f"structured_outputs.{kind} is not supported by the simulator (only json, choice "
+                              "and json_object are, and response_format's json_object and json_schema)",
+                              "structured_outputs")
     if kind == "json_object":
         return json_object
-    if kind == "json_schema":
-        assert isinstance(response_format, Mapping)
-        spec = response_format.get("json_schema")
-        if not isinstance(spec, Mapping) or spec.get("schema") is None:
-            raise RequestRejected("response_format.json_schema.schema is required for type json_schema",
-                                  "response_format")
-        return _schema(spec["schema"], "response_format").generate
-    if "guided_json" in guided:
-        return _schema(body["guided_json"], "guided_json").generate
-    if "guided_choice" in guided:
-        choices = guided_choice(body["guided_choice"])
-        return lambda rng: choices[rng.randrange(len(choices))]
-    return None
+    if kind == "json":
+        return _schema(params.json, "response_format" if from_response_format else "structured_outputs").generate
+    options = choices_of(params.choice)
+    return lambda rng: options[rng.randrange(len(options))]
 
 
 def parse(body: Mapping[str, Any], *, chat: bool) -> Sampling:
-    """The request's sampling parameters; RequestRejected (400) for what vLLM or the simulator refuses."""
+    """The request's sampling parameters; RequestRejected (400) for what vLLM or the simulator refuses. BODY is
+    as validation.validate leaves it (vLLM's types)."""
     n = _integer(body, "n", 1)
     assert n is not None
-    if n < 1:
-        raise RequestRejected(f"n must be at least 1, got {n}.", "n")
-    if n > MAX_N:
-        raise RequestRejected(f"n must be at most {MAX_N} in the simulator, got {n}.", "n")
-    best_of = _integer(body, "best_of", None)
-    if best_of is not None and best_of > 1:
-        raise RequestRejected("vLLM V1 does not yet support best_of.", "best_of")
     if _boolean(body, "use_beam_search"):
         raise _unsupported("use_beam_search")
     if body.get("prompt_logprobs") is not None:
@@ -171,11 +227,14 @@ def parse(body: Mapping[str, Any], *, chat: bool) -> Sampling:
     if body.get("stop_token_ids"):
         raise _unsupported("stop_token_ids", " (it has no token ids)")
     if not chat and body.get("suffix") is not None:
-        raise RequestRejected("suffix is not currently supported", "suffix")
+        raise RequestRejected("suffix is not currently supported")
+    param = "max_tokens"
     if chat:
         max_tokens = _integer(body, "max_completion_tokens", None)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", None)
+        else:
+            param = "max_completion_tokens"
     else:
         max_tokens = _integer(body, "max_tokens", COMPLETIONS_MAX_TOKENS if "max_tokens" not in body else None)
     echo = _boolean(body, "echo")
@@ -183,6 +242,9 @@ def parse(body: Mapping[str, Any], *, chat: bool) -> Sampling:
     seed = body.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise RequestRejected("seed must be an integer", "seed")
-    return Sampling(n=n, max_tokens=1 if prompt_only else max_tokens, prompt_only=prompt_only, stop=_stop(body),
-                    include_stop=_boolean(body, "include_stop_str_in_output"), logprobs=_logprobs(body, chat),
-                    echo=echo, structure=_structure(body), seed=seed)
+    stop = _stop(body)
+    logprobs = _logprobs(body, chat)
+    check_sampling(body, n, None if prompt_only else max_tokens, stop, logprobs)
+    return Sampling(n=n, max_tokens=1 if prompt_only else max_tokens, max_tokens_param=param,
+                    prompt_only=prompt_only, stop=stop, include_stop=_boolean(body, "include_stop_str_in_output"),
+                    logprobs=logprobs, echo=echo, structure=_structure(body), seed=seed)

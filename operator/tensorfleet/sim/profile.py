@@ -36,6 +36,22 @@ Efficiency fractions are typical of vLLM on datacenter GPUs: decode kernels
 reach 70-85% of HBM bandwidth, prefill reaches 40-60% model FLOPs
 utilisation; the step overhead is the scheduler, sampling and kernel launches
 vLLM v1 spends per step (1-3 ms measured).
+
+A calibrated profile (`tensorfleet sim --profile FILE`, written by `tensorfleet
+sim calibrate`; sim/calibrate.py) replaces the roofline with a step time fitted
+to a real engine's measurements, a `StepModel` on `Profile.fitted`:
+
+    step = overhead + per_decode_seq x decode sequences + per_prefill_token x prefill tokens
+                    + per_context_token x context tokens of the decoding sequences
+
+plus `first_token_s`, the latency a request spends outside the engine loop
+before its first step (vLLM's API server: HTTP, tokenization, the hop to the
+engine core and back), which the engine adds before a request joins the
+waiting queue; `first_token_busy_s` is the same while the engine is running
+other requests (where the API server shares the host's CPU with a busy engine
+core, it is slower then). The capacity then comes from the profile (the engine's own
+block size, KV blocks and max-model-len) unless flags say otherwise. Without a
+profile nothing here changes.
 """
 
 from __future__ import annotations
@@ -46,6 +62,7 @@ from dataclasses import dataclass, replace
 
 from tensorfleet import vllm_defaults
 from tensorfleet.api import SpecError
+from tensorfleet.api.models import ArchitectureSpec
 from tensorfleet.catalog import find_gpu, find_model, gpu_names, sizes
 from tensorfleet.catalog.roofline import (
     BANDWIDTH_EFFICIENCY,
@@ -67,6 +84,34 @@ KV_CACHE_DTYPE = "auto"
 
 
 @dataclass(frozen=True)
+class StepModel:
+    """A step time fitted to a real engine (module docstring; the fit is sim/calibrate.py's)."""
+
+    overhead_s: float          # per step, whatever it holds
+    per_decode_seq_s: float    # per decoding sequence in the step
+    per_prefill_token_s: float  # per prompt token computed in the step
+    per_context_token_s: float  # per token of context the decoding sequences attend over
+    first_token_s: float = 0.0  # a request's latency outside the engine loop (before its first step), engine idle
+    first_token_busy_s: float | None = None  # the same while the engine runs other requests (None: first_token_s)
+
+    def first_token_delay(self, busy: bool) -> float:
+        """The latency before a request's first step; BUSY: the engine is running other requests."""
+        return self.first_token_busy_s if busy and self.first_token_busy_s is not None else self.first_token_s
+
+    def step_seconds(self, decode_seqs: int, context_tokens: int, prefill_tokens: int) -> float:
+        if decode_seqs + prefill_tokens == 0:
+            return 0.0
+        return (self.overhead_s + self.per_decode_seq_s * decode_seqs + self.per_prefill_token_s * prefill_tokens
+                + self.per_context_token_s * context_tokens)
+
+    def describe(self) -> str:
+        return (f"step = {self.overhead_s * 1e3:.3f} ms + {self.per_decode_seq_s * 1e3:.4f} ms x decode seqs + "
+                f"{self.per_prefill_token_s * 1e6:.3f} us x prefill tokens + "
+                f"{self.per_context_token_s * 1e9:.3f} ns x context tokens; first token +{self.first_token_s * 1e3:.2f} ms"
+                + ("" if self.first_token_busy_s is None else f" (+{self.first_token_busy_s * 1e3:.2f} ms when busy)"))
+
+
+@dataclass(frozen=True)
 class Profile:
     model: str
     accelerator: str
@@ -84,6 +129,8 @@ class Profile:
     active_fraction: float           # active / total parameters (1 for dense models)
     experts_touched_per_token: float  # experts_per_token / experts (MoE), else 1
     overhead_s: float
+    fitted: StepModel | None = None  # a calibrated step time, instead of the roofline (module docstring)
+    source: str = ""                 # where a calibrated profile came from (the engine it measured)
 
     @property
     def num_blocks(self) -> int:
@@ -100,6 +147,8 @@ class Profile:
 
     def step_seconds(self, decode_seqs: int, context_tokens: int, prefill_tokens: int) -> float:
         """Simulated duration of one step (see the module docstring)."""
+        if self.fitted is not None:
+            return self.fitted.step_seconds(decode_seqs, context_tokens, prefill_tokens)
         tokens = decode_seqs + prefill_tokens
         if tokens == 0:
             return 0.0
@@ -110,6 +159,11 @@ class Profile:
 
     def describe(self) -> str:
         single = self.step_seconds(1, 512, 0)
+        if self.fitted is not None:
+            return (f"calibrated against {self.source or 'an engine'}: {self.kv_cache_tokens} KV tokens "
+                    f"({self.num_blocks} blocks of {self.block_size}), max-model-len {self.max_model_len}, "
+                    f"max-num-seqs {self.max_num_seqs}, max-num-batched-tokens {self.max_num_batched_tokens}, "
+                    f"decode step {single * 1e3:.2f} ms at batch 1 ({self.fitted.describe()})")
         return (f"{self.model} on {self.accelerator} x{self.tensor}: {self.kv_cache_tokens} KV tokens "
                 f"({self.num_blocks} blocks of {self.block_size}), max-num-seqs {self.max_num_seqs}, "
                 f"decode step {single * 1e3:.1f} ms at batch 1, "
@@ -163,7 +217,7 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
         kv_cache_tokens=kv_tokens,
         block_size=block_size or vllm_defaults.BLOCK_SIZE,
         weight_bytes_per_gpu=math.ceil(sizes.total_weight_bytes(arch, weight_format) / tensor),
-        kv_bytes_per_token_per_gpu=math.ceil(sizes.effective_kv_layers(arch, arch.layers, max_model_len) * kv_per_layer),
+        kv_bytes_per_token_per_gpu=math.ceil(read_layers(arch, max_model_len) * kv_per_layer),
         bandwidth_bytes_per_s=gpu.bandwidth_gbps * 1e9 * BANDWIDTH_EFFICIENCY,
         flops_per_s=PEAK_TFLOPS.get(gpu.name, 100.0) * 1e12 * COMPUTE_EFFICIENCY,
         flops_per_token_per_gpu=2.0 * active / tensor,
@@ -171,6 +225,19 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
         experts_touched_per_token=touched,
         overhead_s=overhead,
     )
+
+
+def read_layers(arch: ArchitectureSpec, max_model_len: int) -> float:
+    """Layers whose KV a decode step reads per context token, as full-attention equivalents: a sliding-window or
+    chunked layer reads at most its window, spread here over a full-length context (the step's timing, not the
+    pool's size, which comes from the plan)."""
+    layers = float(arch.layers)
+    for span, count in ((arch.sliding_window, arch.sliding_window_layers),
+                        (arch.attention_chunk_size, arch.chunked_attention_layers)):
+        if span:
+            local = count if count is not None else arch.layers
+            layers -= local * (1.0 - min(1.0, span / max_model_len))
+    return layers
 
 
 def resilient_profile(model: str | None, accelerator: str | None, **capacity: int | None) -> Profile:

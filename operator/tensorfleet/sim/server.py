@@ -1,10 +1,30 @@
 """vLLM's OpenAI-compatible HTTP surface over the simulated engine.
 
 Shapes follow vLLM's server: `/v1/chat/completions` and `/v1/completions`
-(JSON, or SSE with one event per token per choice, `usage`, optional
-`stream_options.include_usage`), `/v1/models`, `/health` (503 while the
-"model loads"), `/metrics`. A client that disconnects aborts its request in the
+(JSON with `usage`, or SSE), `/v1/models`, `/health` (503 while the "model
+loads"), `/metrics`. A client that disconnects aborts its request in the
 engine, as vLLM does, so the KV blocks and batch slots are freed at once.
+tests/test_sim_vs_vllm.py holds all of it to a real vLLM of the release the
+default engine image pins: the same requests, the same status codes, fields
+(an answer has every field vLLM's has: those the simulator has no value for,
+such as token ids, are null) and errors (validation.py: vLLM's request
+validation, its messages, types and params), and it lists the differences
+left, each with its reason (docs/real-engine.md).
+
+Streams are written as vLLM writes them. An event carries every token of its
+choice produced since that choice's last event: one per engine step while the
+handler keeps up (the simulator's handler always does unless the client reads
+slowly), several when it falls behind, as vLLM's output collector merges the
+outputs its HTTP handler has not taken yet (a real CPU engine sends up to four
+tokens in one event). `SimConfig.stream_interval` (vLLM's `--stream-interval`,
+the same flag) makes that deterministic: a choice's first token goes alone,
+then an event once that many tokens are pending, and the rest with the finish.
+The finish_reason rides on the event of the choice's last token, not an event
+of its own; a chat stream opens each choice with its role delta (content ""),
+as vLLM does. `stream_options.include_usage` adds the final usage event
+(`choices: []`); with `continuous_usage_stats` too, every event carries the
+running `usage` of its choice (prompt_tokens, total_tokens, completion_tokens:
+the tokens of that choice so far, exact), as vLLM sends it.
 
 Sampling parameters that shape an answer are honoured, or refused with 400 (as
 vLLM refuses what it cannot do, and where only the simulator cannot), never
@@ -38,18 +58,23 @@ ignored; params.py checks them and lists the refusals:
   add_generation_prompt, continue_final_message
                     chat (vLLM's extensions; `chat_prompt`): the assistant
                     header after the messages (default), none (the answer in
-                    the last message's role), or the last message, the
-                    assistant's, left open and continued (a prefill; what the
-                    router sends to resume a broken stream). Both true, or
-                    continuing a message that is not the assistant's: 400, as
+                    the last message's role), or the last message, whoever's
+                    it is, left open and continued in its role (with the
+                    assistant's, a prefill: what the router sends to resume a
+                    broken stream). continue_final_message needs
+                    `add_generation_prompt: false`: both sent true, or
+                    add_generation_prompt left at its default, is a 400, as
                     vLLM answers.
-  response_format   `json_object`: a small JSON object; `json_schema`: an
-                    instance of the schema, for the schemas structured.py can
-                    generate (others get 400); vLLM's `guided_json` and
-                    `guided_choice` likewise. The document is written whole and
-                    then emitted token by token: valid, with finish_reason
-                    "stop", unless max_tokens cuts it ("length"), as vLLM's
-                    guided decoding is.
+  response_format, structured_outputs
+                    `json_object`: a small JSON object; `json_schema` (vLLM's
+                    `structured_outputs.json`): an instance of the schema, for
+                    the schemas structured.py can generate (others get 400);
+                    `structured_outputs.choice`: one of the choices. The
+                    document is written whole and then emitted token by token:
+                    valid, with finish_reason "stop", unless max_tokens cuts it
+                    ("length"), as vLLM's guided decoding is. A regex, a grammar
+                    or a structural tag is refused (400). vLLM 0.19.1 ignores
+                    the old `guided_*` fields, and so does the simulator.
   kv_transfer_params
                     with --kv-transfer-config (sim/kvtransfer.py): the prefill
                     half (`do_remote_decode`) answers with the params naming its
@@ -79,19 +104,39 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_event
 from tensorfleet.prompts import ROLE_CLOSE, ROLE_OPEN, content_text, render_chat
-from tensorfleet.sim import kvtransfer
+from tensorfleet.sim import kvtransfer, validation
 from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
 from tensorfleet.sim.lora import LOAD_PATH, UNLOAD_PATH, LoraConfig, LoraError, LoraState
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.params import Sampling, parse
 from tensorfleet.sim.profile import Profile
 from tensorfleet.sim.tokenizer import tokenize
+from tensorfleet.sim.validation import LoadLoraRequest, UnloadLoraRequest
 
 log = logging.getLogger("tensorfleet.sim")
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 _ENGINE_KEY: web.AppKey[Engine] = web.AppKey("engine", Engine)
 GENERATION_HEADER = f"{ROLE_OPEN}assistant\n"  # what render_chat ends with: the generation prompt
+LORA_INPUT_ERROR = "InvalidUserInput"  # vLLM's error type for a LoRA request it refuses to try
+
+
+def rejection(exc: RequestRejected) -> web.Response:
+    """vLLM's error answer to a request it refuses."""
+    return error_response(exc.status, str(exc), param=exc.param, type_=exc.type_)
+
+
+@web.middleware
+async def fastapi_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """What vLLM's FastAPI server answers for a path it does not serve, or a method a path does not take:
+    FastAPI's own bodies, not OpenAI error objects."""
+    try:
+        return await handler(request)
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(m for m in exc.allowed_methods if m != "HEAD"))
+        return web.json_response({"detail": "Method Not Allowed"}, status=405, headers={"Allow": allowed})
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
 
 
 @dataclass
@@ -106,6 +151,8 @@ class SimConfig:
     lora: LoraConfig | None = None  # --enable-lora
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
     runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload endpoints
+    stream_interval: int = 1  # vLLM's --stream-interval: tokens per stream event after the first (module docstring)
+    prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage names the prefix-cache hit
 
 
 class SimServer:
@@ -120,7 +167,7 @@ class SimServer:
 
     # --- app -----------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[fastapi_errors])
         app.router.add_get(contract.HEALTH_PATH, self.health)
         app.router.add_get(contract.METRICS_PATH, self.metrics_handler)
         app.router.add_get("/v1/models", self.models)
@@ -130,7 +177,6 @@ class SimServer:
         if self.config.lora is not None and self.config.runtime_lora_updating:
             app.router.add_post(LOAD_PATH, self.load_lora)
             app.router.add_post(UNLOAD_PATH, self.unload_lora)
-        app.router.add_route("*", "/{tail:.*}", self.not_found)
         app.cleanup_ctx.append(self._lifecycle)
         return app
 
@@ -200,55 +246,69 @@ class SimServer:
         return web.json_response({"version": f"tensorfleet-sim {contract.__version__}"})
 
     async def models(self, _: web.Request) -> web.Response:
-        """The base model, then each LoRA adapter with the base as its parent, as vLLM lists them."""
-        base = {"id": self.config.served_model_name, "object": "model", "created": self._created, "owned_by": "vllm",
-                "root": self.config.model, "parent": None, "max_model_len": self.profile.max_model_len}
+        """The base model, then each LoRA adapter with the base as its parent, as vLLM lists them (each with
+        vLLM's one default permission entry)."""
+        def card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict[str, Any]:
+            now = int(time.time())
+            return {"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": root,
+                    "parent": parent, "max_model_len": max_model_len, "permission": [{
+                        "id": f"modelperm-{uuid.uuid4().hex[:16]}", "object": "model_permission", "created": now,
+                        "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                        "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                        "organization": "*", "group": None, "is_blocking": False}]}
+
         adapters = self.engine.lora.adapters.values() if self.engine is not None and self.engine.lora else ()
-        return web.json_response({"object": "list", "data": [base, *(
-            {"id": a.name, "object": "model", "created": self._created, "owned_by": "vllm", "root": a.path,
-             "parent": self.config.served_model_name, "max_model_len": None} for a in adapters)]})
+        return web.json_response({"object": "list", "data": [
+            card(self.config.served_model_name, self.config.model, None, self.profile.max_model_len),
+            *(card(a.name, a.path, self.config.served_model_name, None) for a in adapters)]})
 
     async def load_lora(self, request: web.Request) -> web.Response:
-        """vLLM's runtime adapter load: {"lora_name", "lora_path"}."""
-        body = await self._adapter_body(request, ("lora_name", "lora_path"))
+        """vLLM's runtime adapter load: {"lora_name", "lora_path", "load_inplace"}; its answers and codes
+        (LoraError: 400 for what it refuses to try, 404 for no adapter at the path, 500 for one it cannot take)."""
+        body = await self._adapter_body(request, LoadLoraRequest)
         if isinstance(body, web.Response):
             return body
         assert self.engine is not None and self.engine.lora is not None
+        name, path = body["lora_name"], body["lora_path"]
+        if not name or not path:
+            return error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", type_=LORA_INPUT_ERROR)
         try:
-            self.engine.lora.add(body["lora_name"], body["lora_path"])
+            self.engine.lora.add(name, path, replace=bool(body.get("load_inplace")))
         except LoraError as exc:
-            return error_response(400, str(exc))
-        return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+            return error_response(exc.status, str(exc), type_=exc.type_)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora(self, request: web.Request) -> web.Response:
-        """vLLM's runtime adapter unload: {"lora_name"}."""
-        body = await self._adapter_body(request, ("lora_name",))
+        """vLLM's runtime adapter unload: {"lora_name"}; 404 for a name it does not serve."""
+        body = await self._adapter_body(request, UnloadLoraRequest)
         if isinstance(body, web.Response):
             return body
         assert self.engine is not None and self.engine.lora is not None
+        if not body["lora_name"]:
+            return error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
+                                  type_=LORA_INPUT_ERROR)
         try:
             self.engine.lora.remove(body["lora_name"])
         except LoraError as exc:
-            return error_response(404 if exc.not_found else 400, str(exc))
+            return error_response(exc.status, str(exc), type_=exc.type_)
         return web.Response(text=f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
-    async def _adapter_body(self, request: web.Request, fields: tuple[str, ...]) -> dict[str, str] | web.Response:
+    async def _adapter_body(self, request: web.Request, model: type[validation.Request]
+                            ) -> dict[str, Any] | web.Response:
+        """The body of a LoRA request, validated as vLLM validates it (its errors for what does not)."""
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return error_response(400, f"request body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return error_response(400, "request body must be a JSON object")
-        for name in fields:
-            if not isinstance(body.get(name), str) or not body[name]:
-                return error_response(400, f"{name} is required (a non-empty string)", param=name)
-        return {name: body[name] for name in fields}
-
-    async def not_found(self, request: web.Request) -> web.Response:
-        return error_response(404, f"{request.method} {request.path} is not an endpoint of this server")
+            body = json.loads(await request.read())
+            if not isinstance(body, dict):
+                return error_response(400, "request body must be a JSON object")
+            return validation.validate(model, body)
+        except json.JSONDecodeError as exc:
+            return rejection(validation.json_rejected(exc))
+        except RequestRejected as exc:
+            return rejection(exc)
 
     # --- completions ------------------------------------------------------------
-    async def _body(self, request: web.Request) -> dict[str, Any] | web.Response:
+    async def _body(self, request: web.Request, schema: type[validation.Request]) -> dict[str, Any] | web.Response:
+        """The request's body as vLLM reads it (validation.py), or the answer vLLM gives instead."""
         if not self.ready:
             return error_response(503, "the model is still loading; retry when /health returns 200")
         try:
@@ -257,10 +317,16 @@ class SimServer:
             return error_response(413, f"request body exceeds {MAX_BODY_BYTES} bytes")
         try:
             body = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return rejection(validation.json_rejected(exc))
         except (ValueError, UnicodeDecodeError) as exc:
             return error_response(400, f"request body is not valid JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object")
+        try:
+            body = validation.validate(schema, body)
+        except RequestRejected as exc:
+            return rejection(exc)
         model = body.get("model")
         if model is not None and model not in (self.config.served_model_name, self.config.model) \
                 and self._adapter(model) is None:
@@ -273,17 +339,19 @@ class SimServer:
         return model if lora is not None and isinstance(model, str) and model in lora.adapters else None
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self._body(request, validation.ChatRequest)
         if isinstance(body, web.Response):
             return body
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
-            return error_response(400, "messages must be a non-empty list of message objects", param="messages")
+        messages = body["messages"]
+        if not messages:
+            return error_response(400, "Cannot apply chat template to an empty conversation. Provide at least one "
+                                  "message.")
         try:
-            sampling = parse(body, chat=True)
+            # vLLM renders the prompt before it reads the sampling parameters.
             prompt, role = chat_prompt(body, messages)
+            sampling = parse(body, chat=True)
         except RequestRejected as exc:
-            return error_response(400, str(exc), param=exc.param)
+            return rejection(exc)
         # vLLM's chat `echo`: the last message's content goes before the answer when it is in the answer's role.
         last = messages[-1]
         echo = content_text(last.get("content")) if sampling.echo and last.get("role") == role else ""
@@ -291,7 +359,7 @@ class SimServer:
                                     _Answer(chat=True, sampling=sampling, echo_text=echo, role=role))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self._body(request, validation.CompletionRequest)
         if isinstance(body, web.Response):
             return body
         prompt = body.get("prompt")
@@ -306,7 +374,7 @@ class SimServer:
         try:
             sampling = parse(body, chat=False)
         except RequestRejected as exc:
-            return error_response(400, str(exc), param=exc.param)
+            return rejection(exc)
         answer = _Answer(chat=False, sampling=sampling)
         if sampling.echo:
             answer.echo_text = prompt if isinstance(prompt, str) else "".join(tokens)
@@ -339,18 +407,22 @@ class SimServer:
                 choices.append(engine.submit(tokens, sampling.max_tokens, seed=sampling.seed, index=index,
                                              output=output, stop=sampling.stop, include_stop=sampling.include_stop,
                                              wakeup=wakeup, remote_decode=remote_decode,
-                                             remote_tokens=remote_tokens, arrival=arrival, lora=lora))
+                                             remote_tokens=remote_tokens, arrival=arrival, lora=lora,
+                                             max_tokens_param=sampling.max_tokens_param))
         except RequestRejected as exc:
             for choice in choices:
                 engine.abort(choice)
-            return error_response(400, str(exc), param=exc.param)
+            return rejection(exc)
         answer.id = f"{'chatcmpl' if answer.chat else 'cmpl'}-{uuid.uuid4().hex}"
         answer.model = lora or self.config.served_model_name  # vLLM names the adapter a request used
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}
                 usage = isinstance(options, Mapping) and bool(options.get("include_usage"))
-                return await self._stream(request, choices, wakeup, answer, include_usage=usage)
+                # As vLLM reads them: continuous usage only with include_usage.
+                continuous = usage and isinstance(options, Mapping) and bool(options.get("continuous_usage_stats"))
+                return await self._stream(request, choices, wakeup, answer, include_usage=usage,
+                                          continuous_usage=continuous)
             while not all(c.finished for c in choices):
                 wakeup.clear()  # nothing runs between the check and here: no wakeup is lost
                 await wakeup.wait()
@@ -393,50 +465,70 @@ class SimServer:
         await asyncio.sleep(seconds * self.config.time_scale)
         return tokens
 
-    def _usage(self, choices: list[SimRequest]) -> dict[str, Any]:
-        """vLLM's usage: the prompt once, the completion tokens of every choice."""
+    def _usage(self, choices: list[SimRequest], *, streamed: bool = False) -> dict[str, Any]:
+        """vLLM's usage: the prompt once, the completion tokens of every choice; `prompt_tokens_details` (the
+        prefix-cache hit) with --enable-prompt-tokens-details and a hit, else null (left out of a stream's)."""
         prompt = choices[0].prompt_len
         generated = sum(c.generated for c in choices)
         usage: dict[str, Any] = {
             "prompt_tokens": prompt,
-            "completion_tokens": generated,
             "total_tokens": prompt + generated,
+            "completion_tokens": generated,
         }
-        if choices[0].cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": choices[0].cached_tokens}
+        details = None
+        if self.config.prompt_tokens_details and choices[0].cached_tokens:
+            details = {"cached_tokens": choices[0].cached_tokens}
+        if details is not None or not streamed:
+            usage["prompt_tokens_details"] = details
         return usage
 
     def _final(self, choices: list[SimRequest], answer: _Answer) -> dict[str, Any]:
+        """The whole answer, with every field vLLM's has (those the simulator has no value for null: token ids,
+        prompt logprobs, the fingerprint, the tier)."""
         out = []
         for index, sim in enumerate(choices):
             text = answer.echo_text + ("" if answer.sampling.prompt_only else sim.text)
             choice: dict[str, Any] = {"index": index}
             if answer.chat:
-                choice["message"] = {"role": answer.role, "content": text, "tool_calls": []}
+                choice["message"] = {"role": answer.role, "content": text, "refusal": None, "annotations": None,
+                                     "audio": None, "function_call": None, "tool_calls": [], "reasoning": None}
             else:
                 choice["text"] = text
             choice["logprobs"] = answer.logprobs(sim, 0, sim.generated, first=True)
             choice["finish_reason"] = sim.finish_reason
             choice["stop_reason"] = sim.stop_reason
+            choice["token_ids"] = None
+            if not answer.chat:
+                choice["prompt_logprobs"] = None
+                choice["prompt_token_ids"] = None
             out.append(choice)
-        return {
+        final: dict[str, Any] = {
             "id": answer.id,
             "object": "chat.completion" if answer.chat else "text_completion",
             "created": answer.created,
             "model": answer.model,
             "choices": out,
+            "service_tier": None,
+            "system_fingerprint": None,
             "usage": self._usage(choices),
         }
+        if answer.chat:
+            final["prompt_logprobs"] = None
+            final["prompt_token_ids"] = None
+        final["kv_transfer_params"] = None
+        return final
 
     async def _stream(self, request: web.Request, choices: list[SimRequest], wakeup: asyncio.Event,
-                      answer: _Answer, *, include_usage: bool) -> web.StreamResponse:
+                      answer: _Answer, *, include_usage: bool, continuous_usage: bool = False) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE, "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if answer.chat else "text_completion"
-        # Every token event is the same JSON around one string; build the halves once per choice instead of
-        # serialising a dict per token.
+        # Every token event is the same JSON around its fields; build the head once per choice instead of
+        # serialising a dict per event.
         prefix = (f'data: {{"id":"{answer.id}","object":"{obj}","created":{answer.created},'
                   f'"model":{json.dumps(answer.model)},"choices":[{{').encode()
-        streams = [_ChoiceStream(i, sim, answer, prefix + f'"index":{i},'.encode()) for i, sim in enumerate(choices)]
+        prompt = choices[0].prompt_len if continuous_usage else None
+        streams = [_ChoiceStream(i, sim, answer, prefix + f'"index":{i},'.encode(), self.config.stream_interval,
+                                 prompt) for i, sim in enumerate(choices)]
         await response.prepare(request)
         while True:
             wakeup.clear()  # what the engine does while this writes wakes the wait below at once
@@ -451,7 +543,7 @@ class SimServer:
         out = b""
         if include_usage:
             out += sse_event({"id": answer.id, "object": obj, "created": answer.created, "model": answer.model,
-                              "choices": [], "usage": self._usage(choices)})
+                              "choices": [], "usage": self._usage(choices, streamed=True)})
         await response.write(out + SSE_DONE)
         await response.write_eof()
         return response
@@ -460,92 +552,112 @@ class SimServer:
 def chat_prompt(body: Mapping[str, Any], messages: list[Mapping[str, Any]]) -> tuple[str, str]:
     """The prompt a chat request's messages render to, and the role its answer is in, as vLLM builds them from
     `add_generation_prompt` (default true: the assistant header after the messages, the answer the assistant's)
-    and `continue_final_message` (the last message left open, the answer continuing it; that message must be
-    the assistant's). RequestRejected (400) for what vLLM refuses."""
-    flags = {}
-    for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
-        value = body.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise RequestRejected(f"{name} must be a boolean", name)
-        flags[name] = default if value is None else value
-    # vLLM checks what was sent: continue_final_message with add_generation_prompt left out is accepted.
-    if body.get("continue_final_message") is True and body.get("add_generation_prompt") is True:
-        raise RequestRejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
-                              "continue_final_message")
+    and `continue_final_message` (the last message left open, whoever's it is, the answer continuing it in its
+    role; it needs `add_generation_prompt: false`). BODY is validated (validation.py refuses both set true);
+    RequestRejected (400) for what vLLM's chat template refuses."""
+    generation_prompt = body.get("add_generation_prompt", True)
+    continue_final = body.get("continue_final_message", False)
+    if continue_final and generation_prompt:
+        # transformers' apply_chat_template, which vLLM calls: the default generation prompt is on.
+        raise RequestRejected("continue_final_message and add_generation_prompt are not compatible. Use "
+                              "continue_final_message when you want the model to continue the final message, and "
+                              "add_generation_prompt when you want to add a header that will prompt it to start a "
+                              "new assistant message instead.")
     text = render_chat(messages).removesuffix(GENERATION_HEADER)
-    if flags["continue_final_message"]:
-        if messages[-1].get("role") != "assistant":
-            raise RequestRejected("Cannot set `continue_final_message` to True when the last message is not from "
-                                  "the assistant.", "continue_final_message")
-        return text.removesuffix(f"{ROLE_CLOSE}\n"), "assistant"
-    if flags["add_generation_prompt"]:
+    if generation_prompt:
         return text + GENERATION_HEADER, "assistant"
     # No generation prompt: vLLM answers in the last message's role.
     role = messages[-1].get("role")
-    return text, role if isinstance(role, str) else "assistant"
-
-
-_TAIL = b',"finish_reason":null,"stop_reason":null}]}\n\n'
+    role = role if isinstance(role, str) else "assistant"
+    if continue_final:
+        return text.removesuffix(f"{ROLE_CLOSE}\n"), role
+    return text, role
 
 
 @dataclass
 class _ChoiceStream:
-    """One choice's events in a stream: a token event per token, then one with its finish reason."""
+    """One choice's events in a stream (module docstring): each carries the tokens produced since the last one
+    (the first token alone, then `interval` at a time, the rest with the finish reason), and with continuous
+    usage (PROMPT set) the choice's running usage."""
 
     index: int
     sim: SimRequest
     answer: _Answer
     head: bytes                 # the event up to this choice's fields
+    interval: int = 1           # vLLM's --stream-interval
+    prompt: int | None = None   # the prompt's tokens: continuous usage on every event
     sent: int = 0               # tokens sent
     shown: int = 0              # characters of the answer sent (a stop string's possible start held back)
     offset: int = 0             # characters sent, echo included (completions' text_offset)
     ended: bool = False
 
     def events(self) -> list[bytes]:
-        """The events for what the engine produced since the last call."""
+        """The events for what the engine produced since the last call (none while fewer than `interval`
+        tokens are pending and the choice goes on)."""
         sim, answer = self.sim, self.answer
-        pieces: list[bytes] = []
         count = sim.generated
-        # With stop strings the visible text is the answer cut and held back; without, each token's own text.
-        text = sim.text if sim.holdback or sim.cut is not None else None
-        length = sum(len(w) for w in sim.output_words[:self.sent]) if text is not None else 0
-        for k in range(self.sent, count):
-            word = sim.output_words[k]
-            if text is not None:
-                length += len(word)
-                visible = len(text) if sim.finished and k == count - 1 else min(max(0, length - sim.holdback),
-                                                                                 len(text))
-                delta = text[self.shown:visible]
-                self.shown = max(self.shown, visible)
-            else:
-                delta = word
-            if answer.sampling.prompt_only:
-                delta = ""
-            if k == 0 and answer.chat:
-                # vLLM sends the role with the first token, not before it; then what `echo` repeats.
-                pieces.append(self.head + b'"delta":{"role":' + json.dumps(answer.role).encode()
-                              + b',"content":""},"logprobs":null' + _TAIL)
+        if self.ended or sim.finish_reason == "abort":
+            return []
+        finishing = sim.finished
+        if count == self.sent and not finishing:
+            return []
+        if not finishing and self.sent and count - self.sent < self.interval:
+            return []
+        pieces: list[bytes] = []
+        start = self.sent
+        if sim.holdback or sim.cut is not None:
+            # With stop strings the visible text is the answer cut, its possible stop-string start held back.
+            text = sim.text
+            length = sum(len(w) for w in sim.output_words[:count])
+            visible = len(text) if finishing else min(max(0, length - sim.holdback), len(text))
+            delta = text[self.shown:visible]
+            self.shown = max(self.shown, visible)
+        else:
+            delta = "".join(sim.output_words[start:count])
+        if answer.sampling.prompt_only:
+            delta = ""
+        if start == 0 and count:
+            if answer.chat:
+                # vLLM sends the role before the first tokens, in an event of its own; then what `echo` repeats.
+                pieces.append(self._event(b'"delta":{"role":' + json.dumps(answer.role).encode()
+                                          + b',"content":""}', b"null", 0, opening=True, first=True))
                 if answer.echo_text:
-                    pieces.append(self.head + b'"delta":{"content":' + json.dumps(answer.echo_text).encode()
-                                  + b'},"logprobs":null' + _TAIL)
-            elif k == 0:
+                    pieces.append(self._event(b'"delta":{"content":' + json.dumps(answer.echo_text).encode() + b"}",
+                                              b"null", 0, opening=True))
+            else:
                 delta = answer.echo_text + delta
-            encoded = json.dumps(delta).encode()
-            field = b'"delta":{"content":' + encoded + b"}" if answer.chat else b'"text":' + encoded
-            logprobs = answer.logprobs(sim, k, k + 1, first=k == 0, offset=self.offset)
-            self.offset += len(delta)
-            encoded_logprobs = b"null" if logprobs is None else json.dumps(logprobs, separators=(",", ":")).encode()
-            pieces.append(self.head + field + b',"logprobs":' + encoded_logprobs + _TAIL)
+        encoded = json.dumps(delta).encode()
+        field = b'"delta":{"content":' + encoded + b"}" if answer.chat else b'"text":' + encoded
+        logprobs = answer.logprobs(sim, start, count, first=start == 0, offset=self.offset) if count > start else None
+        self.offset += len(delta)
+        encoded_logprobs = b"null" if logprobs is None else json.dumps(logprobs, separators=(",", ":")).encode()
+        finish = (sim.finish_reason, sim.stop_reason) if finishing else None
+        pieces.append(self._event(field, encoded_logprobs, count, finish))
         self.sent = count
-        if sim.finished and not self.ended and sim.finish_reason != "abort":
-            self.ended = True
-            final: dict[str, Any] = {"index": self.index, "logprobs": None, "finish_reason": sim.finish_reason,
-                                     "stop_reason": sim.stop_reason}
-            final["delta" if answer.chat else "text"] = {} if answer.chat else ""
-            pieces.append(sse_event({"id": answer.id, "object": "chat.completion.chunk" if answer.chat else
-                                     "text_completion", "created": answer.created, "model": answer.model,
-                                     "choices": [final]}))
+        self.ended = finishing
         return pieces
+
+    def _event(self, field: bytes, logprobs: bytes, tokens: int, finish: tuple[str | None, str | None] | None = None,
+               *, opening: bool = False, first: bool = False) -> bytes:
+        """One event of this choice: FIELD (its delta or text), its logprobs, its finish, and with continuous
+        usage the choice's TOKENS so far; with the fields vLLM 0.19.1 writes in each kind of event. Completions:
+        all of them, every time (stop_reason, prompt_token_ids, token_ids, usage: null when not sent). Chat (vLLM
+        leaves out what it did not set): an OPENING event (the role's, FIRST, with the request's
+        prompt_token_ids; echo's) has no stop_reason or token_ids, a token's has token_ids, and the finishing
+        one stop_reason too; usage only when continuous."""
+        chat = self.answer.chat
+        tail = b',"finish_reason":' + (b"null" if finish is None else json.dumps(finish[0]).encode())
+        stop = b',"stop_reason":' + (b"null" if finish is None else json.dumps(finish[1]).encode())
+        if not chat:
+            tail += stop + b',"prompt_token_ids":null,"token_ids":null'
+        elif not opening:
+            tail += (stop if finish is not None else b"") + b',"token_ids":null'
+        usage = b"" if chat else b',"usage":null'
+        if self.prompt is not None:
+            usage = (f',"usage":{{"prompt_tokens":{self.prompt},"total_tokens":{self.prompt + tokens},'
+                     f'"completion_tokens":{tokens}').encode() + (b"}" if chat else b',"prompt_tokens_details":null}')
+        return (self.head + field + b',"logprobs":' + logprobs + tail + b"}]" + usage
+                + (b',"prompt_token_ids":null' if first else b"") + b"}\n\n")
 
 
 def draw_logprobs(seed: int, position: int, token: str, entries: int) -> list[tuple[str, float]]:

@@ -1,5 +1,5 @@
-"""Structured output for the simulator: JSON text that `response_format` (or vLLM's `guided_json` and
-`guided_choice`) asks for, drawn from the request's random generator so it is as deterministic as any answer.
+"""Structured output for the simulator: JSON text that `response_format` (or vLLM's `structured_outputs` json,
+choice and json_object) asks for, drawn from the request's random generator so it is as deterministic as any answer.
 
 vLLM constrains decoding with a grammar (xgrammar, guidance): the text is valid by construction, and only
 max_tokens can cut it short. The simulator writes a valid document first and then emits its tokens, so the
@@ -323,8 +323,11 @@ class JsonSchema:
         return value if allowed.admits(value) else (low + high) / 2
 
 
-def guided_choice(choices: Any) -> Sequence[str]:
-    """The choices of vLLM's `guided_choice`: a non-empty list of strings."""
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise RequestRejected("guided_choice must be a non-empty list of strings.", "guided_choice")
+def choices_of(choices: Any) -> Sequence[str]:
+    """The choices of vLLM's `structured_outputs.choice`: a non-empty list of strings (refused as vLLM refuses
+    an empty one)."""
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise RequestRejected("structured_outputs.choice must be a list of strings.", "structured_outputs")
+    if not choices:
+        raise RequestRejected(f"Choice '{choices}' cannot be an empty list")
     return choices

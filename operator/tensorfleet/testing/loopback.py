@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -79,11 +80,13 @@ def small_profile(**capacity: Any) -> Profile:
 
 @asynccontextmanager
 async def sim(*, profile: Profile | None = None, time_scale: float = FAST, startup_delay: float = 0.0,
-              port: int = 0, seed: int = 0, kv_transfer: TransferConfig | None = None) -> AsyncIterator[RunningSim]:
+              port: int = 0, seed: int = 0, kv_transfer: TransferConfig | None = None,
+              stream_interval: int = 1, prompt_tokens_details: bool = False) -> AsyncIterator[RunningSim]:
     server = SimServer(profile or make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
                                                             startup_delay=startup_delay, time_scale=time_scale,
                                                             seed=seed, kv_transfer=kv_transfer,
-                                                            bind_host="127.0.0.1"))
+                                                            bind_host="127.0.0.1", stream_interval=stream_interval,
+                                                            prompt_tokens_details=prompt_tokens_details))
     runner = await start_site(server.app(), "127.0.0.1", port)
     bound = runner.addresses[0][1]
     try:
@@ -205,9 +208,11 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
 
 
 @contextmanager
-def _spawned(command: list[str], *, stdout: Any, stderr: Any) -> Iterator[subprocess.Popen[bytes]]:
-    """COMMAND as its own process (unbuffered output); SIGKILLed on exit if still running."""
-    process = subprocess.Popen(command, stdout=stdout, stderr=stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def _spawned(command: list[str], *, stdout: Any, stderr: Any, env: Mapping[str, str] | None = None
+             ) -> Iterator[subprocess.Popen[bytes]]:
+    """COMMAND as its own process (unbuffered output, ENV added to ours); SIGKILLed on exit if still running."""
+    process = subprocess.Popen(command, stdout=stdout, stderr=stderr,
+                               env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
     try:
         yield process
     finally:
@@ -219,11 +224,13 @@ def _spawned(command: list[str], *, stdout: Any, stderr: Any) -> Iterator[subpro
 
 
 @contextmanager
-def spawn_sim(port: int, *args: str) -> Iterator[subprocess.Popen[bytes]]:
-    """`tensorfleet sim` as its own process on PORT; killed on exit."""
+def spawn_sim(port: int, *args: str, served_name: str = MODEL, env: Mapping[str, str] | None = None,
+              log: Any = subprocess.PIPE) -> Iterator[subprocess.Popen[bytes]]:
+    """`tensorfleet sim` as its own process on PORT, serving SERVED_NAME, with ENV added to ours (such as
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); killed on exit. LOG: where its log goes (a pipe, or a file)."""
     command = [sys.executable, "-m", "tensorfleet.cli", "sim", "--host", "127.0.0.1", "--port", str(port),
-               "--served-model-name", MODEL, *args]
-    with _spawned(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
+               "--served-model-name", served_name, *args]
+    with _spawned(command, stdout=subprocess.DEVNULL, stderr=log, env=env) as process:
         yield process
 
 
@@ -280,3 +287,25 @@ async def wait_healthy(url: str, timeout: float = 20.0) -> None:
             except aiohttp.ClientError:
                 return False
         await eventually(ok, timeout=timeout, interval=0.05)
+
+
+def idle_connection_lifetime(url: str, bound: float) -> float:
+    """Seconds until the server at URL closes a keep-alive connection left idle after one answered GET of
+    /health (at most BOUND: then BOUND)."""
+    parts = urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=10) as conn:
+        conn.sendall(f"GET {contract.HEALTH_PATH} HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode())
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += conn.recv(4096)
+        if not answer.startswith(b"HTTP/1.1 200"):
+            raise AssertionError(f"GET {url}{contract.HEALTH_PATH}: {answer[:200]!r}")
+        idle = time.monotonic()  # /health's answer has no body: the connection is idle from here
+        conn.settimeout(bound)
+        try:
+            rest = conn.recv(4096)
+        except TimeoutError:
+            return bound
+        if rest:
+            raise AssertionError(f"{url} sent more after /health's answer: {rest[:200]!r}")
+        return time.monotonic() - idle

@@ -13,7 +13,9 @@ It stays PID 1 of the container: it forwards SIGTERM to the engine after the
 in-flight requests drain, reaps orphans, keeps a state file for
 `tensorfleet-worker health`, and on GPU pods serves, on the GPU metrics port,
 health gauges read with pynvml and the pod's `/health` (GPUs, its own phase,
-and on stage 0 the engine's `/health`), which is their readiness probe.
+and on stage 0 the engine's `/health`), which is their readiness probe. On a
+pod planned for vLLM's CPU backend (TF_ACCELERATOR=CPU: CPU mode) it serves
+that `/health` alone, without NVML: its own phase and the engine's `/health`.
 
 Modules: `role` (env -> Role), `command` (Role -> argv), `raywait` (cluster
 and leader waits), `supervise` (child process, signals, drain), `gpu` (NVML

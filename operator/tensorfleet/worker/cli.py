@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"between progress lines while waiting (default {defaults.log_every:g})")
     parser.add_argument("--watch-interval", type=argtypes.positive_float, default=defaults.watch_interval, metavar="SECONDS",
                         help=f"stage > 0: between checks of the leader once joined (default {defaults.watch_interval:g})")
+    parser.add_argument("--kill-after", type=argtypes.positive_float, default=defaults.kill_after, metavar="SECONDS",
+                        help="SIGKILL the engine (its whole process group) when it still runs this long after the "
+                             f"SIGTERM the launcher sent it (default {defaults.kill_after:g}; the pod's termination "
+                             "grace period bounds it too)")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     health = commands.add_parser("health", help="check the GPUs (NVML) and the launcher; exit 0 healthy, 1 unhealthy, 3 no NVML")
@@ -159,13 +163,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # The GPU metrics exporter and the drain (which reads the engine's
         # /metrics) use prometheus_client; printing the plan needs nothing.
         extras.require(PROG, "worker")
-    from tensorfleet.worker.command import print_document
+    from tensorfleet.worker.command import engine_environ, print_document
     from tensorfleet.worker.launcher import Launcher, Options
     from tensorfleet.worker.role import role_from_env
 
     role = role_from_env(os.environ)
     if args.print_command:
-        print(json.dumps(print_document(role, os.environ), indent=2))
+        print(json.dumps(print_document(role, engine_environ(role, os.environ, os.sched_getaffinity(0))), indent=2))
         return 0
     options = Options(
         state_path=args.state_file or None,
@@ -176,6 +180,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         log_every=args.log_interval,
         watch_interval=args.watch_interval,
         supervise_poll=min(0.5, args.poll_interval),
+        kill_after=args.kill_after,
     )
     return Launcher(role, os.environ, options).run()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,6 +156,40 @@ def steps(role: Role) -> list[Step]:
     if role.simulator:
         return [wait, Step(STEP_IDLE, tuple(idle_argv()))]
     return [wait, Step(STEP_RAY_WORKER, tuple(ray_worker_argv(role)))]
+
+
+def cpu_thread_binding(cpus: Collection[int], tensor: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for TENSOR workers on the CPUS this pod may use: contiguous, equal shares,
+    one per worker, each written as vLLM reads it ("0-3|4-7"); cores left over go unused."""
+    ordered = sorted(cpus)
+    share = len(ordered) // tensor
+    if share < 1:
+        raise WorkerError(f"tensor parallel {tensor} on vLLM's CPU backend needs a core per worker; this pod may use "
+                          f"{len(ordered)} ({contract.ENV_CPU_OMP_THREADS_BIND} can bind them by hand)", EXIT_CONFIG)
+    groups = [ordered[rank * share:(rank + 1) * share] for rank in range(tensor)]
+    return "|".join(",".join(_ranges(group)) for group in groups)
+
+
+def _ranges(cpus: list[int]) -> list[str]:
+    out: list[str] = []
+    start = previous = cpus[0]
+    for cpu in [*cpus[1:], None]:
+        if cpu is not None and cpu == previous + 1:
+            previous = cpu
+            continue
+        out.append(str(start) if start == previous else f"{start}-{previous}")
+        if cpu is not None:
+            start = previous = cpu
+    return out
+
+
+def engine_environ(role: Role, environ: Mapping[str, str], cpus: Collection[int]) -> dict[str, str]:
+    """The env the engine runs with: ENVIRON, plus on vLLM's CPU backend with tensor parallel the workers'
+    thread binding over CPUS, unless the pod's env sets one."""
+    out = dict(environ)
+    if role.cpu and role.tensor_parallel_size > 1 and not out.get(contract.ENV_CPU_OMP_THREADS_BIND):
+        out[contract.ENV_CPU_OMP_THREADS_BIND] = cpu_thread_binding(cpus, role.tensor_parallel_size)
+    return out
 
 
 def redact_env(environ: Mapping[str, str]) -> dict[str, str]:

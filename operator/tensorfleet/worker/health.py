@@ -3,7 +3,13 @@
 Checks, in order: the launcher's state (when it runs in this container: it
 must be running its engine or Ray worker, not still waiting), then, when
 asked (`engine_port`), that the engine answers its own `/health` on this pod,
-then every GPU through NVML (skipped in simulator mode).
+then every GPU through NVML (skipped in simulator mode and in CPU mode).
+
+CPU mode is a vLLM pod planned for vLLM's CPU backend (spec.accelerator.type
+CPU, which the renderer passes on as TF_ACCELERATOR=CPU): it has no GPU, so
+its health is the launcher's state and vLLM's own `/health`, and NVML is not
+needed. The mode comes from the plan, never from NVML failing: a GPU pod whose
+NVML cannot be read stays unhealthy (exit 3).
 
 `judge` is the one check. The launcher serves it on the GPU metrics port as
 `/health` (200 healthy, 503 not, the lines below as the body): that is the
@@ -22,6 +28,7 @@ probes do not use it. Exit codes:
      needs, the launcher not (yet) running its engine, or the engine not answering
   2  bad flags
   3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked
+     (a GPU pod only: CPU and simulator mode check none)
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from tensorfleet import contract
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
 from tensorfleet.worker.errors import EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
-from tensorfleet.worker.role import health_settings
+from tensorfleet.worker.role import cpu_backend, health_settings
 
 GiB = 1024**3
 # Within the probes' 5 s timeout, with room for the NVML reads.
@@ -113,7 +120,7 @@ def check(
     """`tensorfleet-worker health`: the pod's settings from `environ`, the launcher's state from its file."""
     kind, tensor = health_settings(environ)
     return judge(kind, tensor, statefile.read_state(state_path), state_path=state_path,
-                 thresholds=thresholds, min_gpus=min_gpus)
+                 thresholds=thresholds, min_gpus=min_gpus, cpu=cpu_backend(environ))
 
 
 def judge(
@@ -126,8 +133,12 @@ def judge(
     min_gpus: int | None = None,
     engine_port: int | None = None,
     sampler: Callable[[], gpus.Snapshot] = gpus.sample,
+    cpu: bool = False,
+    warmup: Callable[[], tuple[bool, str]] | None = None,
 ) -> HealthResult:
-    """The verdict on one engine pod (see the module docstring); engine_port: also ask the engine."""
+    """The verdict on one engine pod (see the module docstring); engine_port: also ask the engine; cpu: the pod
+    runs vLLM's CPU backend (no GPUs to check); warmup: asked once the engine answers healthy, (done, line)
+    (worker/warmup.py)."""
     launcher_ok, launcher_line = _launcher_check(state, state_path)
     lines = [launcher_line]
     doc: dict[str, Any] = {"engine": kind, "launcher": {"ok": launcher_ok, "state": state}}
@@ -138,9 +149,18 @@ def judge(
         doc["engineHealth"] = {"ok": engine_ok, "port": engine_port}
         if not engine_ok:
             reasons.append(engine_line)
+        elif warmup is not None:
+            warm, warm_line = warmup()
+            lines.append(warm_line)
+            if not warm:
+                reasons.append(warm_line)
 
-    if kind == "simulator":
-        lines.append(f"simulator mode ({contract.ENV_ENGINE_KIND}=simulator): no GPUs to check")
+    if kind == "simulator" or cpu:
+        lines.append(f"simulator mode ({contract.ENV_ENGINE_KIND}=simulator): no GPUs to check" if kind == "simulator"
+                     else f"CPU mode ({contract.ENV_ACCELERATOR}={contract.CPU_ACCELERATOR}, vLLM's CPU backend): "
+                          "no GPUs to check")
+        if cpu:
+            doc["cpu"] = True
         healthy = not reasons
         lines.append("healthy" if healthy else "unhealthy: " + "; ".join(reasons))
         doc["healthy"] = healthy

@@ -10,15 +10,18 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tensorfleet import contract
-from tensorfleet.worker import command, health, raywait
+from tensorfleet.worker import command, health, raywait, warmup
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
 from tensorfleet.worker.errors import EXIT_LEADER_LOST, EXIT_NOT_FOUND, EXIT_OK, EXIT_START_FAILED, WorkerError
 from tensorfleet.worker.role import Role
 from tensorfleet.worker.supervise import EngineDrain, Signals, run_child
+
+if TYPE_CHECKING:
+    from tensorfleet.worker import metrics as metrics_module
 
 RAY_START_TIMEOUT_SECONDS = 300.0
 RAY_STOP_TIMEOUT_SECONDS = 60.0
@@ -34,6 +37,7 @@ class Options:
     log_every: float = 10.0             # between progress lines while waiting
     watch_interval: float = 5.0         # between leader checks once joined
     supervise_poll: float = 0.5         # child-process loop
+    kill_after: float = 60.0            # SIGTERM sent to the engine -> SIGKILL when it still runs
 
 
 class Launcher:
@@ -47,6 +51,9 @@ class Launcher:
         self._metrics_server: Any = None
         self._health_lock = threading.Lock()
         self._last_health: bool | None = None
+        # vLLM's CPU backend compiles on its first generations: the serving stage warms it up before Ready.
+        self.warmup = (warmup.Warmup(role.engine_port, role.served_model_name, log=self.log)
+                       if role.cpu and role.leader else None)
 
     def _stderr(self, message: str) -> None:
         role = self.role
@@ -59,7 +66,9 @@ class Launcher:
         self.state.phase(statefile.PHASE_STARTING, self.role.describe())
         try:
             self._announce()
-            if not self.role.simulator:
+            if self.role.cpu:
+                self._cpu_side()
+            elif not self.role.simulator:
                 self._gpu_side()
             if self.role.multi_node and not self.role.leader:
                 return self._worker()
@@ -114,7 +123,8 @@ class Launcher:
         drain = raywait.LeaderGone(host, port, log=self.log, log_every=self.options.log_every)
         try:
             code, reason = run_child(argv, self.environ, signals=self.signals, log=self.log,
-                                     poll=self.options.supervise_poll, drain=drain, watch=watch)
+                                     poll=self.options.supervise_poll, drain=drain, watch=watch,
+                                     kill_after=self.options.kill_after)
         finally:
             if not role.simulator:
                 self._ray_stop()
@@ -131,7 +141,7 @@ class Launcher:
     def _serve(self, argv: list[str]) -> int:
         drain = EngineDrain(self.role.engine_port, log=self.log, log_every=self.options.log_every)
         code, _ = run_child(argv, self.environ, signals=self.signals, log=self.log,
-                            poll=self.options.supervise_poll, drain=drain)
+                            poll=self.options.supervise_poll, drain=drain, kill_after=self.options.kill_after)
         if self.signals.stopping:
             self.state.phase(statefile.PHASE_STOPPING)
             code = self._stopped_code(code)
@@ -155,18 +165,19 @@ class Launcher:
                     else "compare with vLLM's `GPU KV cache size: N tokens` line below")
             self.log(f"the planner expects {role.kv_cache_tokens:,} KV-cache tokens per replica{on}; {then}")
 
+    def _cpu_side(self) -> None:
+        """vLLM's CPU backend: the cache check and the pod's /health, without NVML, XID watcher or GPU gauges."""
+        self._check_cache_dir()
+        self.log(f"CPU mode ({contract.ENV_ACCELERATOR}={self.role.accelerator}): vLLM's CPU backend, no GPUs to check")
+        self.environ = command.engine_environ(self.role, self.environ, os.sched_getaffinity(0))
+        binding = self.environ.get(contract.ENV_CPU_OMP_THREADS_BIND)
+        if binding and self.role.tensor_parallel_size > 1:
+            self.log(f"{self.role.tensor_parallel_size} tensor-parallel workers bound to cores "
+                     f"{contract.ENV_CPU_OMP_THREADS_BIND}={binding}")
+        self._serve_health(None)
+
     def _gpu_side(self) -> None:
-        hf_home = self.environ.get(contract.ENV_HF_HOME)
-        if hf_home:
-            path = Path(hf_home)
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                writable = os.access(path, os.W_OK)
-            except OSError:
-                writable = False
-            if not writable:
-                self.log(f"warning: {contract.ENV_HF_HOME}={hf_home} is not writable by uid {os.getuid()}: "
-                         "downloads will fail; give the pod securityContext.fsGroup so the cache volume is group-writable")
+        self._check_cache_dir()
         try:
             snapshot = gpus.sample()
         except gpus.NvmlUnavailable as exc:
@@ -181,28 +192,54 @@ class Launcher:
         if self.role.gpu_metrics_port:
             from tensorfleet.worker import metrics
 
-            port = self.role.gpu_metrics_port
-            collector = metrics.GpuCollector(
+            self._serve_health(metrics.GpuCollector(
                 gpus.Thresholds(min_gpus=self.role.tensor_parallel_size),
                 xids=lambda: self.state.snapshot().get("xids", []),
-            )
+            ))
+
+    def _check_cache_dir(self) -> None:
+        hf_home = self.environ.get(contract.ENV_HF_HOME)
+        if hf_home:
+            path = Path(hf_home)
             try:
-                self._metrics_server = metrics.serve(port, collector, health=self.pod_health)
-            except OSError as exc:
-                # The pod's readiness probe asks this port: without it the pod would never be Ready.
-                raise WorkerError(f"cannot serve GPU metrics and the readiness check on :{port} ({exc.strerror or exc}); "
-                                  f"is another process in the pod using port {port}?", EXIT_START_FAILED) from None
+                path.mkdir(parents=True, exist_ok=True)
+                writable = os.access(path, os.W_OK)
+            except OSError:
+                writable = False
+            if not writable:
+                self.log(f"warning: {contract.ENV_HF_HOME}={hf_home} is not writable by uid {os.getuid()}: "
+                         "downloads will fail; give the pod securityContext.fsGroup so the cache volume is group-writable")
+
+    def _serve_health(self, collector: metrics_module.GpuCollector | None) -> None:
+        """The pod's /health (the readiness probe) on the launcher's port, beside the GPU gauges when given."""
+        port = self.role.gpu_metrics_port
+        if not port:
+            return
+        from tensorfleet.worker import metrics
+
+        what = "GPU metrics and the readiness check" if collector is not None else "the readiness check"
+        try:
+            self._metrics_server = metrics.serve(port, collector, health=self.pod_health)
+        except OSError as exc:
+            # The pod's readiness probe asks this port: without it the pod would never be Ready.
+            raise WorkerError(f"cannot serve {what} on :{port} ({exc.strerror or exc}); "
+                              f"is another process in the pod using port {port}?", EXIT_START_FAILED) from None
+        if collector is not None:
             self.log(f"GPU metrics on :{port}{contract.METRICS_PATH}, this pod's health on :{port}{contract.HEALTH_PATH}")
+        else:
+            self.log(f"this pod's health on :{port}{contract.HEALTH_PATH}")
 
     def pod_health(self) -> tuple[bool, list[str]]:
-        """The verdict `/health` serves: GPUs, the launcher's phase, and on stage 0 the engine's /health.
+        """The verdict `/health` serves: GPUs (not on CPU), the launcher's phase, on stage 0 the engine's /health and
+        on the CPU backend its warm-up.
 
         Logs each change of verdict, so `kubectl logs` says why a pod left (or joined) the Service.
         """
         role = self.role
         result = health.judge(
             role.engine_kind, role.tensor_parallel_size, self.state.snapshot(), state_path=None,
-            thresholds=gpus.Thresholds(), engine_port=role.engine_port if role.leader else None,
+            thresholds=gpus.Thresholds(), engine_port=role.engine_port if role.leader else None, cpu=role.cpu,
+            warmup=self.warmup.check if self.warmup is not None else None,
         )
         healthy = result.code == EXIT_OK
         with self._health_lock:

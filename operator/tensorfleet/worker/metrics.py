@@ -6,8 +6,9 @@ values are as fresh as the scrape. When NVML is unavailable only
 
 `serve` answers `/metrics` (and `/`) with the gauges and, when the launcher
 hands it a check, `/health` with that check's verdict: 200 or 503, the
-check's lines as a plain-text body (the readiness probe of GPU engine pods;
-see `health.py`).
+check's lines as a plain-text body (the readiness probe of vLLM engine pods;
+see `health.py`). On a CPU engine pod (vLLM's CPU backend) the launcher
+serves `/health` alone: no collector, so no NVML, and `/metrics` is 404.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ HealthCheck = Callable[[], tuple[bool, list[str]]]
 class MetricsServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry, health: HealthCheck | None) -> None:
+    def __init__(self, addr: tuple[str, int], registry: CollectorRegistry | None, health: HealthCheck | None) -> None:
         super().__init__(addr, _Handler)
         self.registry, self.health = registry, health
 
@@ -138,7 +139,7 @@ class _Handler(BaseHTTPRequestHandler):
             except Exception as exc:  # noqa: BLE001 - a probe must get an answer, not a reset connection
                 healthy, lines = False, [f"unhealthy: the check failed: {exc!r}"]
             self._send(200 if healthy else 503, ("\n".join(lines) + "\n").encode(), "text/plain; charset=utf-8")
-        elif path in (contract.METRICS_PATH, "/"):
+        elif path in (contract.METRICS_PATH, "/") and self.server.registry is not None:
             self._send(200, generate_latest(self.server.registry), CONTENT_TYPE_LATEST)
         else:
             self._send(404, b"not found\n", "text/plain; charset=utf-8")
@@ -154,8 +155,9 @@ class _Handler(BaseHTTPRequestHandler):
         """Quiet: a probe every few seconds would flood the pod's log."""
 
 
-def serve(port: int, collector: GpuCollector, addr: str = "0.0.0.0", health: HealthCheck | None = None) -> MetricsServer:
-    """Serve /metrics (and /health when given) on port in a daemon thread; .shutdown() stops it."""
-    server = MetricsServer((addr, port), registry_for(collector), health)
+def serve(port: int, collector: GpuCollector | None, addr: str = "0.0.0.0",
+          health: HealthCheck | None = None) -> MetricsServer:
+    """Serve /metrics (with a collector) and /health (when given) on port in a daemon thread; .shutdown() stops it."""
+    server = MetricsServer((addr, port), registry_for(collector) if collector is not None else None, health)
     threading.Thread(target=server.serve_forever, name="gpu-metrics", daemon=True).start()
     return server

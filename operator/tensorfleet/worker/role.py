@@ -71,6 +71,11 @@ class Role(BaseModel):
         return self.engine_kind == "simulator"
 
     @property
+    def cpu(self) -> bool:
+        """vLLM on its CPU backend: the plan's accelerator (TF_ACCELERATOR) is CPU. No GPUs, so no NVML."""
+        return not self.simulator and is_cpu_accelerator(self.accelerator)
+
+    @property
     def multi_node(self) -> bool:
         return self.pipeline_parallel_size > 1
 
@@ -206,6 +211,17 @@ def role_from_env(environ: Mapping[str, str]) -> Role:
             f"set the variables it names ({', '.join(_VAR_REF.findall(role.leader_address))})",
         )
     return role
+
+
+def is_cpu_accelerator(accelerator: str | None) -> bool:
+    """Whether TF_ACCELERATOR names vLLM's CPU backend (the renderer writes the plan's `CPU`; by hand, any case)."""
+    return accelerator is not None and accelerator.strip().upper() == contract.CPU_ACCELERATOR
+
+
+def cpu_backend(environ: Mapping[str, str]) -> bool:
+    """`health`'s CPU mode: a vLLM pod whose plan is for the CPU backend (never guessed from NVML failing)."""
+    kind = _get(environ, contract.ENV_ENGINE_KIND) or "vllm"
+    return kind == "vllm" and is_cpu_accelerator(_get(environ, contract.ENV_ACCELERATOR))
 
 
 def health_settings(environ: Mapping[str, str]) -> tuple[str, int | None]:

@@ -5,7 +5,11 @@ drained, since vLLM aborts them on SIGTERM unless told otherwise, (2) reap the
 Ray daemons that `ray start` leaves behind as orphans, and (3) watch the leader
 from a worker. Signals: the first SIGTERM/SIGINT starts the drain and then
 forwards SIGTERM; a second forwards SIGTERM at once; a third sends SIGKILL.
-The pod's termination grace period bounds the whole sequence.
+An engine still running `kill_after` seconds after its SIGTERM (vLLM loading
+weights or compiling does not act on it) is sent SIGKILL too. SIGKILL goes to
+the engine's whole process group: vLLM's engine-core and worker processes
+would otherwise outlive it. The pod's termination grace period bounds the
+whole sequence.
 """
 
 from __future__ import annotations
@@ -153,6 +157,14 @@ def _send(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the child's process group (spawn gave it a session of its own, so its group is its pid)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        _send(proc, signal.SIGKILL)
+
+
 def run_child(
     argv: Sequence[str],
     env: Mapping[str, str],
@@ -162,11 +174,14 @@ def run_child(
     poll: float = 0.5,
     drain: Callable[[], bool] | None = None,
     watch: Callable[[], str | None] | None = None,
+    kill_after: float | None = None,
 ) -> tuple[int, str | None]:
-    """Run argv until it exits; return (exit code, the watch's reason if it stopped the child)."""
+    """Run argv until it exits; return (exit code, the watch's reason if it stopped the child). kill_after:
+    seconds from the SIGTERM sent to the child to SIGKILL (None: only a third stop signal kills it)."""
     proc = spawn(argv, env)
     log(f"started `{' '.join(argv[:3])}` (pid {proc.pid})")
     forwarded = 0   # signals forwarded: 0 none, 1 SIGTERM, 2 SIGKILL
+    termed = 0.0    # when the SIGTERM went
     reason: str | None = None
     while True:
         code = _reap(proc)
@@ -174,20 +189,25 @@ def run_child(
             return code, reason
         if signals.count >= 3 and forwarded < 2:
             log("third stop signal: killing the engine")
-            _send(proc, signal.SIGKILL)
+            _kill_group(proc)
+            forwarded = 2
+        elif forwarded == 1 and kill_after is not None and time.monotonic() - termed >= kill_after:
+            log(f"`{argv[0]}` (pid {proc.pid}) still runs {kill_after:g}s after SIGTERM: killing it")
+            _kill_group(proc)
             forwarded = 2
         elif signals.count >= 1 and forwarded < 1:
             if signals.count >= 2 or drain is None or drain():
                 log(f"forwarding SIGTERM to `{argv[0]}` (pid {proc.pid})")
                 _send(proc, signal.SIGTERM)
-                forwarded = 1
+                forwarded, termed = 1, time.monotonic()
         elif not signals.stopping and watch is not None and reason is None:
             reason = watch()
             if reason:
                 log(f"stopping `{argv[0]}` (pid {proc.pid}): the leader is gone")
                 _send(proc, signal.SIGTERM)
-                forwarded = 1
-        signals.wait(poll)
+                forwarded, termed = 1, time.monotonic()
+        signals.wait(poll if forwarded != 1 or kill_after is None
+                     else max(0.0, min(poll, termed + kill_after - time.monotonic())))
         if signals.stopping:
             # Wake early again only for a signal that arrives after this one.
             signals.handled()

@@ -1,0 +1,445 @@
+"""GitOps for real: Flux reconciling InferenceServices pushed to the e2e cluster's Git server, and the GitOps tools'
+own health code judging InferenceServices in each state.
+
+`e2e/cluster up --gitops` (.ci/run brings the cluster up so) builds Flux's source-controller and
+kustomize-controller from their Go modules and runs them against the cluster, with a Git server (git's own
+http-backend) holding the repository that the Kustomization flux-system/tensorfleet-apps applies (prune,
+wait: health by kstatus). The tests here push commits to it as a platform team would and watch what Flux and
+the operator make of them; kstatus (sigs.k8s.io/cli-utils, what Flux's health checks compute) and Argo CD's
+health script (charts/tensorfleet/README.md, run in gopher-lua, the VM Argo CD embeds) judge objects the
+real cluster wrote. The flow tests share one namespace and one folder of the repository, in order, as one
+team's history. docs/gitops.md says what is proven and how to repeat it by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Self
+
+import pytest
+import yaml
+from kube import (
+    NEXT_IMAGE,
+    ROOT,
+    TIMEOUT,
+    cluster_status,
+    condition,
+    delete_namespace_later,
+    engine_pods,
+    eventually,
+    example,
+    get,
+    isvc,
+    items,
+    kubectl,
+    kubectl_result,
+    new_namespace,
+    router_url,
+    wait_ready,
+)
+
+from tensorfleet import contract, promtext
+
+FLUX_NAMESPACE = "flux-system"
+KUSTOMIZATION = "kustomization.kustomize.toolkit.fluxcd.io"
+GIT_REPOSITORY = "gitrepository.source.toolkit.fluxcd.io"
+APPS = "tensorfleet-apps"
+SOURCE = "tensorfleet"
+INTERVAL_S = 10  # the Kustomization's and the GitRepository's (e2e/gitops.py)
+CHART_README = ROOT / "charts" / "tensorfleet" / "README.md"
+AUTHOR = ["-c", "user.name=tensorfleet-e2e", "-c", "user.email=e2e@tensorfleet.dev"]
+
+
+def _gitops() -> dict[str, Any]:
+    found = (cluster_status() or {}).get("gitops")
+    if not found or not all(found[p]["running"] for p in ("git", "source-controller", "kustomize-controller")):
+        pytest.fail("needs Flux and the Git server of `e2e/cluster up --gitops` (.ci/run brings the cluster up so); "
+                    f"status: {found!r}")
+    return dict(found)
+
+
+class Repo:
+    """A clone of the GitOps repository: write files under the apps folder, commit, push."""
+
+    def __init__(self, url: str, path: str, work: Path) -> None:
+        self.path, self.work = path, work
+        self.git("clone", "--quiet", url, str(work), cwd=work.parent)
+
+    def git(self, *args: str, cwd: Path | None = None) -> str:
+        done = subprocess.run(["git", *AUTHOR, *args], cwd=cwd or self.work, capture_output=True, text=True,
+                              timeout=120, check=False)
+        assert done.returncode == 0, f"git {' '.join(args)}: {done.stderr.strip()}"
+        return done.stdout
+
+    def commit(self, files: dict[str, Any], message: str) -> str:
+        """Write (a document or a list of them) or delete (None) FILES under the apps folder, commit and push;
+        the new commit's SHA."""
+        self.git("pull", "--quiet", "--ff-only")
+        for name, docs in files.items():
+            target = self.work / self.path / name
+            if docs is None:
+                target.unlink(missing_ok=True)
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(yaml.safe_dump_all(docs if isinstance(docs, list) else [docs], sort_keys=False))
+        self.git("add", "--all", ".")
+        self.git("commit", "--quiet", "--allow-empty", "-m", message)
+        self.git("push", "--quiet", "origin", "main")
+        return self.git("rev-parse", "HEAD").strip()
+
+
+def _kustomization() -> dict[str, Any]:
+    found = get(KUSTOMIZATION, APPS, FLUX_NAMESPACE)
+    assert found is not None, f"no Kustomization {FLUX_NAMESPACE}/{APPS}"
+    return found
+
+
+def _reconcile_now() -> None:
+    """What `flux reconcile kustomization --with-source` does: ask both for a reconciliation now."""
+    stamp = datetime.now(UTC).isoformat()
+    for kind, name in ((GIT_REPOSITORY, SOURCE), (KUSTOMIZATION, APPS)):
+        kubectl("annotate", "--overwrite", kind, name, "-n", FLUX_NAMESPACE, f"reconcile.fluxcd.io/requestedAt={stamp}")
+
+
+def _revision(sha: str) -> str:
+    return f"main@sha1:{sha}"
+
+
+def _applied(sha: str) -> dict[str, Any] | None:
+    """The Kustomization once it is Ready on commit SHA."""
+    found = _kustomization()
+    ready = condition(found, "Ready") or {}
+    done = found.get("status", {}).get("lastAppliedRevision") == _revision(sha) and ready.get("status") == "True"
+    return found if done else None
+
+
+def _refused(sha: str) -> dict[str, Any] | None:
+    """The Kustomization once its attempt at SHA failed (Ready False)."""
+    found = _kustomization()
+    ready = condition(found, "Ready") or {}
+    done = found.get("status", {}).get("lastAttemptedRevision") == _revision(sha) and ready.get("status") == "False"
+    return found if done else None
+
+
+def _apiserver_applies() -> tuple[float, float]:
+    """The API server's own count of server-side applies to InferenceServices: (real, dry run)."""
+    text = kubectl("get", "--raw", "/metrics", timeout=60)
+    real = dry = 0.0
+    for sample in promtext.select(text, "apiserver_request_total"):
+        labels = sample.labels
+        if labels.get("verb") == "APPLY" and labels.get("resource") == contract.PLURAL and not labels.get("subresource"):
+            if labels.get("dry_run"):
+                dry += sample.value
+            else:
+                real += sample.value
+    return real, dry
+
+
+def _check(command: str, objects: list[dict[str, Any]], *args: str) -> list[dict[str, str]]:
+    """gitops-check (e2e/build/gitops-check): kstatus or Argo CD's Lua VM on OBJECTS."""
+    binary = _gitops()["check"]
+    done = subprocess.run([binary, command, *args], input=json.dumps(objects), capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return list(json.loads(done.stdout))
+
+
+def _argo_script(tmp: Path) -> Path:
+    """The health check the chart's README ships, as the resource.customizations block's value."""
+    text = CHART_README.read_text()
+    block = re.search(r"```yaml\n(resource\.customizations\.health\.tensorfleet\.dev_InferenceService: \|\n.*?)```",
+                      text, flags=re.DOTALL)
+    assert block, f"no resource.customizations block in {CHART_README}"
+    (value,) = yaml.safe_load(block.group(1)).values()
+    script = tmp / "health.lua"
+    script.write_text(value)
+    return script
+
+
+class Requests:
+    """Chat completions through a router, one after another in a thread, until stopped (bounded in count and
+    time): every answer's status kept."""
+
+    def __init__(self, url: str, model: str, limit: int = 2000, seconds: float = 600) -> None:
+        self.url, self.model, self.limit, self.seconds = url, model, limit, seconds
+        self.codes: list[int | str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": self.model, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Hello"}]}).encode()
+        deadline = time.monotonic() + self.seconds
+        while not self._stop.is_set() and len(self.codes) < self.limit and time.monotonic() < deadline:
+            request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    answer.read()
+                    self.codes.append(answer.status)
+            except urllib.error.HTTPError as exc:
+                self.codes.append(exc.code)
+            except OSError as exc:
+                self.codes.append(type(exc).__name__)
+            time.sleep(0.05)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=90)
+
+
+# --- the flow: one team's history in one folder ---------------------------------------------------------------
+
+
+class Flow:
+    namespace: str
+    repo: Repo
+    name: str
+    doc: dict[str, Any]
+    sha: str
+
+
+@pytest.fixture(scope="module")
+def flow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flow]:
+    """The namespace and the repository folder the flow tests share; at the end the folder goes from Git, Flux
+    prunes what it applied, and the namespace is deleted."""
+    found = _gitops()
+    state = Flow()
+    state.namespace = new_namespace("gitops")
+    state.repo = Repo(found["repo"], found["path"], tmp_path_factory.mktemp("gitops") / "repo")
+    try:
+        yield state
+    finally:
+        files = {str(p.relative_to(state.repo.work / state.repo.path)): None
+                 for p in (state.repo.work / state.repo.path / state.namespace).glob("*.yaml")}
+        if files:
+            sha = state.repo.commit(files, f"{state.namespace}: done")
+            _reconcile_now()
+            eventually("the Kustomization Ready without the flow's folder", lambda: _applied(sha), timeout=TIMEOUT)
+        delete_namespace_later(state.namespace)
+
+
+def test_01_a_commit_deploys_and_the_kustomization_is_ready_only_once_the_service_is(flow: Flow) -> None:
+    doc = example("simulator-cpu.yaml", flow.namespace, replicas=2, autoscaling=None,
+                  parallelism={"tensor": 1, "pipeline": 1})
+    flow.name, flow.doc = doc["metadata"]["name"], doc
+    flow.sha = flow.repo.commit({f"{flow.namespace}/{flow.name}.yaml": doc}, f"{flow.namespace}: deploy {flow.name}")
+    _reconcile_now()
+    started = time.monotonic()
+    seen: list[tuple[str | None, str | None]] = []  # (the Kustomization's Ready at our commit, the service's Ready)
+
+    def applied() -> dict[str, Any] | None:
+        found = _kustomization()
+        if found.get("status", {}).get("lastAttemptedRevision") == _revision(flow.sha):
+            seen.append(((condition(found, "Ready") or {}).get("status"),
+                         (condition(isvc(flow.name, flow.namespace), "Ready") or {}).get("status")))
+        return _applied(flow.sha)
+    kustomization = eventually("the Kustomization Ready at the commit", applied, timeout=TIMEOUT)
+    took = time.monotonic() - started
+    obj = isvc(flow.name, flow.namespace)
+    assert obj is not None and (condition(obj, "Ready") or {}).get("status") == "True"
+    assert obj["status"]["readyReplicas"] == 2 and obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    # Flux waited on the service's health: while the service was not Ready, neither was the Kustomization.
+    assert all(k != "True" for k, s in seen if s != "True"), seen
+    assert any(k != "True" for k, _ in seen), f"never saw the Kustomization wait for the service: {seen}"
+    since = {c: (condition(o, "Ready") or {})["lastTransitionTime"] for c, o in (("k", kustomization), ("s", obj))}
+    assert since["k"] >= since["s"], since
+    assert took < TIMEOUT
+    # Flux's own labels on the object it applied; the operator's children are the operator's, not Flux's.
+    labels = obj["metadata"].get("labels") or {}
+    assert labels.get("kustomize.toolkit.fluxcd.io/name") == APPS, labels
+    print(f"\nthe Kustomization was Ready {took:.1f}s after the push")
+
+
+def test_02_an_image_commit_rolls_out_with_the_kustomization_in_progress_and_no_failed_request(flow: Flow) -> None:
+    url = router_url(flow.name, flow.namespace)
+    model = flow.doc["spec"]["model"]["servedName"]
+    flow.doc["spec"]["engine"]["image"] = NEXT_IMAGE
+    with Requests(url, model) as load:
+        # The router may still be finding the engines the Kustomization's health check saw Ready: the rollout's
+        # requests are those from the commit on, once three in a row were answered.
+        eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+        first = len(load.codes)
+        flow.sha = flow.repo.commit({f"{flow.namespace}/{flow.name}.yaml": flow.doc}, f"{flow.namespace}: new image")
+        _reconcile_now()
+        states: list[str | None] = []
+
+        def rolled() -> dict[str, Any] | None:
+            found = _kustomization()
+            if found.get("status", {}).get("lastAttemptedRevision") == _revision(flow.sha):
+                states.append((condition(found, "Ready") or {}).get("status"))
+            pods = engine_pods(flow.name, flow.namespace)
+            done = pods and all(p["spec"]["containers"][0]["image"] == NEXT_IMAGE for p in pods)
+            return _applied(flow.sha) if done else None
+        eventually("the rollout done and the Kustomization Ready at the commit", rolled, timeout=TIMEOUT)
+        sent = len(load.codes)
+        eventually("a few more requests after the rollout", lambda: len(load.codes) >= sent + 3, timeout=60)
+    during = load.codes[first:]
+    failed = [code for code in during if code != 200]
+    assert not failed, f"{len(failed)} of {len(during)} requests failed during the rollout: {failed[:10]}"
+    assert "True" in states and any(s != "True" for s in states), \
+        f"the Kustomization did not wait for the rollout (Ready at our commit, in order: {states})"
+    obj = isvc(flow.name, flow.namespace)
+    assert obj is not None and obj["status"]["updatedReplicas"] == 2
+    print(f"\n{len(during)} requests through the router during the rollout, none failed")
+
+
+def test_03_a_commit_the_webhook_refuses_fails_the_kustomization_with_its_reason_and_a_revert_heals(
+        flow: Flow) -> None:
+    good, generation = flow.doc, (isvc(flow.name, flow.namespace) or {})["metadata"]["generation"]
+    bad = json.loads(json.dumps(good))
+    bad["spec"]["model"] = {"name": "meta-llama/Llama-3.1-405B-Instruct", "servedName": "llama-405b"}
+    bad["spec"]["accelerator"] = {"type": "L4"}
+    bad["spec"]["engine"].pop("kind", None)
+    # The webhook's own words for this spec, as `kubectl apply` shows them.
+    said = kubectl_result("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(bad)).stderr.strip()
+    reason = said.split("denied the request: ", 1)[-1]
+    assert "denied the request" in said and "\n" not in reason, said
+    sha = flow.repo.commit({f"{flow.namespace}/{flow.name}.yaml": bad}, f"{flow.namespace}: a model that cannot fit")
+    _reconcile_now()
+    refused = eventually("the Kustomization Ready=False at the refused commit", lambda: _refused(sha), timeout=TIMEOUT)
+    message = (condition(refused, "Ready") or {}).get("message", "")
+    assert reason in message, (reason, message)
+    assert f"{contract.KIND}/{flow.namespace}/{flow.name}" in message, message
+    # The last good revision keeps serving: nothing changed on the object, its router answers.
+    obj = isvc(flow.name, flow.namespace)
+    assert obj is not None and obj["metadata"]["generation"] == generation
+    assert (condition(obj, "Ready") or {}).get("status") == "True"
+    assert refused["status"]["lastAppliedRevision"] == _revision(flow.sha)
+    with Requests(router_url(flow.name, flow.namespace), good["spec"]["model"]["servedName"], limit=3) as load:
+        eventually("3 answers", lambda: len(load.codes) >= 3, timeout=60)
+    assert load.codes[:3] == [200, 200, 200], load.codes
+    flow.sha = flow.repo.commit({f"{flow.namespace}/{flow.name}.yaml": good}, f"{flow.namespace}: revert")
+    _reconcile_now()
+    eventually("the Kustomization Ready again at the revert", lambda: _applied(flow.sha), timeout=TIMEOUT)
+
+
+def test_04_an_autoscaled_service_without_replicas_in_git_is_scaled_by_the_hpa_and_flux_writes_nothing(
+        flow: Flow) -> None:
+    """spec.replicas left out of Git (the CRD defaults it to 1) with autoscaling.minReplicas 2: the real HPA
+    scales it to 2 through /scale, and Flux's drift detection then finds nothing to apply: for 3 intervals the
+    API server counts dry-run applies to InferenceServices (Flux checking) and no real one."""
+    doc = example("simulator-cpu.yaml", flow.namespace, parallelism={"tensor": 1, "pipeline": 1},
+                  autoscaling={"minReplicas": 2, "maxReplicas": 3, "targetPendingRequests": 2})
+    doc["metadata"]["name"] = name = "autoscaled"
+    doc["spec"].pop("replicas", None)
+    sha = flow.repo.commit({f"{flow.namespace}/{name}.yaml": doc}, f"{flow.namespace}: autoscaled {name}")
+    _reconcile_now()
+    eventually("the Kustomization Ready at the commit", lambda: _applied(sha), timeout=TIMEOUT)
+
+    def scaled() -> dict[str, Any] | None:
+        obj = isvc(name, flow.namespace) or {}
+        return obj if obj.get("spec", {}).get("replicas") == 2 and obj["status"].get("readyReplicas") == 2 else None
+    eventually("the HPA to scale it to minReplicas", scaled, timeout=TIMEOUT)
+    # Flux's apply does not own spec.replicas (the HPA's /scale writes it), so it never takes it back.
+    fields = json.loads(kubectl("get", contract.PLURAL, name, "-n", flow.namespace, "-o", "json",
+                                "--show-managed-fields"))["metadata"]["managedFields"]
+    owners = {f["manager"] for f in fields if "f:replicas" in ((f.get("fieldsV1") or {}).get("f:spec") or {})}
+    assert "kustomize-controller" not in owners, owners
+    hpa = get("horizontalpodautoscaler", contract.hpa_name(name), flow.namespace)
+    assert hpa is not None and hpa["status"].get("desiredReplicas") == 2
+    before, reconciled = _apiserver_applies(), _kustomization()["status"].get("lastHandledReconcileAt")
+    _reconcile_now()
+    time.sleep(3 * INTERVAL_S + 2)
+    after = _apiserver_applies()
+    assert after[0] == before[0], f"Flux wrote the InferenceServices {after[0] - before[0]:.0f} times"
+    assert after[1] >= before[1] + 3, f"Flux checked only {after[1] - before[1]:.0f} times in 3 intervals"
+    assert _kustomization()["status"].get("lastHandledReconcileAt") != reconciled
+    now = isvc(name, flow.namespace) or {}
+    assert now["spec"].get("replicas") == 2, "the HPA's replicas kept"
+    assert (condition(_kustomization(), "Ready") or {}).get("status") == "True"
+
+
+def test_05_removing_a_file_prunes_that_service_and_all_it_owns_and_nothing_else(flow: Flow) -> None:
+    kubectl("create", "configmap", "not-in-git", "-n", flow.namespace, "--from-literal=a=b")
+    name = "autoscaled"
+    owned = {kind: [o["metadata"]["name"] for o in items(kind, flow.namespace, f"{contract.LABEL_INFERENCE_SERVICE}={name}")]
+             for kind in ("statefulsets", "deployments", "services", "horizontalpodautoscalers")}
+    assert owned["statefulsets"] and owned["deployments"], owned
+    kept = flow.name
+    sha = flow.repo.commit({f"{flow.namespace}/{name}.yaml": None}, f"{flow.namespace}: retire {name}")
+    _reconcile_now()
+    eventually("the Kustomization Ready at the commit", lambda: _applied(sha), timeout=TIMEOUT)
+    eventually(f"{name} pruned", lambda: isvc(name, flow.namespace) is None, timeout=TIMEOUT)
+
+    def gone() -> bool:
+        return not any(get(kind, child, flow.namespace) for kind, children in owned.items() for child in children)
+    eventually(f"everything {name} owned collected", gone, timeout=TIMEOUT)
+    assert wait_ready(kept, flow.namespace), "the other service stays"
+    assert get("configmap", "not-in-git", flow.namespace) is not None, "what Flux did not apply stays"
+
+
+# --- kstatus and Argo CD's health check on real objects in each state ------------------------------------------
+
+
+def test_kstatus_and_the_argo_cd_health_check_judge_each_state_of_a_real_service(tmp_path: Path) -> None:
+    """One service taken through its states by the real operator (kubectl, no Flux needed): starting, Ready,
+    a stuck cause (a crash loop as the kubelet reports it, from e2e/kwok-stages.yaml), and parked at
+    spec.replicas 0. Each object as the API server returns it goes to kstatus's Compute and to the chart's Argo
+    CD health script in gopher-lua."""
+    namespace = new_namespace("gitops-health")
+    try:
+        _health_states(namespace, tmp_path)
+    finally:
+        delete_namespace_later(namespace)
+
+
+def _health_states(namespace: str, tmp: Path) -> None:
+    doc = example("simulator-cpu.yaml", namespace, replicas=1, autoscaling=None,
+                  parallelism={"tensor": 1, "pipeline": 1})
+    name = doc["metadata"]["name"]
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    captured: dict[str, dict[str, Any]] = {}
+
+    def state(label: str, probe: Any) -> None:
+        captured[label] = eventually(f"{namespace}/{name} {label}", lambda: _when(name, namespace, probe),
+                                     timeout=TIMEOUT, every=0.2)
+
+    state("starting", lambda c: c.get("Reconciling") == "True" and c.get("Ready") == "False")
+    state("ready", lambda c: c.get("Ready") == "True" and c.get("Reconciling") == "False")
+    doc["spec"]["engine"]["env"] = [{"name": "E2E_KWOK_FAULT", "value": "CrashLoopBackOff"}]
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    state("stuck", lambda c: c.get("Stalled") == "True")
+    doc["spec"]["engine"].pop("env")
+    doc["spec"]["replicas"] = 0
+    kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
+    state("parked", lambda c: c.get("Ready") == "True" and c.get("Reconciling") == "False"
+          and not engine_pods(name, namespace))
+    generation_ahead = json.loads(json.dumps(captured["ready"]))
+    generation_ahead["metadata"]["generation"] += 1  # the spec changed and the operator has not seen it yet
+    captured["unobserved"] = generation_ahead
+    labels = list(captured)
+    objects = [captured[label] for label in labels]
+    kstatus = dict(zip(labels, _check("kstatus", objects), strict=True))
+    argo = dict(zip(labels, _check("argo-health", objects, str(_argo_script(tmp))), strict=True))
+    expected = {"starting": ("InProgress", "Progressing"), "ready": ("Current", "Healthy"),
+                "stuck": ("Failed", "Degraded"), "parked": ("Current", "Suspended"),
+                "unobserved": ("InProgress", "Progressing")}
+    assert {label: (kstatus[label]["status"], argo[label]["status"]) for label in labels} == expected, (kstatus, argo)
+    stuck = condition(captured["stuck"], "Stalled") or {}
+    assert kstatus["stuck"]["message"] == argo["stuck"]["message"] == stuck["message"]
+    assert "CrashLoopBackOff" in stuck["message"] and stuck["reason"] == "CrashLoopBackOff"
+    for label in labels:
+        print(f"\n{label}: kstatus {kstatus[label]['status']} ({kstatus[label]['message']}); "
+              f"Argo CD {argo[label]['status']} ({argo[label]['message']})", end="")
+
+
+def _when(name: str, namespace: str, probe: Any) -> dict[str, Any] | None:
+    obj = isvc(name, namespace)
+    if not obj or obj.get("status", {}).get("observedGeneration") != obj["metadata"]["generation"]:
+        return None
+    conditions = {c["type"]: c["status"] for c in obj["status"].get("conditions") or []}
+    return obj if probe(conditions) else None

@@ -1,0 +1,157 @@
+"""vLLM's KV-cache manager as the planner sizes it: layers into groups, free bytes into blocks, blocks into the
+two figures vLLM logs at start-up. Pure functions, no policy.
+
+It follows vllm/v1/core/kv_cache_utils.py (v0.19, the default engine image's release) step by step; the
+arithmetic is held to that code by tests/test_planner_kvcache.py, which runs vLLM's own functions where a
+real vLLM is installed. docs/planner.md has the long form.
+
+- Each attention layer has a spec: full attention (MLA too), a sliding window of W tokens, or chunked local
+  attention of C tokens (Llama 4). On one rank a layer's page is `block_size` tokens of its per-token bytes.
+- With the hybrid KV-cache manager (vLLM's default on GPUs) layers of different kinds are grouped: group
+  size is the smallest count of a kind (the largest when it is under 1.5 times the smallest), each kind
+  split into groups of that size, padded (vLLM warns "Add N padding layers"). Every group holds
+  `num_blocks` blocks: num_blocks = free bytes // (page x group size). Without it (vLLM's CPU backend, a KV
+  connector or KV events, `--disable-hybrid-kv-cache-manager`) every sliding or chunked layer of a model
+  that also has full ones is kept as a full one, and one group holds all layers.
+- "GPU KV cache size: N tokens" is num_blocks // groups x block_size: the pool as if every layer (padding
+  included) kept full attention. Pipeline stages each count their own blocks; the engine takes the fewest.
+- "Maximum concurrency for L tokens per request" is num_blocks over the blocks one request of L tokens takes
+  in every group: full ceil(L / block); sliding ceil(min(W - 1 + B, L) / block) + 1; chunked
+  ceil(min(C + B, L) / block), B the step's token budget (max-num-batched-tokens). The router's per-engine
+  ceiling is this figure at a typical request's length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from tensorfleet.api.models import ArchitectureSpec
+
+LayerKind = Literal["full", "sliding", "chunked"]
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One attention layer's KV cache, as vLLM's KVCacheSpec kinds see it."""
+
+    kind: LayerKind = "full"
+    window: int = 0   # sliding window or attention chunk, in tokens
+
+    def blocks_per_request(self, tokens: int, block: int, batched_tokens: int) -> int:
+        """Blocks one request of TOKENS tokens may hold in this layer's group (vLLM's max_memory_usage_bytes)."""
+        if self.kind == "sliding":
+            return math.ceil(min(self.window - 1 + batched_tokens, tokens) / block) + 1
+        if self.kind == "chunked":
+            return math.ceil(min(self.window + batched_tokens, tokens) / block)
+        return math.ceil(tokens / block)
+
+
+FULL = LayerSpec()
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """The model's layers (indices into its layer list) in KV-cache groups, each of one spec."""
+
+    groups: tuple[tuple[int, ...], ...]
+    specs: tuple[LayerSpec, ...]
+    padding: int   # layers vLLM adds to fill the last group of a kind
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    def group_size_on(self, stage: Sequence[int]) -> int:
+        """Layers per group on a pipeline stage holding the layers STAGE (vLLM projects the groups onto it)."""
+        held = set(stage)
+        return max(sum(1 for layer in group if layer in held) for group in self.groups)
+
+
+def model_layers(arch: ArchitectureSpec) -> list[LayerSpec]:
+    """The model's attention layers in order. A model states how many layers use a window or a chunk, not which:
+    they are spread evenly among the full-attention ones, as every such model interleaves them (Gemma 3 five
+    sliding to one full, gpt-oss alternating, Llama 4 three chunked to one full). Only pipeline stages see the
+    order."""
+    windowed = ((arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers)
+                if arch.sliding_window else 0)
+    chunked = ((arch.chunked_attention_layers if arch.chunked_attention_layers is not None else arch.layers)
+               if arch.attention_chunk_size else 0)
+    full = arch.layers - windowed - chunked
+    at = {round((k + 1) * arch.layers / full) - 1 for k in range(full)} if full else set()
+    local = iter([LayerSpec("sliding", arch.sliding_window or 0)] * windowed
+                 + [LayerSpec("chunked", arch.attention_chunk_size or 0)] * chunked)
+    return [FULL if index in at else next(local) for index in range(arch.layers)]
+
+
+def group_layers(layers: Sequence[LayerSpec], hybrid: bool) -> Grouping:
+    """vLLM's get_kv_cache_groups for layers of one page size. HYBRID: its hybrid KV-cache manager is on."""
+    if not hybrid and len(set(layers)) > 1 and FULL in layers:
+        # vLLM's unify_hybrid_kv_cache_specs: windows and chunks kept as full layers. A model of one kind (all
+        # sliding, say) is left as it is.
+        layers = [FULL if spec.kind != "full" else spec for spec in layers]
+    kinds: dict[LayerSpec, list[int]] = {}
+    for index, spec in enumerate(layers):
+        kinds.setdefault(spec, []).append(index)
+    if len(kinds) == 1:
+        (spec, members), = kinds.items()
+        return Grouping((tuple(members),), (spec,), 0)
+    counts = [len(members) for members in kinds.values()]
+    size = min(counts)
+    if max(counts) < size * 1.5:
+        size = max(counts)
+    groups: list[tuple[int, ...]] = []
+    specs: list[LayerSpec] = []
+    padding = 0
+    for spec, members in kinds.items():
+        count = math.ceil(len(members) / size)
+        padding += count * size - len(members)
+        for i in range(count):
+            groups.append(tuple(members[i::count]))
+            specs.append(spec)
+    return Grouping(tuple(groups), tuple(specs), padding)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """One engine's KV cache as vLLM lays it out: NUM_BLOCKS blocks in each group."""
+
+    num_blocks: int
+    block_size: int
+    specs: tuple[LayerSpec, ...]   # one per group
+    batched_tokens: int            # max-num-batched-tokens, which bounds a sliding or chunked group's blocks
+
+    @property
+    def tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens"."""
+        return self.num_blocks // len(self.specs) * self.block_size
+
+    def blocks_per_request(self, tokens: int) -> int:
+        return sum(spec.blocks_per_request(tokens, self.block_size, self.batched_tokens) for spec in self.specs)
+
+    def concurrency(self, tokens: int) -> float:
+        """vLLM's "Maximum concurrency for TOKENS tokens per request"."""
+        return self.num_blocks / self.blocks_per_request(max(tokens, 1))
+
+    def longest_request(self, limit: int) -> int:
+        """The longest request (at most LIMIT tokens) whose blocks fit the pool: vLLM's estimated maximum
+        model length; 0 when not even one block's worth fits."""
+        low, high = 0, limit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.blocks_per_request(middle) <= self.num_blocks:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+
+def pool(grouping: Grouping, stages: Sequence[tuple[Sequence[int], int]], page_bytes: int, block_size: int,
+         batched_tokens: int) -> tuple[KVPool, int]:
+    """The engine's pool from each pipeline stage's (layers, free bytes per GPU), PAGE_BYTES a block of one layer
+    on one GPU; and the index of the stage with the fewest blocks (the engine takes its figure)."""
+    blocks = [max(free, 0) // page_bytes // grouping.group_size_on(layers) for layers, free in stages]
+    worst = min(range(len(blocks)), key=blocks.__getitem__)
+    return KVPool(blocks[worst], block_size, grouping.specs, batched_tokens), worst
