@@ -137,7 +137,20 @@ def cluster(tag: str) -> Iterator[Cluster]:
         c.close()
 
 
+def _all_engines_taken(health: str) -> bool:
+    """A router's /health body: every engine it was given is healthy; any other body (an engine's): True."""
+    try:
+        body = json.loads(health)
+    except ValueError:
+        return True
+    if not isinstance(body, dict) or "backends" not in body:
+        return True
+    return bool(body.get("healthy", 0) >= body["backends"])
+
+
 async def wait_healthy(*procs: Proc, timeout: float = 30.0) -> None:
+    """Wait until each process answers /health with 200, and a router until it has taken every engine it was
+    given (a router answers requests 503 while its engines refuse connections, as they do while they bind)."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         for proc in procs:
@@ -146,7 +159,7 @@ async def wait_healthy(*procs: Proc, timeout: float = 30.0) -> None:
                     raise RuntimeError(f"{proc.name} exited: {proc.log.read_text()[-2000:]}")
                 try:
                     async with session.get(proc.url + "/health") as resp:
-                        if resp.status == 200:
+                        if resp.status == 200 and _all_engines_taken(await resp.text()):
                             break
                 except aiohttp.ClientError:
                     pass

@@ -51,6 +51,7 @@ CONTROLLERS = (
     ("flux-source", "github.com/fluxcd/source-controller", "source-controller"),
     ("flux-kustomize", "github.com/fluxcd/kustomize-controller", "kustomize-controller"),
 )
+PROCESSES = ("git", *(binary for _recipe, _module, binary in CONTROLLERS))  # in start order
 GIT_AUTHOR = {"GIT_AUTHOR_NAME": "tensorfleet-e2e", "GIT_AUTHOR_EMAIL": "e2e@tensorfleet.dev",
               "GIT_COMMITTER_NAME": "tensorfleet-e2e", "GIT_COMMITTER_EMAIL": "e2e@tensorfleet.dev"}
 
@@ -183,7 +184,7 @@ def exports(state: Path) -> str:
 def stop(state: Path) -> None:
     """Stop what `start` started (the controllers first, then the Git server); nothing else."""
     conf = load(state)
-    for name in ("kustomize-controller", "source-controller", "git"):
+    for name in reversed(PROCESSES):
         pid = (conf.get(name) or {}).get("pid")
         if monitoring.alive(pid):
             monitoring.terminate(pid)
@@ -196,7 +197,7 @@ def status(state: Path) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"repo": conf["repo"], "path": APPS_PATH, "kustomization": f"{NAMESPACE}/{APPS}",
                            "check": conf.get("check")}
-    for name in ("git", "source-controller", "kustomize-controller"):
+    for name in PROCESSES:
         part = dict(conf.get(name) or {})
         part["running"] = monitoring.alive(part.get("pid"))
         part["log"] = str(folder(state) / f"{'gitserver' if name == 'git' else name}.log")

@@ -11,12 +11,13 @@ import os
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import yaml
 
@@ -326,3 +327,39 @@ def watching_pods(namespace: str, selector: str,
         yield watch
     finally:
         watch.stop()
+
+
+class Requests:
+    """Chat completions through a router, one after another in a thread, until stopped (bounded in count and
+    time): every answer's status kept."""
+
+    def __init__(self, url: str, model: str, limit: int = 2000, seconds: float = 600) -> None:
+        self.url, self.model, self.limit, self.seconds = url, model, limit, seconds
+        self.codes: list[int | str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = json.dumps({"model": self.model, "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Hello"}]}).encode()
+        deadline = time.monotonic() + self.seconds
+        while not self._stop.is_set() and len(self.codes) < self.limit and time.monotonic() < deadline:
+            request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    answer.read()
+                    self.codes.append(answer.status)
+            except urllib.error.HTTPError as exc:
+                self.codes.append(exc.code)
+            except OSError as exc:
+                self.codes.append(type(exc).__name__)
+            time.sleep(0.05)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=90)

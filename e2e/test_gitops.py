@@ -16,21 +16,20 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
+import gitops
 import pytest
 import yaml
 from kube import (
     NEXT_IMAGE,
     ROOT,
     TIMEOUT,
+    Requests,
     cluster_status,
     condition,
     delete_namespace_later,
@@ -61,7 +60,7 @@ AUTHOR = ["-c", "user.name=tensorfleet-e2e", "-c", "user.email=e2e@tensorfleet.d
 
 def _gitops() -> dict[str, Any]:
     found = (cluster_status() or {}).get("gitops")
-    if not found or not all(found[p]["running"] for p in ("git", "source-controller", "kustomize-controller")):
+    if not found or not all(found[p]["running"] for p in gitops.PROCESSES):
         pytest.fail("needs Flux and the Git server of `e2e/cluster up --gitops` (.ci/run brings the cluster up so); "
                     f"status: {found!r}")
     return dict(found)
@@ -163,42 +162,6 @@ def _argo_script(tmp: Path) -> Path:
     script = tmp / "health.lua"
     script.write_text(value)
     return script
-
-
-class Requests:
-    """Chat completions through a router, one after another in a thread, until stopped (bounded in count and
-    time): every answer's status kept."""
-
-    def __init__(self, url: str, model: str, limit: int = 2000, seconds: float = 600) -> None:
-        self.url, self.model, self.limit, self.seconds = url, model, limit, seconds
-        self.codes: list[int | str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        body = json.dumps({"model": self.model, "max_tokens": 4,
-                           "messages": [{"role": "user", "content": "Hello"}]}).encode()
-        deadline = time.monotonic() + self.seconds
-        while not self._stop.is_set() and len(self.codes) < self.limit and time.monotonic() < deadline:
-            request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=body,
-                                             headers={"content-type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=60) as answer:
-                    answer.read()
-                    self.codes.append(answer.status)
-            except urllib.error.HTTPError as exc:
-                self.codes.append(exc.code)
-            except OSError as exc:
-                self.codes.append(type(exc).__name__)
-            time.sleep(0.05)
-
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=90)
 
 
 # --- the flow: one team's history in one folder ---------------------------------------------------------------

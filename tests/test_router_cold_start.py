@@ -145,23 +145,44 @@ async def test_a_static_engine_still_loading_is_waited_for_not_forwarded_to() ->
 
 
 @pytest.mark.asyncio
-async def test_an_engine_not_listening_yet_is_not_ejected_over_and_over_and_is_taken_once_up() -> None:
+async def test_a_static_engine_refusing_connections_is_not_starting_503_at_once_then_taken_once_up() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     async with AsyncExitStack() as stack:
-        r = await stack.enter_async_context(router([url], queue_timeout=QUEUE_TIMEOUT))
-        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
-        answer = asyncio.create_task(ask(client, r.url))
-        await eventually(lambda: r.router.dispatcher.pending == 1)
-        await asyncio.sleep(0.5)  # several refused health checks
+        r = await stack.enter_async_context(router([url], queue_timeout=QUEUE_TIMEOUT, cold_start_timeout=600))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
         backend = r.router.pool.backends[url]
+        await eventually(lambda: backend.checked and backend.unreachable)
+        assert r.router.cold_start() is None  # nothing listens there: down or misnamed, not loading
+        reply = await ask(client, r.url)
+        refused_at_once(reply, most=1)  # the next health check may find it up
+        assert "1 not accepting connections" in reply.json()["error"]["message"]
+        assert r.router.dispatcher.pending == 0
+        await asyncio.sleep(0.5)  # several refused health checks: a joining engine is not ejected over and over
         assert backend.state == JOINING and backend.ejections == 0
         await stack.enter_async_context(sim(port=port))
-        reply = await answer
+        await eventually(lambda: backend.state == CLOSED)
+        reply = await ask(client, r.url)
         assert reply.status == 200, reply.body
+        assert not backend.unreachable
         async with client.get(r.url + "/metrics") as resp:
             text = await resp.text()
         assert metric_value(text, contract.ROUTER_METRIC_EJECTIONS + "_total", backend=url) is None
+
+
+@pytest.mark.asyncio
+async def test_a_request_waiting_for_a_loading_static_engine_is_refused_once_the_engine_stops_listening() -> None:
+    async with AsyncExitStack() as stack:
+        loading = sim(startup_delay=60.0)  # its /health says 503 ("loading") throughout
+        s = await loading.__aenter__()
+        r = await stack.enter_async_context(router([s.url], queue_timeout=QUEUE_TIMEOUT, cold_start_timeout=600))
+        client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
+        assert r.router.cold_start() == "1 engine(s) not up yet"
+        waiting = asyncio.create_task(ask(client, r.url))
+        await eventually(lambda: r.router.dispatcher.pending == 1)
+        await loading.__aexit__(None, None, None)  # it died while loading: its port closes
+        refused_at_once(await waiting, most=1)
+        assert r.router.pool.backends[s.url].unreachable and r.router.cold_start() is None
 
 
 # --- discovery: starting pods --------------------------------------------------------------------------------------

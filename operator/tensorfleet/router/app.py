@@ -100,8 +100,11 @@ is underway while any of these holds:
   - an engine is joining (in the pool, no health check answered 200 yet; see
     backends.py) and was named with --backend, or its first health check is
     still out. A static engine has no readiness probe to say it is starting,
-    so one never yet seen up is taken as starting (one that never comes up
-    makes requests wait --queue-timeout, as before). A discovered engine
+    so one never yet seen up is taken as starting while it answers (its
+    /health says 503 while it loads) or does not answer in time; one whose
+    health check cannot connect (refused: nothing listens there; the name
+    does not resolve) is down or misnamed, not starting, and a request
+    finding only such engines gets 503 at once. A discovered engine
     joins when its pod is Ready and is checked at once: if the router then
     cannot reach it (a NetworkPolicy, a wrong port) that is a fault to report,
     not a start to wait for.
@@ -735,13 +738,19 @@ class Router:
             if backend.state == CLOSED:
                 log.warning("engine %s did not answer its health check within %gs", backend.url,
                             self.config.health_timeout)
+            backend.unreachable = False  # connected: something listens there
             pool.record_failure(backend, unresponsive=True)
             return
         except (aiohttp.ClientConnectorError, ConnectionError):
+            if not backend.unreachable and backend.state == JOINING and backend.url in self._static_urls:
+                log.warning("engine %s refuses connections: not taken as starting, requests get 503 until it "
+                            "answers", backend.url)
+            backend.unreachable = True
             pool.record_failure(backend, fatal=True)
             return
         except Exception:  # noqa: BLE001 - a check that fails in any way has failed
             ok = False
+        backend.unreachable = False
         if ok:
             try:
                 async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:
@@ -800,7 +809,8 @@ class Router:
                 return f"{len(starting)} engine pod(s) starting"
             if self.demand is not None and not watcher.failing and not len(self.pool):
                 return "the fleet is scaled to zero; waking it"
-        joining = sum(1 for b in self.pool if b.state == JOINING and (b.url in self._static_urls or not b.checked))
+        joining = sum(1 for b in self.pool if b.state == JOINING
+                      and (b.url in self._static_urls and not b.unreachable or not b.checked))
         if joining:
             return f"{joining} engine(s) not up yet"
         return None
@@ -818,8 +828,13 @@ class Router:
             seconds = min(b.back_in(now, self.config.health_interval) for b in candidates)
             ejected = sum(1 for b in candidates if b.state in (OPEN, HALF_OPEN))
             parts = [f"{ejected} ejected after failures"] if ejected else []
-            if len(candidates) > ejected:
-                parts.append(f"{len(candidates) - ejected} ready but not answering the router's health checks")
+            unreachable = sum(1 for b in candidates
+                              if b.state == JOINING and b.unreachable and b.url in self._static_urls)
+            if unreachable:
+                parts.append(f"{unreachable} not accepting connections (down, or a wrong --backend address)")
+            if len(candidates) > ejected + unreachable:
+                parts.append(f"{len(candidates) - ejected - unreachable} ready but not answering the router's "
+                             "health checks")
             detail = ", ".join(parts)
         else:
             seconds = NO_ENGINE_RETRY_SECONDS

@@ -95,6 +95,9 @@ class Backend:
     probing: bool = False
     unresponsive: bool = False  # ejected by a health-check timeout: only a health check may probe it
     checked: bool = False       # a health check of it has completed (whatever it found)
+    # Its last health check could not connect (refused, unreachable, the name not resolved): nothing listens
+    # there, so while joining it is not taken as starting (router/app.py, cold_start).
+    unreachable: bool = False
     # Set by the router's metrics layer; called with the new in-flight count.
     on_change: Callable[[Backend], None] | None = field(default=None, repr=False)
 

@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
     )
     where = p.add_argument_group("backends (at least one of --backend or --service)")
     where.add_argument("--backend", action="append", default=[], metavar="URL",
-                       help="static engine base URL, e.g. http://10.0.0.7:8000 (repeatable)")
+                       help="static engine base URL, e.g. http://10.0.0.7:8000 (repeatable); one never yet up is "
+                            "waited for as starting while it answers, one refusing connections is not: requests "
+                            "finding no other engine get 503 with Retry-After at once")
     where.add_argument("--service", help="headless engine Service whose EndpointSlices list the backends")
     where.add_argument("--prefill-backend", action="append", default=[], metavar="URL",
                        help="static prefill engine base URL (repeatable): prefill/decode disaggregation, the "
