@@ -123,6 +123,37 @@ async def test_5xx_is_retried_on_another_engine_then_ejected() -> None:
         assert not r.router.pool.backends[bad_url].healthy
 
 
+async def test_an_engine_hanging_up_before_answering_gets_the_request_once_more_on_a_new_connection() -> None:
+    """A pooled connection the engine closes as a request is sent on it (its keep-alive ran out first) is no engine
+    fault: the request goes to it once more, with no retries left to spend, and counts as closed_idle. An engine that
+    hangs up on that one too fails the request and counts a fault."""
+    hang_ups = [1]
+
+    async def flaky(request: web.Request) -> web.StreamResponse:
+        if hang_ups[0]:
+            hang_ups[0] -= 1
+            assert request.transport is not None
+            request.transport.abort()
+        return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+
+    async with AsyncExitStack() as stack:
+        url, calls = await stack.enter_async_context(fake_engine(flaky))
+        r = await stack.enter_async_context(router([url], retries=0, health_interval=60))
+        client = await stack.enter_async_context(aiohttp.ClientSession())
+        backend = r.router.pool.backends[url]
+        async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
+            assert (resp.status, await resp.json()) == (200, {"choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        assert calls.count("/v1/chat/completions") == 2 and backend.healthy and backend.failures == 0
+        async with client.get(r.url + "/metrics") as answer:
+            assert metric_value(await answer.text(), contract.ROUTER_METRIC_RETRIES + "_total",
+                                reason="closed_idle") == 1
+        hang_ups[0] = 2
+        async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
+            assert resp.status == 502
+        assert calls.count("/v1/chat/completions") == 4 and backend.failures == 1
+
+
 async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> None:
     async with AsyncExitStack() as stack:
         bad_url, _ = await stack.enter_async_context(fake_engine(engine_error))

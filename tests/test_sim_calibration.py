@@ -442,3 +442,38 @@ async def test_busy_prefill_points_are_measured_while_the_background_turns_over(
     assert all(len(p["samples"]) == 12 and p["background_context"] > 2 * calibrate.BACKGROUND_PROMPT for p in busy)
     # The background turned over: more background requests than the two each busy point starts.
     assert set(started) == {calibrate.BACKGROUND_PROMPT} and len(started) > 4
+
+
+@pytest.mark.asyncio
+async def test_a_completion_whose_connection_closes_before_any_answer_is_sent_once_more() -> None:
+    """An engine closes a pooled connection just as the calibration reuses it (its keep-alive clock ran out first):
+    nothing reached it, so the completion goes once more on a new connection; a second such failure, or one after
+    the answer began, is an error."""
+    chunks = [{"choices": [{"text": "a"}], "usage": {"completion_tokens": n}} for n in (1, 3)]
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n" + b"".join(
+        b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    plan: list[bytes | None] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        step = plan.pop(0) if plan else None
+        if step is not None:
+            writer.write(step)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, aiohttp.ClientSession() as session:
+        client = calibrate._Client(session, f"http://127.0.0.1:{port}", MODEL, {}, 10.0, random.Random(0))
+        plan[:] = [None, answer]
+        assert [n for _, n in await client.stream(4, 3)] == [1, 3] and not plan
+        plan[:] = [None, None, answer]
+        with pytest.raises(CalibrationError, match="ServerDisconnectedError"):
+            await client.stream(4, 3)
+        first_event = answer.index(b"\n\n", answer.index(b"data: ")) + 2
+        cut = answer[:first_event].replace(b"connection: close", b"content-length: 1000")
+        plan[:] = [cut, answer]
+        with pytest.raises(CalibrationError, match="ClientPayloadError"):
+            await client.stream(4, 3)
+        assert plan == [answer]

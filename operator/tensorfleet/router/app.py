@@ -1403,7 +1403,7 @@ class Router:
         answer) otherwise. An engine failure raises _Failed."""
         assert self.session is not None
         try:
-            upstream = await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
+            upstream = await self._post(backend, call)
         except (aiohttp.ClientConnectorError, ConnectionError) as exc:
             raise _Failed("connect", f"could not connect to an engine ({exc.__class__.__name__})", fault=FATAL) from None
         except (TimeoutError, aiohttp.ClientError) as exc:
@@ -1423,6 +1423,22 @@ class Router:
             return None, await upstream.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise _Failed("upstream", f"an engine failed mid-answer ({exc.__class__.__name__})", fault=FATAL) from None
+
+    async def _post(self, backend: Backend, call: _Call) -> aiohttp.ClientResponse:
+        """POST the call; once more on a new connection if the engine hung up before answering anything.
+
+        The engine's keep-alive clock starts when it has sent an answer and ours when we have read it, so on a busy
+        host a pooled connection can close under the next request: that is no engine fault. An engine that did
+        die refuses the second connection, which counts as it should."""
+        assert self.session is not None
+        try:
+            return await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            log.debug("engine %s: %s on a pooled connection; sending again", backend.url, exc.__class__.__name__)
+            self.metrics.retry("closed_idle")
+        return await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
 
     def _relay_headers(self, upstream: aiohttp.ClientResponse, backend: Backend) -> dict[str, str]:
         out = {name: upstream.headers[name] for name in _RELAYED_RESPONSE_HEADERS if name in upstream.headers}

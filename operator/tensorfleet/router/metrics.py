@@ -89,7 +89,8 @@ class RouterMetrics:
                                "Time from request received to the first streamed byte sent to the client "
                                "(the first token, for streaming requests).", buckets=DURATION_BUCKETS, registry=reg)
         self._retries = Counter(contract.ROUTER_METRIC_RETRIES,
-                                "Requests sent again to another engine before any byte reached the client.",
+                                "Requests sent again before any byte reached the client: to another engine, or (closed_idle) to the same "
+                                "one over a new connection after a pooled one closed under them.",
                                 ["reason"], registry=reg)
         self._ejections = Counter(contract.ROUTER_METRIC_EJECTIONS, "Times an engine's circuit breaker opened.",
                                   [contract.ROUTER_LABEL_BACKEND], registry=reg)
