@@ -178,6 +178,8 @@ LAUNCHER_BUNDLE_PATH = "/opt/tensorfleet/launcher.pyz"   # contract.LAUNCHER_BUN
 # (VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR, when the pod sets none) are the ones the real-vLLM tests
 # share (realvllm.compile_cache_env), as if the image came with them warm: a cold torch.compile of the tiny
 # model adds about 30 s to every start, and of the CPU sampler, which the launcher's warm-up runs, 20-35 s.
+# torch's precompiled headers, which it keeps under /tmp whatever TORCHINDUCTOR_CACHE_DIR says, are shared
+# the same way (share_header_cache).
 VLLM_IMAGE_ENTRYPOINT = ("vllm", "serve")
 VLLM_IMAGE_CMD: tuple[str, ...] = ()
 VLLM_IMAGE_WORKDIR = "/tmp"
@@ -517,6 +519,27 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TF_E2E_CACHE") or Path.home() / ".cache" / "tensorfleet")
 
 
+def share_header_cache(pod_tmp: Path, env: dict[str, str]) -> None:
+    """Point torch's precompiled C++ headers in a pod's /tmp (POD_TMP here) at the shared cache's.
+
+    torch keeps them in `$TMPDIR/torchinductor_$USER` whatever TORCHINDUCTOR_CACHE_DIR says, so every new pod's
+    /tmp built them again: a rollout's new engine took minutes to warm up on two cores serving streams."""
+    if env.get("TMPDIR", "/tmp").rstrip("/") != "/tmp":
+        return
+    # getpass.getuser()'s order, and the name as torch's default_cache_dir() sanitises it.
+    user = next((env[k] for k in ("LOGNAME", "USER", "LNAME", "USERNAME") if env.get(k)), None)
+    if user is None:
+        import pwd
+        user = pwd.getpwuid(os.getuid()).pw_name
+    shared = cache_dir() / "vllm-cpu" / "precompiled-headers"
+    shared.mkdir(parents=True, exist_ok=True)
+    own = pod_tmp / ("torchinductor_" + re.sub(r'[\\/:*?"<>|]', "_", user))
+    own.mkdir(exist_ok=True)
+    link = own / "precompiled_headers"
+    if not link.is_symlink() and not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+
+
 _bundle_lock = threading.Lock()
 _package: list[Path] = []
 BUNDLES_KEPT = 4
@@ -816,7 +839,7 @@ def write_atomically(directory: Path, files: Files) -> None:
             entry.unlink()
     for top in tops:
         link = directory / top
-        if not link.is_symlink():
+        if not link.is_symlink() and not link.exists():
             link.symlink_to(f"..data/{top}")
 
 
@@ -1158,6 +1181,7 @@ class Container:
         if self.vllm:
             argv = [rewrite_paths(part, rewrites) for part in argv]
             env = {name: rewrite_paths(value, rewrites) for name, value in env.items()}
+            share_header_cache(worker.directory / "tmp", env)
             env["PATH"] = f"{vllm_bin}:{env.get('PATH', VLLM_IMAGE_ENV['PATH'])}"
             workdir = self.spec.get("workingDir") or VLLM_IMAGE_WORKDIR
         else:

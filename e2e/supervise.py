@@ -29,13 +29,24 @@ def record(status: Path, **event: object) -> None:
         out.write(json.dumps({"time": round(time.time(), 3), **event}) + "\n")
 
 
-def restarts(status: Path) -> int:
-    """How many times the command was started again (0 when the file is absent)."""
+def events(status: Path) -> list[str]:
+    """The events recorded so far, in order ("started", "exited"); none when the file is absent."""
     try:
         lines = status.read_text().splitlines()
     except FileNotFoundError:
-        return 0
-    return max(0, sum(1 for line in lines if json.loads(line).get("event") == "started") - 1)
+        return []
+    found = []
+    for line in lines:
+        try:
+            found.append(str(json.loads(line).get("event")))
+        except ValueError:
+            continue  # a line being written as we read
+    return found
+
+
+def restarts(status: Path) -> int:
+    """How many times the command was started again (0 when the file is absent)."""
+    return max(0, events(status).count("started") - 1)
 
 
 def say(message: str) -> None:

@@ -256,3 +256,23 @@ def test_a_checkout_or_venv_under_a_pods_own_tmp_is_bound_back(monkeypatch: pyte
     monkeypatch.setattr(podrunner, "REPO", Path(repo))
     monkeypatch.setattr(podrunner, "VENV_BIN", Path(venv_bin))
     assert podrunner._host_paths_under_private_tops() == bound
+
+
+def test_a_vllm_pods_precompiled_headers_are_the_shared_caches(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """torch keeps its precompiled headers under $TMPDIR/torchinductor_<user> (getpass's order of variables,
+    sanitised), not under TORCHINDUCTOR_CACHE_DIR: the runner links them from each pod's /tmp to one cache."""
+    monkeypatch.setenv("TF_E2E_CACHE", str(tmp_path / "cache"))
+    shared = tmp_path / "cache" / "vllm-cpu" / "precompiled-headers"
+    pod_tmp = tmp_path / "pod-tmp"
+    pod_tmp.mkdir()
+    podrunner.share_header_cache(pod_tmp, {"USER": "tensor/fleet", "LNAME": "other"})
+    link = pod_tmp / "torchinductor_tensor_fleet" / "precompiled_headers"
+    assert link.is_symlink() and link.resolve() == shared.resolve() and shared.is_dir()
+    podrunner.share_header_cache(pod_tmp, {"USER": "tensor/fleet"})  # a container started again: left as it is
+    assert link.is_symlink()
+    podrunner.share_header_cache(pod_tmp, {"LOGNAME": "first", "USER": "second"})
+    assert (pod_tmp / "torchinductor_first" / "precompiled_headers").is_symlink()
+    assert not (pod_tmp / "torchinductor_second").exists()
+    podrunner.share_header_cache(pod_tmp, {"USER": "elsewhere", "TMPDIR": "/var/tmp"})
+    assert not (pod_tmp / "torchinductor_elsewhere").exists()

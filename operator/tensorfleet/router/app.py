@@ -730,27 +730,31 @@ class Router:
     async def _check(self, backend: Backend, pool: BackendPool, dispatcher: Dispatcher) -> None:
         assert self.session is not None
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
+        ok: bool | None = None  # None: no answer in time
+        refused = False
         try:
             async with self.session.get(backend.url + contract.HEALTH_PATH, timeout=timeout) as resp:
                 ok = resp.status == 200
                 await resp.read()
         except TimeoutError:
+            ok = None
+        except (aiohttp.ClientConnectorError, ConnectionError):
+            refused = True
+        except Exception:  # noqa: BLE001 - a check that fails in any way has failed
+            ok = False
+        if refused and not backend.unreachable and backend.state == JOINING and backend.url in self._static_urls:
+            log.warning("engine %s refuses connections: not taken as starting, requests get 503 until it answers",
+                        backend.url)
+        backend.unreachable = refused
+        if refused:
+            pool.record_failure(backend, fatal=True)
+            return
+        if ok is None:
             if backend.state == CLOSED:
                 log.warning("engine %s did not answer its health check within %gs", backend.url,
                             self.config.health_timeout)
-            backend.unreachable = False  # connected: something listens there
             pool.record_failure(backend, unresponsive=True)
             return
-        except (aiohttp.ClientConnectorError, ConnectionError):
-            if not backend.unreachable and backend.state == JOINING and backend.url in self._static_urls:
-                log.warning("engine %s refuses connections: not taken as starting, requests get 503 until it "
-                            "answers", backend.url)
-            backend.unreachable = True
-            pool.record_failure(backend, fatal=True)
-            return
-        except Exception:  # noqa: BLE001 - a check that fails in any way has failed
-            ok = False
-        backend.unreachable = False
         if ok:
             try:
                 async with self.session.get(backend.url + contract.METRICS_PATH, timeout=timeout) as resp:

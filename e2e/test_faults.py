@@ -1,0 +1,187 @@
+"""Faults of the control plane itself, under steady client traffic through a router (issue 36).
+
+Each case reports what a person running the fleet asks after an incident: requests failed, time to recover,
+objects recreated, orphaned or duplicated. The operator runs under e2e/supervise.py, which starts it again when
+it exits as a kubelet would its container (with the kubelet's back-off): an operator that could not renew its
+Lease for its duration exits by design, as controller-runtime's do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from kube import (
+    CHILD_KINDS,
+    CLUSTER_SCRIPT,
+    Requests,
+    cluster_status,
+    condition_status,
+    delete_namespace_later,
+    deploy,
+    eventually,
+    isvc,
+    items,
+    kubectl,
+    new_namespace,
+    router_url,
+)
+
+from tensorfleet import contract
+
+OUTAGE_S = 20.0
+CONVERGE_S = 60.0  # a scale written after the outage is served within this
+# The operator's direct children: what it writes itself (pods, their revisions and endpoint slices are written by
+# the StatefulSet and EndpointSlice controllers, and scaling changes them by design).
+OWN_KINDS = ",".join(k for k in CHILD_KINDS.split(",")
+                     if k not in ("pods", "controllerrevisions", "endpointslices", "replicasets"))
+
+
+def control_plane(action: str) -> float:
+    started = time.monotonic()
+    subprocess.run([str(CLUSTER_SCRIPT), "control-plane", action], check=True, capture_output=True, timeout=300)
+    return time.monotonic() - started
+
+
+def operator_restarts() -> int:
+    found = cluster_status()
+    assert found and found["operator"]["running"], "needs the operator e2e/cluster runs (its supervisor counts its restarts)"
+    return int(found["operator"]["restarts"])
+
+
+def control_plane_pids() -> dict[str, int]:
+    return {name: int(p["pid"]) for name, p in ((cluster_status() or {}).get("processes") or {}).items() if p.get("pid")}
+
+
+def children(name: str, namespace: str) -> dict[tuple[str, str], tuple[str, list[str]]]:
+    """(kind, name) -> (uid, the uids of its owners) of every object labelled with the InferenceService."""
+    found = items(OWN_KINDS, namespace, f"{contract.LABEL_INFERENCE_SERVICE}={name}")
+    return {(o["kind"], o["metadata"]["name"]): (o["metadata"]["uid"],
+                                                 [r["uid"] for r in o["metadata"].get("ownerReferences") or []])
+            for o in found}
+
+
+@dataclass
+class Service:
+    name: str
+    namespace: str
+    model: str
+    owner: str
+    replicas: int
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    """One simulator InferenceService the cases share (each scales it once, after its fault)."""
+    namespace = new_namespace("faults")
+    try:
+        name, doc = deploy("simulator-cpu.yaml", namespace, replicas=1, autoscaling=None,
+                           parallelism={"tensor": 1, "pipeline": 1})
+        owner = (isvc(name, namespace) or {})["metadata"]["uid"]
+        yield Service(name, namespace, doc["spec"]["model"]["servedName"], owner, 1)
+    finally:
+        delete_namespace_later(namespace)
+
+
+def _router_engines(url: str) -> int:
+    with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
+        return int(json.load(answer)["healthy"])
+
+
+def _signal_apiserver(sig: signal.Signals) -> float:
+    found = cluster_status() or {}
+    pid = ((found.get("processes") or {}).get("kube-apiserver") or {}).get("pid")
+    assert pid, f"no kube-apiserver pid in e2e/cluster status: {found.get('processes')!r}"
+    os.kill(int(pid), sig)
+    return 0.0
+
+
+def test_a_20s_outage_of_the_whole_control_plane(service: Service) -> None:
+    """etcd, the API server, the controller manager and the scheduler killed, and started again 20 s later (the
+    nodes' agents, KWOK and the pod runner, run on): the router serves from its last view; the operator, unable to
+    renew its Lease, exits and its supervisor starts it again; a scale written once the API server is back is
+    reconciled, and its new engine serving behind the router, within 60 s."""
+    _through(service, "the control plane stopped", lambda: control_plane("stop"), lambda: control_plane("start"), 2)
+
+
+def _thaw() -> float:
+    """SIGCONT the API server, then start what exited meanwhile, as the kubelet does a control plane's static pods:
+    the controller manager and the scheduler exit by design when they cannot renew their leader Lease."""
+    _signal_apiserver(signal.SIGCONT)
+    return control_plane("start")
+
+
+def test_a_20s_freeze_of_the_api_server(service: Service) -> None:
+    """kube-apiserver SIGSTOPped: connections stay open and nothing answers. The operator's requests time out
+    rather than hang, and a scale written once it answers again is served within 60 s."""
+    _through(service, "kube-apiserver frozen (SIGSTOP)", lambda: _signal_apiserver(signal.SIGSTOP), _thaw, 1)
+
+
+def _through(service: Service, fault: str, begin: Callable[[], float], end: Callable[[], float],
+             replicas: int) -> None:
+    name, namespace = service.name, service.namespace
+    before = children(name, namespace)
+    assert before and all(owners == [service.owner] for _uid, owners in before.values()), before
+    restarts, pids = operator_restarts(), control_plane_pids()
+    url = router_url(name, namespace)
+    with Requests(url, service.model) as load:
+        eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+        first = len(load.codes)
+        try:
+            began = begin()
+            time.sleep(OUTAGE_S)
+            served_while_down = len(load.codes) - first
+        finally:
+            ended = end()
+        back = time.monotonic()
+        kubectl("scale", contract.PLURAL, name, "-n", namespace, f"--replicas={replicas}")
+
+        def reconciled() -> dict[str, Any] | None:
+            obj = isvc(name, namespace)
+            sets = items("statefulsets", namespace, f"{contract.LABEL_INFERENCE_SERVICE}={name}")
+            done = (obj is not None and (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
+                    and sets and all(s["spec"]["replicas"] == replicas for s in sets))
+            return obj if done else None
+
+        def served() -> dict[str, Any] | None:
+            obj = isvc(name, namespace)
+            status = (obj or {}).get("status") or {}
+            done = (status.get("readyReplicas") == replicas and status.get("replicas") == replicas
+                    and condition_status(obj, "Ready") == "True")
+            # ... and the router, whose EndpointSlice watch went through the fault too, routes to them all.
+            return obj if done and _router_engines(url) == replicas else None
+        eventually(f"the scale to {replicas} reconciled within {CONVERGE_S:.0f}s of the API server's return",
+                   reconciled, timeout=CONVERGE_S)
+        took = time.monotonic() - back
+        eventually(f"the scale to {replicas} served within {CONVERGE_S:.0f}s of the API server's return", served,
+                   timeout=max(1.0, CONVERGE_S - took))
+        served_in = time.monotonic() - back
+        sent = len(load.codes)
+        eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
+    service.replicas = replicas
+    during = load.codes[first:]
+    failed = [code for code in during if code != 200]
+    after = children(name, namespace)
+    recreated = sorted(f"{k}/{n}" for (k, n), (uid, _o) in before.items() if after.get((k, n), ("",))[0] != uid)
+    orphaned = sorted(f"{k}/{n}" for (k, n), (_uid, owners) in after.items() if owners != [service.owner])
+    added = sorted(f"{k}/{n}" for k, n in after.keys() - before.keys())
+    restarted = operator_restarts() - restarts
+    now = control_plane_pids()
+    components = sorted(c for c, pid in pids.items() if now.get(c) != pid)
+    print(f"\n{fault} for {OUTAGE_S:.0f}s (begun in {began:.1f}s, ended in {ended:.1f}s): {len(during)} requests "
+          f"through the router ({served_while_down} during the fault), {len(failed)} failed; the scale to {replicas} "
+          f"reconciled {took:.1f}s after, served "
+          f"{served_in:.1f}s after; "
+          f"operator restarts {restarted}; control plane started again: {components}; children recreated {recreated}, "
+          f"orphaned {orphaned}, added {added}")
+    assert served_while_down > 0, "no request was answered during the fault"
+    assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
+    assert not recreated and not orphaned and not added, (recreated, orphaned, added)
