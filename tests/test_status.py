@@ -96,9 +96,9 @@ def test_scheduled_pods_are_not_degraded() -> None:
 
 
 def _serving(pods: list[dict[str, Any]], *, desired: int = 2, previous: dict[str, Any] | None = None,
-             generation: int | None = 1, now: str = "2026-01-01T00:00:00Z") -> dict[str, Any]:
+             generation: int | None = 1, now: str = "2026-01-01T00:00:00Z", routers: int = 1) -> dict[str, Any]:
     plan = _plan(8, 2, "H100-80GB")
-    obs = observe(plan.pipeline, desired, pods, {}, {"status": {"availableReplicas": 1}})
+    obs = observe(plan.pipeline, desired, pods, {}, {"status": {"availableReplicas": routers}})
     return serving_status(copy.deepcopy(previous or {}), name="m", namespace="ns", generation=generation, plan=plan,
                           obs=obs, selector="a=b", now=now)
 
@@ -376,6 +376,20 @@ def test_reconciling_follows_progressing_and_stalled_needs_a_person() -> None:
                                             "Stalled": ("False", "AsExpected")}
     healed = _serving(_ready_pods(1), desired=1, previous=stuck, generation=1, now="2026-01-01T00:09:00Z")
     assert _kstatus_conditions(healed) == {"Reconciling": ("False", "Reconciled"), "Stalled": ("False", "AsExpected")}
+
+
+def test_engines_ready_before_their_router_is_still_reconciling() -> None:
+    """Every group ready but no router pod available: Ready is False, so Reconciling must be True, or kstatus (and
+    a Flux Kustomization waiting on it) reads the service as Current in that window (seen in CI)."""
+    early = _serving(_ready_pods(2), desired=2, routers=0)
+    assert (_conditions(early)["Ready"]["status"], _conditions(early)["Ready"]["reason"]) == (
+        "False", "RouterUnavailable")
+    assert _kstatus_conditions(early) == {"Reconciling": ("True", "WaitingForRouter"),
+                                          "Stalled": ("False", "AsExpected")}
+    assert _conditions(early)["Reconciling"]["message"] == "all 2 groups ready; no router pod is available yet"
+    served = _serving(_ready_pods(2), desired=2, previous=early, now="2026-01-01T00:01:00Z")
+    assert _kstatus_conditions(served) == {"Reconciling": ("False", "Reconciled"), "Stalled": ("False", "AsExpected")}
+    assert _conditions(served)["Ready"]["status"] == "True"
 
 
 def test_spec_replicas_zero_is_ready_so_kstatus_reads_it_as_current() -> None:

@@ -59,7 +59,7 @@ def plan_message(plan: Plan) -> str:
             f"{plan.max_concurrent_sequences} sequences of {plan.max_model_len:,} tokens")
 
 
-def _progress(obs: Observation, rollout: Mode) -> tuple[ConditionStatus, str, str]:
+def _progress(obs: Observation, rollout: Mode, idle_since: str | None = None) -> tuple[ConditionStatus, str, str]:
     desired = obs.desired
     if rollout.blocked:
         return "True", SURGE_UNSCHEDULABLE, f"{obs.updated_replicas} of {desired} groups updated; {rollout.blocked}"
@@ -83,6 +83,10 @@ def _progress(obs: Observation, rollout: Mode) -> tuple[ConditionStatus, str, st
         # Every pod runs the revision the StatefulSet's status names, but that status predates its latest spec.
         return "True", "WaitingForStatefulSet", ("the StatefulSet controller has not yet observed the latest "
                                                  "spec; whether every group is updated is known once it has")
+    if obs.router_available == 0 and (desired > 0 or idle_since is not None):
+        # Ready is False until a router is: without this, kstatus (and Flux's wait) would call the service
+        # Current in the window between its engines turning ready and its router.
+        return "True", "WaitingForRouter", f"all {desired} groups ready; no router pod is available yet"
     return "False", "Complete", f"all {desired} groups ready and updated"
 
 
@@ -253,7 +257,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
     cause = _cause(obs, plan, _diagnoses(obs))
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs, rollout)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
+        (PROGRESSING, _progress(obs, rollout, idle_since)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(
