@@ -41,7 +41,6 @@ from kube import (
 from tensorfleet import contract
 
 OUTAGE_S = 20.0
-RESTART_S = 5.0  # a component killed is started again after this
 CONVERGE_S = 60.0  # a scale written after the outage is served within this
 # The operator's direct children: what it writes itself (pods, their revisions and endpoint slices are written by
 # the StatefulSet and EndpointSlice controllers, and scaling changes them by design).
@@ -154,16 +153,8 @@ def test_a_20s_freeze_of_the_api_server(service: Service) -> None:
     _through(service, "kube-apiserver frozen (SIGSTOP)", lambda: _signal_apiserver(signal.SIGSTOP), _thaw, 1)
 
 
-def test_a_restart_of_the_api_server_alone(service: Service) -> None:
-    """kube-apiserver killed and started again 5 s later: every watch on it (the operator's, the routers', KWOK's,
-    the controller manager's) breaks and is made again; a scale written after is served within 60 s, no child
-    duplicated."""
-    _through(service, "kube-apiserver killed", lambda: control_plane("stop", "kube-apiserver"),
-             lambda: control_plane("start"), 1 if service.replicas == 2 else 2, outage=RESTART_S)
-
-
 def _through(service: Service, fault: str, begin: Callable[[], float], end: Callable[[], float],
-             replicas: int, *, outage: float = OUTAGE_S) -> None:
+             replicas: int) -> None:
     name, namespace = service.name, service.namespace
     before = children(name, namespace)
     assert before and all(owners == [service.owner] for _uid, owners in before.values()), before
@@ -174,7 +165,7 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
         first = len(load.codes)
         try:
             began = begin()
-            time.sleep(outage)
+            time.sleep(OUTAGE_S)
             served_while_down = len(load.codes) - first
         finally:
             ended = end()
@@ -214,7 +205,7 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
     restarted = operator_restarts() - restarts
     now = control_plane_pids()
     components = sorted(c for c, pid in pids.items() if now.get(c) != pid)
-    print(f"\n{fault} for {outage:.0f}s (begun in {began:.1f}s, ended in {ended:.1f}s): {len(during)} requests "
+    print(f"\n{fault} for {OUTAGE_S:.0f}s (begun in {began:.1f}s, ended in {ended:.1f}s): {len(during)} requests "
           f"through the router ({served_while_down} during the fault), {len(failed)} failed; the scale to {replicas} "
           f"reconciled {took:.1f}s after, served "
           f"{served_in:.1f}s after; "
