@@ -283,17 +283,29 @@ def test_the_routers_in_flight_count_per_engine_equals_the_engines_running_reque
     assert eventually("no request anywhere", lambda: both() == (0.0, 0.0) or None, timeout=60)
     streams = 3
     results: list[Any] = []
-    threads = [threading.Thread(target=lambda: results.append(_stream(client, 600)), daemon=True)
-               for _ in range(streams)]
+
+    def run() -> None:
+        try:
+            results.append(_stream(client, 600))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(streams)]
     for thread in threads:
         thread.start()
     # While the three run, the router's count and the engine's (running + waiting) agree, read back to back.
-    seen = eventually(f"{streams} requests in flight by both counts",
-                      lambda: (pair := both()) == (float(streams), float(streams)) and pair, timeout=60, every=0.2)
+    pairs: list[tuple[float, float]] = []
+
+    def agreed() -> tuple[float, float]:
+        pairs.append(pair := both())
+        assert pair == (float(streams), float(streams)), f"streams ended: {results}; last counts: {pairs[-10:]}"
+        return pair
+
+    seen = eventually(f"{streams} requests in flight by both counts", agreed, timeout=60, every=0.2)
     assert seen == (streams, streams)
     for thread in threads:
         thread.join(timeout=START)
-    assert [r[0] for r in results] == [600] * streams, results
+    assert [r[0] if isinstance(r, tuple) else r for r in results] == [600] * streams, results
     assert eventually("both counts back to 0", lambda: both() == (0.0, 0.0) or None, timeout=30)
 
 
@@ -454,7 +466,7 @@ def test_sigkill_of_one_of_two_engines_mid_stream_is_resumed_on_the_other_with_t
     restarts = victim["status"]["containerStatuses"][0]["restartCount"]
     runner_pod = next(p for p in _runner()["pods"] if p["uid"] == victim["metadata"]["uid"])
     (engine,) = runner_pod["containers"]
-    assert engine["pid"] and thread.is_alive(), "the stream still runs when its engine dies"
+    assert engine["pid"] and thread.is_alive(), f"the stream still runs when its engine dies: {result} {errors}"
     os.kill(engine["pid"], 9)   # the engine container's main process (the launcher): its PID namespace dies with it
     thread.join(timeout=START)
     assert not thread.is_alive() and not errors, errors

@@ -630,9 +630,16 @@ def test_a_cpu_engine_turns_ready_only_once_warmed_up(monkeypatch: pytest.Monkey
     engine.generate.clear()   # the first generation "compiles" until released
     try:
         launcher, logs = _cpu_launcher(tmp_path, engine)
+        healthy, lines = launcher.pod_health()
+        assert not healthy and lines[-1].startswith("unhealthy: engine: warming up ("), lines
+        # The warm-up's request is sent from a thread of its own: it reaches the engine soon, not at once.
+        deadline = time.monotonic() + 10
+        while not engine.generations and time.monotonic() < deadline:
+            time.sleep(0.02)
         for _ in range(3):
             healthy, lines = launcher.pod_health()
             assert not healthy and lines[-1].startswith("unhealthy: engine: warming up ("), lines
+        time.sleep(0.2)
         assert len(engine.generations) == 1, "one warm-up at a time, started once"
         engine.generate.set()
         healthy, lines = _until_healthy(launcher)

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 log = logging.getLogger("tensorfleet")
@@ -73,6 +74,25 @@ def error_response(status: int, message: str, *, type_: str | None = None, param
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def post_resending_once(session: aiohttp.ClientSession, url: str, *,
+                              on_resend: Callable[[BaseException], None] | None = None,
+                              **kwargs: Any) -> aiohttp.ClientResponse:
+    """POST, and once more on a new connection if the peer hung up before answering anything.
+
+    A server's keep-alive clock starts when it has sent an answer and ours when we have read it, so on a busy
+    host a pooled connection can close under the next request: nothing reached the peer, so sending again is
+    safe, and no fault of the peer's. A peer that did die refuses the new connection (ClientConnectorError),
+    which the caller sees as it should."""
+    try:
+        return await session.post(url, **kwargs)
+    except aiohttp.ClientConnectorError:
+        raise
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        if on_resend is not None:
+            on_resend(exc)
+    return await session.post(url, **kwargs)
 
 
 def install_fast_loop() -> bool:

@@ -174,7 +174,14 @@ from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract, vllm_defaults
-from tensorfleet.httpapi import SSE_CONTENT_TYPE, ServerLimits, error_body, error_response, rate_limited_logger
+from tensorfleet.httpapi import (
+    SSE_CONTENT_TYPE,
+    ServerLimits,
+    error_body,
+    error_response,
+    post_resending_once,
+    rate_limited_logger,
+)
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
 from tensorfleet.prompts import content_text, goes_on, opening_chars, prompt_text
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
@@ -1429,20 +1436,16 @@ class Router:
             raise _Failed("upstream", f"an engine failed mid-answer ({exc.__class__.__name__})", fault=FATAL) from None
 
     async def _post(self, backend: Backend, call: _Call) -> aiohttp.ClientResponse:
-        """POST the call; once more on a new connection if the engine hung up before answering anything.
-
-        The engine's keep-alive clock starts when it has sent an answer and ours when we have read it, so on a busy
-        host a pooled connection can close under the next request: that is no engine fault. An engine that did
-        die refuses the second connection, which counts as it should."""
+        """POST the call; once more on a new connection if the engine hung up before answering anything (a
+        pooled connection it closed: no engine fault; httpapi.post_resending_once)."""
         assert self.session is not None
-        try:
-            return await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
-        except aiohttp.ClientConnectorError:
-            raise
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+
+        def resend(exc: BaseException) -> None:
             log.debug("engine %s: %s on a pooled connection; sending again", backend.url, exc.__class__.__name__)
             self.metrics.retry("closed_idle")
-        return await self.session.post(backend.url + call.path, data=call.body.data, headers=call.headers)
+
+        return await post_resending_once(self.session, backend.url + call.path, on_resend=resend,
+                                         data=call.body.data, headers=call.headers)
 
     def _relay_headers(self, upstream: aiohttp.ClientResponse, backend: Backend) -> dict[str, str]:
         out = {name: upstream.headers[name] for name in _RELAYED_RESPONSE_HEADERS if name in upstream.headers}

@@ -493,31 +493,30 @@ class _Client:
         tokens so far) of each event that carries tokens, appended to MARKS as they come when given."""
         import aiohttp
 
+        from tensorfleet.httpapi import post_resending_once
+
         body = {"model": self.model, "prompt": self.prompt(tokens), "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         marks = [] if marks is None else marks
-        answered = False
-        for attempt in range(2):
+        start = time.perf_counter()
+
+        def restart(_: BaseException) -> None:
+            nonlocal start
             start = time.perf_counter()
-            try:
-                async with self.session.post(self.url + "/v1/completions", json=body, headers=self.headers,
-                                             timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
-                    answered = True
-                    if resp.status != 200:
-                        raise CalibrationError(f"POST {self.url}/v1/completions: {resp.status} "
-                                               f"{(await resp.text())[:300]}")
-                    await token_marks(resp, start, marks)
-                break
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                # The engine's keep-alive clock starts when it has sent a response, ours when we have read it: on
-                # a busy host a pooled connection can be closed under us as we reuse it. Nothing reached the
-                # engine, so sending once more on a fresh connection measures the same thing.
-                if answered or attempt:
-                    raise CalibrationError(f"POST {self.url}/v1/completions: {exc.__class__.__name__}: {exc}"
-                                           ) from None
-            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-                raise CalibrationError(f"POST {self.url}/v1/completions: {exc.__class__.__name__}: {exc}") from None
+
+        try:
+            # Sent once more if a pooled connection was closed under it: nothing reached the engine, so the
+            # resent request measures the same thing (its clock restarted).
+            async with await post_resending_once(
+                    self.session, self.url + "/v1/completions", on_resend=restart, json=body, headers=self.headers,
+                    timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                if resp.status != 200:
+                    raise CalibrationError(f"POST {self.url}/v1/completions: {resp.status} "
+                                           f"{(await resp.text())[:300]}")
+                await token_marks(resp, start, marks)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise CalibrationError(f"POST {self.url}/v1/completions: {exc.__class__.__name__}: {exc}") from None
         if not marks:
             raise CalibrationError(f"{self.url}/v1/completions streamed no tokens with usage (is it vLLM? "
                                    "continuous_usage_stats is needed)")
