@@ -52,7 +52,8 @@ e2e/kwok-stages.yaml keep KWOK away from the same pods):
 - per container, a PID namespace whose init (`init` below, like `docker --init`)
   runs the container's command, forwards signals and reports its exit code, in a
   private mount namespace where /tmp, /run, /etc/hosts and /etc/resolv.conf are the
-  pod's own and volumes are bind-mounted; its hostname is the pod's;
+  pod's own and volumes are bind-mounted; its hostname is the pod's; a vLLM container's
+  processes on CPUs no other vLLM container's run on while there are enough (CpuPins);
 - the container's env as the kubelet builds it: the image's env (the Dockerfile's),
   the master Service's variables, envFrom, env (values with $(VAR) expansion,
   fieldRef, resourceFieldRef, secretKeyRef, configMapKeyRef); command and args
@@ -115,7 +116,7 @@ import threading
 import time
 import traceback
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -378,6 +379,48 @@ def resource_value(container: dict[str, Any], resource: str, divisor: str | None
     if unit == 0:
         raise ConfigError(f"resourceFieldRef {resource!r}: divisor 0")
     return str(math.ceil(quantity(raw) / unit))
+
+
+def whole_cpus(container: dict[str, Any]) -> int:
+    """How many CPUs a vLLM container asks to have for its own (pin_cpus): its CPU limit, else its request,
+    rounded up, at least 1."""
+    resources = container.get("resources") or {}
+    raw = (resources.get("limits") or {}).get("cpu") or (resources.get("requests") or {}).get("cpu") or "1"
+    return max(1, math.ceil(quantity(raw)))
+
+
+def least_held(cpus: Sequence[int], held: Iterable[Collection[int]], want: int) -> list[int]:
+    """WANT of CPUS, those the fewest other holders HELD hold first (the lowest number on a tie), sorted."""
+    load = {cpu: 0 for cpu in cpus}
+    for group in held:
+        for cpu in group:
+            if cpu in load:
+                load[cpu] += 1
+    return sorted(sorted(load, key=lambda cpu: (load[cpu], cpu))[:want])
+
+
+class CpuPins:
+    """This machine's CPUs for vLLM containers' processes, those no other one runs on first. vLLM's CPU backend
+    binds an OpenMP thread to every core its process may use; two engines bound to the same cores run their
+    parallel regions in lock-step with each other's (beside a new engine starting, a serving one's streams
+    took 3.5x as long as on a core of its own). So each gets cores of its own while there are enough, as the
+    kubelet's static CPU manager gives a Guaranteed pod's containers."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pinned: dict[str, list[int]] = {}   # container key -> the CPUs its processes run on
+
+    def pin(self, key: str, want: int) -> list[int]:
+        allowed = sorted(os.sched_getaffinity(0))
+        with self.lock:
+            self.pinned.pop(key, None)
+            cpus = least_held(allowed, self.pinned.values(), min(want, len(allowed)))
+            self.pinned[key] = cpus
+        return cpus
+
+    def unpin(self, key: str) -> None:
+        with self.lock:
+            self.pinned.pop(key, None)
 
 
 Lookup = Callable[[str, str], dict[str, str] | None]   # (kind "secret"/"configmap", name) -> data or None
@@ -1194,6 +1237,8 @@ class Container:
         pid_file.unlink(missing_ok=True)
         init = {"hostname": worker.hostname, "binds": binds, "workdir": workdir, "argv": argv,
                 "pidFile": str(pid_file), "overlays": overlays}
+        if self.vllm:
+            init["cpus"] = worker.runner.cpus.pin(self.cpu_key, whole_cpus(self.spec))
         spec_file = worker.directory / f"{self.name}.init.json"
         spec_file.write_text(json.dumps(init, indent=2))
         if self.ever_started:
@@ -1249,9 +1294,15 @@ class Container:
             time.sleep(0.02)
         return None
 
+    @property
+    def cpu_key(self) -> str:
+        return f"{self.worker.pod['metadata']['uid']}/{self.name}"
+
     def _exited(self, code: int) -> None:
         assert self.proc is not None
         self.proc = None
+        if self.vllm:
+            self.worker.runner.cpus.unpin(self.cpu_key)
         exit_code = 137 if self.killed_hard else (128 - code if code < 0 else code)
         with self.lock:
             self.ready = False
@@ -1708,6 +1759,7 @@ class Runner:
         self.lock = threading.RLock()
         self.stopping = threading.Event()
         self.ready = False
+        self.cpus = CpuPins()
 
     # -- images
     def vllm_bin(self) -> str | None:
@@ -1955,6 +2007,8 @@ def cmd_init(args: argparse.Namespace) -> int:
             os.close(fd)
         Path(spec["workdir"]).mkdir(parents=True, exist_ok=True)
         os.chdir(spec["workdir"])
+        if spec.get("cpus"):
+            os.sched_setaffinity(0, spec["cpus"])   # the container's command and all it starts inherit it
     except OSError as exc:
         sys.stderr.write(f"e2e pod runner: cannot set up the container: {exc}\n")
         return 128

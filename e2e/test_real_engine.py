@@ -286,7 +286,7 @@ def test_the_routers_in_flight_count_per_engine_equals_the_engines_running_reque
 
     def run() -> None:
         try:
-            results.append(_stream(client, 600))
+            results.append(_stream(client, 1000))
         except Exception as exc:  # noqa: BLE001 - reported below
             results.append(exc)
 
@@ -305,7 +305,7 @@ def test_the_routers_in_flight_count_per_engine_equals_the_engines_running_reque
     assert seen == (streams, streams)
     for thread in threads:
         thread.join(timeout=START)
-    assert [r[0] if isinstance(r, tuple) else r for r in results] == [600] * streams, results
+    assert [r[0] if isinstance(r, tuple) else r for r in results] == [1000] * streams, results
     assert eventually("both counts back to 0", lambda: both() == (0.0, 0.0) or None, timeout=30)
 
 
@@ -445,8 +445,13 @@ def test_sigkill_of_one_of_two_engines_mid_stream_is_resumed_on_the_other_with_t
         _value(_samples(f"{router}/metrics"), contract.ROUTER_METRIC_BACKEND_HEALTHY,
                **{contract.ROUTER_LABEL_BACKEND: _engine_url(p)}) == 1.0 for p in pods) or None, timeout=60)
     before = _resumptions(router)
+    # Each engine container's main process (the launcher: its PID namespace dies with it), known before the
+    # stream starts, so that the kill follows its first tokens by one scrape of the router.
+    mains = {p["uid"]: p["containers"][0]["pid"] for p in _runner()["pods"]
+             if p["uid"] in {pod["metadata"]["uid"] for pod in pods}}
+    assert len(mains) == 2 and all(mains.values()), mains
     client = _client(fleet)
-    tokens = 1500   # seconds of streaming even on a fast machine: the kill lands mid-stream
+    tokens = 2000   # all the window leaves: seconds of streaming even on a fast machine, the kill lands mid-stream
     started = threading.Event()
     result: list[Any] = []
     errors: list[BaseException] = []
@@ -460,14 +465,16 @@ def test_sigkill_of_one_of_two_engines_mid_stream_is_resumed_on_the_other_with_t
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     assert started.wait(120), f"the stream sent nothing: {errors}"
-    serving = eventually("the engine running the stream", lambda: [p for p in pods if _running(_engine_url(p)) == 1],
-                         timeout=30, every=0.2)
-    (victim,) = serving
+
+    def serving() -> list[dict[str, Any]]:
+        samples = _samples(f"{router}/metrics")
+        return [p for p in pods if _value(samples, contract.ROUTER_METRIC_IN_FLIGHT,
+                                          **{contract.ROUTER_LABEL_BACKEND: _engine_url(p)}) == 1]
+
+    (victim,) = eventually("the engine the router sent the stream to", serving, timeout=30, every=0.05)
     restarts = victim["status"]["containerStatuses"][0]["restartCount"]
-    runner_pod = next(p for p in _runner()["pods"] if p["uid"] == victim["metadata"]["uid"])
-    (engine,) = runner_pod["containers"]
-    assert engine["pid"] and thread.is_alive(), f"the stream still runs when its engine dies: {result} {errors}"
-    os.kill(engine["pid"], 9)   # the engine container's main process (the launcher): its PID namespace dies with it
+    assert thread.is_alive(), f"the stream still runs when its engine dies: {result} {errors}"
+    os.kill(mains[victim["metadata"]["uid"]], 9)
     thread.join(timeout=START)
     assert not thread.is_alive() and not errors, errors
     ((count, finish, _),) = result

@@ -375,7 +375,8 @@ def test_gptq_modules_in_block_and_quantized_head() -> None:
 @pytest.mark.parametrize(("change", "phrase"), [
     ({"quantization_config": {"quant_method": "gguf"}}, "quant_method 'gguf'"),
     ({"hidden_size": None}, "hidden_size is missing"),
-    ({"model_type": "jamba"}, "not a pure attention decoder"),
+    ({"model_type": "falcon_h1"}, "not an attention decoder nor a hybrid the planner reads"),
+    ({"model_type": "jamba", "attn_layer_offset": 99}, "a hybrid model needs attention layers too"),
     ({"layer_types": ["linear_attention"] * 32}, "layer_types has 'linear_attention'"),
     ({"num_key_value_heads": 7}, "kvHeads 7 must divide"),
     ({"num_hidden_layers": "32"}, "num_hidden_layers must be a whole number"),

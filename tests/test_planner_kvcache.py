@@ -39,7 +39,7 @@ def test_gemma_3_interleaves_five_windows_to_one_full_layer_and_pads_its_groups(
     grouping = kvcache.group_layers(layers, hybrid=True)
     assert (len(grouping.groups), grouping.padding, grouping.group_size_on(range(62))) == (7, 8, 10)
     assert [spec.kind for spec in grouping.specs].count("sliding") == 6
-    # Off (a KV connector, the CPU backend): one group, every layer full.
+    # Off (a KV connector, KV events, the flag): one group, every layer full.
     off = kvcache.group_layers(layers, hybrid=False)
     assert (len(off.groups), off.specs, off.group_size_on(range(62))) == (1, (kvcache.FULL,), 62)
 
@@ -196,3 +196,16 @@ def test_the_rendered_router_ceiling_follows() -> None:
     args = router["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-concurrency-per-backend") + 1] == str(plan.engine_concurrency(32768))
     assert plan.engine_concurrency(32768) > plan.kv_cache_tokens // 32768
+
+
+def test_the_cpu_backend_runs_the_hybrid_manager_too() -> None:
+    """vLLM's CPU platform supports the hybrid manager (0.19 and 0.32: support_hybrid_kv_cache), so a sliding-
+    window model on accelerator CPU is grouped as on a GPU; the flag still turns it off there."""
+    def plan(*args: str) -> Any:
+        return make_plan(load_inference_service(isvc_doc({
+            "model": {"name": "google/gemma-2-2b-it", "maxModelLen": 8192}, "accelerator": {"type": "CPU"},
+            "engine": {"resources": {"requests": {"cpu": "4", "memory": "64Gi"}}, "args": list(args)},
+        })).spec, facts("google/gemma-2-2b-it"))
+
+    on, off = plan(), plan("--disable-hybrid-kv-cache-manager")
+    assert on.fits and len(on.kv_pool.specs) == 2 and len(off.kv_pool.specs) == 1

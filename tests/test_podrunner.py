@@ -276,3 +276,30 @@ def test_a_vllm_pods_precompiled_headers_are_the_shared_caches(monkeypatch: pyte
     assert not (pod_tmp / "torchinductor_second").exists()
     podrunner.share_header_cache(pod_tmp, {"USER": "elsewhere", "TMPDIR": "/var/tmp"})
     assert not (pod_tmp / "torchinductor_elsewhere").exists()
+
+
+@pytest.mark.parametrize(("resources", "want"), [
+    ({"requests": {"cpu": "1", "memory": "5Gi"}}, 1),
+    ({"requests": {"cpu": "500m"}}, 1),
+    ({"requests": {"cpu": "1"}, "limits": {"cpu": "2500m"}}, 3),
+    ({}, 1),
+])
+def test_a_vllm_container_asks_for_its_cpu_limit_else_request_in_whole_cpus(resources: dict[str, Any],
+                                                                            want: int) -> None:
+    assert podrunner.whole_cpus({"name": "engine", "resources": resources}) == want
+
+
+def test_vllm_containers_get_cpus_no_other_one_runs_on_while_there_are_enough(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    """vLLM binds a thread to every core it may use: two engines on the same cores run in lock-step."""
+    monkeypatch.setattr(podrunner.os, "sched_getaffinity", lambda _: {0, 1, 2, 3})
+    pins = podrunner.CpuPins()
+    assert pins.pin("a/engine", 1) == [0]
+    assert pins.pin("b/engine", 2) == [1, 2]
+    assert pins.pin("c/engine", 2) == [0, 3]    # one left free: it shares the least held
+    assert pins.pin("d/engine", 9) == [0, 1, 2, 3]   # never more than there are
+    pins.unpin("d/engine")
+    pins.unpin("a/engine")
+    assert pins.pin("b/engine", 2) == [1, 2]     # a restart of the same container: its own again
+    assert pins.pin("e/engine", 1) == [0]        # every one held once now: the lowest
+    assert pins.pin("f/engine", 1) == [1]

@@ -126,6 +126,7 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         "maxConcurrency": round(plan.max_concurrency, 2),
         "kvCacheGroups": [spec.kind + (f":{spec.window}" if spec.window else "") for spec in plan.kv_pool.specs],
         "kvCacheBlocks": plan.kv_pool.num_blocks,
+        "kvCacheBlockSize": plan.kv_pool.block_size,
         "vllmArithmetic": contract.VLLM_VERSION,
         "maxNumSeqs": plan.max_num_seqs,
         "replicas": replicas,
@@ -194,14 +195,30 @@ def _device_rows(plan: Plan) -> list[tuple[str, str]]:
 
 
 def _kv_groups(plan: Plan) -> str:
-    """How vLLM groups the layers, where it matters: several groups (sliding or chunked layers beside full ones)."""
+    """How vLLM groups the layers, where it matters: several groups (sliding, chunked or state layers beside full
+    ones)."""
     specs = plan.kv_pool.specs
     if len(specs) == 1 and specs[0].kind == "full":
         return ""
-    kinds = ", ".join(f"{specs.count(spec)} {spec.kind}" + (f" ({spec.window:,}-token)" if spec.window else "")
-                      for spec in dict.fromkeys(specs))
-    return (f" ({len(specs)} KV-cache groups: {kinds}; the pool as if every layer were full attention, as vLLM "
+    names = {"mamba": "state"}
+    kinds = ", ".join(f"{specs.count(spec)} {names.get(spec.kind, spec.kind)}"
+                      + (f" ({spec.window:,}-token)" if spec.window else "") for spec in dict.fromkeys(specs))
+    return (f" ({len(specs)} KV-cache groups: {kinds}; the pool as if every group held attention blocks, as vLLM "
             "logs it)")
+
+
+def _state_rows(plan: Plan) -> list[tuple[str, str]]:
+    """A hybrid model's state layers: the attention block vLLM raises to hold a state, and the state's page."""
+    if not plan.state_bytes_per_gpu:
+        return []
+    pool, page = plan.kv_pool, plan.state_page_bytes
+    modes = {spec.state_cache for spec in pool.specs if spec.kind == "mamba"}
+    how = (" per block of tokens (prefix caching)" if "all" in modes else
+           ", and its aligned copy (prefix caching)" if "align" in modes else "")
+    return [("KV block", (f"{pool.block_size:,} tokens (vLLM raises the block from 16 so an attention page holds a "
+                          f"state layer's {plan.state_bytes_per_gpu / MiB:.2f} MiB state; state pages padded "
+                          f"{100 * (page / plan.state_bytes_per_gpu - 1):.2f}%)")),
+            ("state per request", f"one {page / MiB:.2f} MiB page in each state group{how}")]
 
 
 def plan_table(isvc: InferenceService, plan: Plan) -> str:
@@ -227,6 +244,7 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
                        + (f" ({contract.ENV_CPU_KVCACHE_SPACE}={plan.cpu_kv_cache_gib})" if plan.cpu else "")),
         ("KV per token", f"{per_token / 1024:.1f} KiB {per}"),
         ("KV cache size", f"{plan.kv_cache_tokens:,} tokens per replica" + _kv_groups(plan)),
+        *_state_rows(plan),
         ("max concurrency", (f"{plan.max_concurrency:.2f}x sequences of {plan.max_model_len:,} tokens "
                              f"({plan.max_concurrent_sequences} full-length at once); at the router's typical "
                              f"{typical:,} tokens {plan.kv_pool.concurrency(typical):.2f}x")),

@@ -27,6 +27,10 @@ and Llama 4 do; the fields a config leaves out take the defaults of its
                         original_max_position_embeddings instead)
     vision encoder      SigLIP (Gemma 3) and Llama 4's encoder, with their projectors: counted on the
                         first pipeline stage, 16-bit
+    hybrid models       Qwen3-Next, Granite 4.0-H, Jamba, Nemotron-H and Bamba: which layers are attention,
+                        Mamba / linear-attention state layers or MLP-only blocks, the state's shape and the
+                        state layers' modules (`catalog/hybridconfig.py`); Falcon-H1 (attention and Mamba
+                        side by side in every layer) and other state-space models are refused
 
 Weights are counted module by module from those shapes (biases, norms, routers
 and attention sinks included), so a standard config's total matches the
@@ -64,7 +68,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tensorfleet.api.models import ArchitectureSpec, MLAArchitecture, MoEArchitecture
+from tensorfleet.api.models import ArchitectureSpec, MambaArchitecture, MLAArchitecture, MoEArchitecture
+from tensorfleet.catalog import hybridconfig
 from tensorfleet.catalog.facts import LayerWeights, ModelFacts, ModelSource
 from tensorfleet.catalog.formats import BITS, WeightFormat
 
@@ -88,17 +93,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 # Model types whose q/k/v projections always carry a bias (no attention_bias field).
 _QKV_BIAS = {"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"}
 # Model types with per-head RMS norms on queries and keys (weights of head_dim each).
-_QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmoe"}
+_QK_NORM = {"qwen3", "qwen3_moe", "gemma3_text", "gemma3", "olmo2", "olmoe", "qwen3_next"}
 # Model types with four norms per layer (before and after attention and MLP).
 _FOUR_NORMS = {"gemma2", "gemma3_text", "gemma3"}
 # Families sized by their own rules; anything else is read as a standard decoder, with a note.
 _KNOWN = {
     "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "phi3", "gemma", "gemma2",
     "gemma3_text", "deepseek_v2", "deepseek_v3", "kimi_k2", "llama4_text", "gpt_oss", "granite", "olmo2",
+    *hybridconfig.HYBRID_TYPES,
 }
-# Hybrids whose KV cache is not attention's (state-space or linear-attention layers).
-_UNSUPPORTED = {"jamba", "bamba", "nemotron_h", "falcon_h1", "granitemoehybrid", "minimax", "minimax_text_01",
-                "qwen3_next", "mamba", "mamba2", "rwkv", "t5", "bart", "whisper", "zamba", "zamba2", "lfm2"}
+# Models whose cache is not sized here: other state-space or linear-attention designs, encoder-decoders. Falcon-H1
+# runs attention and a Mamba mixer side by side in every layer.
+_UNSUPPORTED = {"falcon_h1", "minimax", "minimax_text_01", "mamba", "mamba2", "rwkv", "t5", "bart", "whisper",
+                "zamba", "zamba2", "lfm2"}
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                 "max_sequence_length", "max_seq_length", "seq_len")
 _LINEAR = {"attn", "mlp", "expert", "shared"}
@@ -171,8 +178,9 @@ def parse_model_config(
     c = _Config(config)
     if c.model_type in _UNSUPPORTED:
         raise ModelConfigError(
-            f"model_type {c.model_type!r} is not a pure attention decoder; its KV cache cannot be sized from "
-            "config.json here (give spec.model.architecture)"
+            f"model_type {c.model_type!r} is not an attention decoder nor a hybrid the planner reads (Qwen3-Next, "
+            "Granite 4.0-H, Jamba, Nemotron-H, Bamba); its cache cannot be sized from config.json here (give "
+            "spec.model.architecture, with `mamba` for its state layers)"
         )
     notes: list[str] = []
     if c.model_type not in _KNOWN:
@@ -181,7 +189,13 @@ def parse_model_config(
     scheme = _scheme(config.get("quantization_config") or c.text.get("quantization_config"), hf_quant_config)
     layers_n = c.num("num_hidden_layers")
     prefix = "language_model.model" if c.nested else "model"
-    modules = [_layer_modules(c, i, f"{prefix}.layers.{i}") for i in range(layers_n)]
+    try:
+        kinds = hybridconfig.layer_kinds(c, layers_n) if c.model_type in hybridconfig.HYBRID_TYPES else None
+        state = hybridconfig.architecture(c, c.num("hidden_size"), kinds) if kinds else None
+    except (hybridconfig.ConfigError, ValidationError) as exc:
+        raise ModelConfigError(_first_problem(exc)) from None
+    modules = [_layer_modules(c, i, f"{prefix}.layers.{i}", kinds[i] if kinds else None, state)
+               for i in range(layers_n)]
 
     layer_weights: list[LayerWeights] = []
     kept: set[str] = set()
@@ -211,7 +225,7 @@ def parse_model_config(
     if encoder_note:
         notes.append(encoder_note)
 
-    arch, arch_notes = _architecture(c, modules, tied)
+    arch, arch_notes = _architecture(c, modules, tied, state)
     notes += arch_notes
     kept_names = {"attn": "attention", "mlp": "dense MLPs", "expert": "experts", "shared": "shared experts"}
     detail = scheme.detail
@@ -248,13 +262,36 @@ def _display_name(name: str, dtype: object) -> str:
 # --- modules of one decoder layer -----------------------------------------------------
 
 
-def _layer_modules(c: _Config, i: int, p: str) -> list[_Module]:
+def _layer_modules(c: _Config, i: int, p: str, kind: str | None = None, state: MambaArchitecture | None = None
+                   ) -> list[_Module]:
+    """One decoder layer's modules; KIND (hybridconfig's) and STATE for a hybrid model's layer."""
     hidden = c.num("hidden_size")
-    out = _attention_modules(c, p, hidden)
-    norms = 4 if c.model_type in _FOUR_NORMS else 2
-    out.append(_Module(f"{p}.input_layernorm", norms * hidden, "norm"))
-    out += _ffn_modules(c, i, p, hidden)
-    return out
+    if kind is None or state is None:
+        out = _attention_modules(c, p, hidden)
+        norms = 4 if c.model_type in _FOUR_NORMS else 2
+        out.append(_Module(f"{p}.input_layernorm", norms * hidden, "norm"))
+        return out + _ffn_modules(c, i, p, hidden)
+    out = (_attention_modules(c, p, hidden) if kind == hybridconfig.ATTENTION else
+           [_Module(*m) for m in hybridconfig.state_modules(c, p, hidden, state)] if kind == hybridconfig.STATE else [])
+    out.append(_Module(f"{p}.input_layernorm", hybridconfig.norms(c) * hidden, "norm"))
+    ffn = hybridconfig.ffn_modules(c, i, p, hidden, kind)
+    return out + (_ffn_modules(c, i, p, hidden) if ffn is None else [_Module(*m) for m in ffn])
+
+
+def _first_problem(exc: Exception) -> str:
+    """A ModelConfigError's message for a reader's or the API model's error."""
+    if isinstance(exc, ValidationError):
+        problem = exc.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"]) or "config"
+        return f"{where}: {problem['msg']}"
+    return str(exc)
+
+
+def _head_dim(c: _Config, hidden: int, heads: int) -> int:
+    """Attention head size: head_dim (Nemotron-H: attention_head_dim), else hidden / heads."""
+    if c.get("head_dim") is None and c.get("attention_head_dim") is not None:
+        return c.num("attention_head_dim")
+    return c.num("head_dim", hidden // heads)
 
 
 def _attention_modules(c: _Config, p: str, hidden: int) -> list[_Module]:
@@ -263,12 +300,15 @@ def _attention_modules(c: _Config, p: str, hidden: int) -> list[_Module]:
     if c.get("kv_lora_rank") is not None:
         return _mla_modules(c, a, hidden, heads)
     kv_heads = c.num("num_key_value_heads", heads)
-    head_dim = c.num("head_dim", hidden // heads)
+    head_dim = _head_dim(c, hidden, heads)
     q, kv = heads * head_dim, kv_heads * head_dim
     bias = bool(c.get("attention_bias", False))
     qkv_bias = bias or c.model_type in _QKV_BIAS
     if c.model_type == "phi3":
         out = [_Module(f"{a}.qkv_proj", hidden * (q + 2 * kv), "attn")]
+    elif c.model_type == "qwen3_next":   # gated attention: the query projection also gives the output gate
+        out = [_Module(f"{a}.q_proj", hidden * 2 * q, "attn"), _Module(f"{a}.k_proj", hidden * kv, "attn"),
+               _Module(f"{a}.v_proj", hidden * kv, "attn")]
     else:
         out = [_Module(f"{a}.q_proj", hidden * q, "attn"), _Module(f"{a}.k_proj", hidden * kv, "attn"),
                _Module(f"{a}.v_proj", hidden * kv, "attn")]
@@ -393,7 +433,7 @@ def _shared_size(c: _Config, expert_size: int) -> int:
 
 
 def _shared_count(c: _Config) -> int:
-    if c.model_type == "llama4_text":
+    if c.model_type == "llama4_text" or (c.model_type == "granitemoehybrid" and c.get("shared_intermediate_size")):
         return 1
     if c.get("n_shared_experts"):
         return c.num("n_shared_experts")
@@ -403,7 +443,8 @@ def _shared_count(c: _Config) -> int:
 # --- architecture facts for the KV cache, the layout rules and the activation reserve ---
 
 
-def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple[ArchitectureSpec, list[str]]:
+def _architecture(c: _Config, modules: list[list[_Module]], tied: bool, state: MambaArchitecture | None = None
+                  ) -> tuple[ArchitectureSpec, list[str]]:
     notes: list[str] = []
     hidden, heads, layers = c.num("hidden_size"), c.num("num_attention_heads"), c.num("num_hidden_layers")
     mla: MLAArchitecture | None = None
@@ -412,7 +453,7 @@ def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple
         kv_heads, head_dim = heads, c.num("qk_nope_head_dim") + c.num("qk_rope_head_dim")
     else:
         kv_heads = c.num("num_key_value_heads", heads)
-        head_dim = c.num("head_dim", hidden // heads)
+        head_dim = _head_dim(c, hidden, heads)
 
     experts = _experts(c)
     moe: MoEArchitecture | None = None
@@ -451,16 +492,17 @@ def _architecture(c: _Config, modules: list[list[_Module]], tied: bool) -> tuple
             chunked_attention_layers=chunk_layers,
             moe=moe,
             mla=mla,
+            mamba=state,
         )
     except ValidationError as exc:
-        problem = exc.errors()[0]
-        where = ".".join(str(part) for part in problem["loc"]) or "config"
-        raise ModelConfigError(f"{where}: {problem['msg']}") from None
+        raise ModelConfigError(_first_problem(exc)) from None
     return arch, notes
 
 
 def _windows(c: _Config, layers: int) -> tuple[int | None, int | None, int | None, int | None]:
     """(sliding window, how many layers use it, attention chunk, how many layers use it), as vLLM reads them."""
+    if c.model_type in hybridconfig.HYBRID_TYPES:
+        return None, None, None, None   # their attention layers attend to the whole context
     window = c.get("sliding_window")
     layer_types = c.get("layer_types")
     if isinstance(layer_types, list) and layer_types:

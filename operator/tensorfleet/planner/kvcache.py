@@ -7,10 +7,10 @@ real vLLM is installed. docs/planner.md has the long form.
 
 - Each attention layer has a spec: full attention (MLA too), a sliding window of W tokens, or chunked local
   attention of C tokens (Llama 4). On one rank a layer's page is `block_size` tokens of its per-token bytes.
-- With the hybrid KV-cache manager (vLLM's default on GPUs) layers of different kinds are grouped: group
+- With the hybrid KV-cache manager (vLLM's default, its CPU backend too) layers of different kinds are grouped: group
   size is the smallest count of a kind (the largest when it is under 1.5 times the smallest), each kind
   split into groups of that size, padded (vLLM warns "Add N padding layers"). Every group holds
-  `num_blocks` blocks: num_blocks = free bytes // (page x group size). Without it (vLLM's CPU backend, a KV
+  `num_blocks` blocks: num_blocks = free bytes // (page x group size). Without it (a KV
   connector or KV events, `--disable-hybrid-kv-cache-manager`) every sliding or chunked layer of a model
   that also has full ones is kept as a full one, and one group holds all layers.
 - "GPU KV cache size: N tokens" is num_blocks // groups x block_size: the pool as if every layer (padding
@@ -19,6 +19,9 @@ real vLLM is installed. docs/planner.md has the long form.
   in every group: full ceil(L / block); sliding ceil(min(W - 1 + B, L) / block) + 1; chunked
   ceil(min(C + B, L) / block), B the step's token budget (max-num-batched-tokens). The router's per-engine
   ceiling is this figure at a typical request's length.
+- Hybrid models add state layers (Mamba, linear attention: planner/hybrid.py sizes their state and the block):
+  one state page per request (two when prefix caching keeps an aligned copy, one per block when it keeps
+  all), grouped like any other kind; vLLM refuses them without its hybrid manager.
 """
 
 from __future__ import annotations
@@ -30,18 +33,24 @@ from typing import Literal
 
 from tensorfleet.api.models import ArchitectureSpec
 
-LayerKind = Literal["full", "sliding", "chunked"]
+LayerKind = Literal["full", "sliding", "chunked", "mamba", "none"]
+# How vLLM keeps a state layer's pages (--mamba-cache-mode): one state per request, an aligned copy beside it
+# (prefix caching, models without per-block states), or a state per block (prefix caching).
+StateCacheMode = Literal["none", "align", "all"]
 
 
 @dataclass(frozen=True)
 class LayerSpec:
     """One attention layer's KV cache, as vLLM's KVCacheSpec kinds see it."""
 
-    kind: LayerKind = "full"
+    kind: LayerKind = "full"   # none: a layer without a cache (Nemotron-H's MLP-only layers)
     window: int = 0   # sliding window or attention chunk, in tokens
+    state_cache: StateCacheMode = "none"   # a state layer's
 
     def blocks_per_request(self, tokens: int, block: int, batched_tokens: int) -> int:
         """Blocks one request of TOKENS tokens may hold in this layer's group (vLLM's max_memory_usage_bytes)."""
+        if self.kind == "mamba":
+            return {"none": 1, "align": 2}.get(self.state_cache) or math.ceil(tokens / block)
         if self.kind == "sliding":
             return math.ceil(min(self.window - 1 + batched_tokens, tokens) / block) + 1
         if self.kind == "chunked":
@@ -70,31 +79,59 @@ class Grouping:
         return max(sum(1 for layer in group if layer in held) for group in self.groups)
 
 
-def model_layers(arch: ArchitectureSpec) -> list[LayerSpec]:
-    """The model's attention layers in order. A model states how many layers use a window or a chunk, not which:
-    they are spread evenly among the full-attention ones, as every such model interleaves them (Gemma 3 five
-    sliding to one full, gpt-oss alternating, Llama 4 three chunked to one full). Only pipeline stages see the
-    order."""
-    windowed = ((arch.sliding_window_layers if arch.sliding_window_layers is not None else arch.layers)
+def _spread(count: int, slots: int) -> set[int]:
+    """COUNT of SLOTS positions, spread evenly, the last slot included."""
+    return {round((k + 1) * slots / count) - 1 for k in range(count)} if count else set()
+
+
+def model_layers(arch: ArchitectureSpec, state_cache: StateCacheMode = "none") -> list[LayerSpec]:
+    """The model's layers in order, each with its cache's kind. A model states how many layers use a window or a
+    chunk, or keep a state, not which: they are spread evenly, as every such model interleaves them (Gemma 3
+    five sliding to one full, gpt-oss alternating, Llama 4 three chunked to one full, Qwen3-Next three linear to
+    one full, Jamba seven Mamba to one attention). Only pipeline stages see the order. STATE_CACHE: how vLLM
+    keeps the state layers' pages."""
+    attention = arch.attention_layer_count
+    windowed = ((arch.sliding_window_layers if arch.sliding_window_layers is not None else attention)
                 if arch.sliding_window else 0)
-    chunked = ((arch.chunked_attention_layers if arch.chunked_attention_layers is not None else arch.layers)
+    chunked = ((arch.chunked_attention_layers if arch.chunked_attention_layers is not None else attention)
                if arch.attention_chunk_size else 0)
-    full = arch.layers - windowed - chunked
-    at = {round((k + 1) * arch.layers / full) - 1 for k in range(full)} if full else set()
+    at = _spread(attention - windowed - chunked, attention)
     local = iter([LayerSpec("sliding", arch.sliding_window or 0)] * windowed
                  + [LayerSpec("chunked", arch.attention_chunk_size or 0)] * chunked)
-    return [FULL if index in at else next(local) for index in range(arch.layers)]
+    attending = [FULL if index in at else next(local) for index in range(attention)]
+    if arch.mamba is None:
+        return attending
+    # Attention layers spread among all layers; state layers among the rest, the others (no cache) between them.
+    state = LayerSpec("mamba", state_cache=state_cache)
+    rest = arch.layers - attention
+    held = iter(attending)
+    states = _spread(arch.mamba.layers, rest)
+    out: list[LayerSpec] = []
+    other = 0
+    for index in range(arch.layers):
+        if index in _spread(attention, arch.layers):
+            out.append(next(held))
+        else:
+            out.append(state if other in states else LayerSpec("none"))
+            other += 1
+    return out
 
 
 def group_layers(layers: Sequence[LayerSpec], hybrid: bool) -> Grouping:
-    """vLLM's get_kv_cache_groups for layers of one page size. HYBRID: its hybrid KV-cache manager is on."""
+    """vLLM's get_kv_cache_groups for layers of one page size (a state layer's page padded to an attention one's).
+    HYBRID: its hybrid KV-cache manager is on; without it vLLM cannot put state and attention layers in one group
+    and refuses to start (ValueError here too). Layers without a cache are left out."""
+    if not hybrid and any(spec.kind == "mamba" for spec in layers) and any(
+            spec.kind not in ("mamba", "none") for spec in layers):
+        raise ValueError("without the hybrid KV-cache manager vLLM cannot group state layers with attention ones")
     if not hybrid and len(set(layers)) > 1 and FULL in layers:
         # vLLM's unify_hybrid_kv_cache_specs: windows and chunks kept as full layers. A model of one kind (all
         # sliding, say) is left as it is.
-        layers = [FULL if spec.kind != "full" else spec for spec in layers]
+        layers = [FULL if spec.kind not in ("full", "none") else spec for spec in layers]
     kinds: dict[LayerSpec, list[int]] = {}
     for index, spec in enumerate(layers):
-        kinds.setdefault(spec, []).append(index)
+        if spec.kind != "none":
+            kinds.setdefault(spec, []).append(index)
     if len(kinds) == 1:
         (spec, members), = kinds.items()
         return Grouping((tuple(members),), (spec,), 0)
@@ -122,11 +159,14 @@ class KVPool:
     block_size: int
     specs: tuple[LayerSpec, ...]   # one per group
     batched_tokens: int            # max-num-batched-tokens, which bounds a sliding or chunked group's blocks
+    # The smallest block of any group, which vLLM's logged pool counts in: a state group's block is the whole
+    # max_model_len when it keeps one state per request, so only a shorter max_model_len than the block shows.
+    logged_block: int | None = None
 
     @property
     def tokens(self) -> int:
         """vLLM's "GPU KV cache size: N tokens"."""
-        return self.num_blocks // len(self.specs) * self.block_size
+        return self.num_blocks // len(self.specs) * (self.logged_block or self.block_size)
 
     def blocks_per_request(self, tokens: int) -> int:
         return sum(spec.blocks_per_request(tokens, self.block_size, self.batched_tokens) for spec in self.specs)
@@ -149,9 +189,11 @@ class KVPool:
 
 
 def pool(grouping: Grouping, stages: Sequence[tuple[Sequence[int], int]], page_bytes: int, block_size: int,
-         batched_tokens: int) -> tuple[KVPool, int]:
+         batched_tokens: int, logged_block: int | None = None) -> tuple[KVPool, int]:
     """The engine's pool from each pipeline stage's (layers, free bytes per GPU), PAGE_BYTES a block of one layer
-    on one GPU; and the index of the stage with the fewest blocks (the engine takes its figure)."""
-    blocks = [max(free, 0) // page_bytes // grouping.group_size_on(layers) for layers, free in stages]
-    worst = min(range(len(blocks)), key=blocks.__getitem__)
-    return KVPool(blocks[worst], block_size, grouping.specs, batched_tokens), worst
+    on one GPU; and the index of the stage with the fewest blocks (the engine takes its figure). A stage holding
+    no layer with a cache has no say."""
+    blocks = {index: max(free, 0) // page_bytes // grouping.group_size_on(layers)
+              for index, (layers, free) in enumerate(stages) if grouping.group_size_on(layers)}
+    worst = min(blocks, key=blocks.__getitem__)
+    return KVPool(blocks[worst], block_size, grouping.specs, batched_tokens, logged_block), worst

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from tensorfleet.api.models import ArchitectureSpec
 from tensorfleet.catalog.facts import EMBEDDING_BITS, ModelFacts, from_architecture
 from tensorfleet.catalog.sizes import DEFAULT_VOCAB, kv_bytes_per_token_layer
+from tensorfleet.planner.kvcache import model_layers
 
 GiB = 1024**3
 MiB = 1024**2
@@ -95,7 +96,7 @@ ACTIVATION_BYTES = 2
 class Stage:
     layers: int
     weight_bytes_per_gpu: int
-    kv_bytes_per_token_per_gpu: int    # every layer of the stage as full attention (what vLLM's logged pool counts)
+    kv_bytes_per_token_per_gpu: int    # every attention layer of the stage as full attention (what vLLM's logged pool counts)
     first: int = 0                     # the index of its first layer
     kv_bytes_per_token_layer: int = 0  # one layer's, on one GPU
 
@@ -132,6 +133,8 @@ def facts_stages(facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes
     """
     arch = facts.arch
     per_layer_kv = kv_bytes_per_token_layer(arch, tensor, kv_element_bytes)
+    # A hybrid model's state layers (and layers without a cache) hold no KV per token.
+    attending = [spec.kind not in ("mamba", "none") for spec in model_layers(arch)]
     out: list[Stage] = []
     first = 0
     for index, count in enumerate(stage_layers(arch.layers, pipeline)):
@@ -144,7 +147,8 @@ def facts_stages(facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes
             fixed += facts.final * EMBEDDING_BITS / 8
             if not (facts.tied and pipeline == 1):
                 fixed += facts.head * (EMBEDDING_BITS if facts.tied else facts.head_bits) / 8
-        out.append(Stage(count, math.ceil(weights + fixed / tensor), count * per_layer_kv, first - count, per_layer_kv))
+        out.append(Stage(count, math.ceil(weights + fixed / tensor), sum(attending[first - count:first]) * per_layer_kv,
+                         first - count, per_layer_kv))
     return out
 
 

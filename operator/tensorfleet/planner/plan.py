@@ -42,7 +42,7 @@ from tensorfleet.catalog import CPU, GPUType, ModelFacts, accelerator_names, cat
 from tensorfleet.catalog.facts import from_architecture
 from tensorfleet.catalog.formats import BITS, UNQUANTIZED, family
 from tensorfleet.engine_settings import engine_arg_value
-from tensorfleet.planner import kvcache, memory
+from tensorfleet.planner import hybrid, kvcache, memory
 from tensorfleet.planner import lora as lora_memory
 from tensorfleet.planner.lora import LoraPlan, LoraSettings
 from tensorfleet.planner.memory import GiB
@@ -77,6 +77,7 @@ class Resolved:
     cpu: bool = False                  # vLLM's CPU backend: `gpu` stands for the container's memory request
     hybrid_kv: bool = True             # vLLM's hybrid KV-cache manager runs (planner/kvcache.py)
     engine_args: tuple[str, ...] = ()  # spec.engine.args, for the flags that change what vLLM allocates
+    state_cache: kvcache.StateCacheMode = "none"   # how vLLM keeps a hybrid model's state pages (planner/hybrid.py)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class Plan:
     lora: LoraPlan | None = None        # LoRA as the engines start with it; None: off (spec.lora_enabled)
     prefill: Plan | None = None         # with spec.prefill: the prefill pool's plan (planner/disagg.py)
     kv_connector: str | None = None     # with spec.prefill: the KV connector both pools run (set on both plans)
+    # A hybrid model's: one state layer's state for one request on one GPU, and the page vLLM pads it to (every
+    # layer's block: kv_pool.block_size tokens of one attention layer); 0 for other models.
+    state_bytes_per_gpu: int = 0
+    state_page_bytes: int = 0
 
     @property
     def lora_bytes_per_gpu(self) -> int:
@@ -195,15 +200,53 @@ def gib(value: float) -> str:
 # --- resolving facts -------------------------------------------------------------
 
 
-def _hybrid_kv(spec: InferenceServiceSpec, cpu: bool, kv_connector: bool) -> bool:
-    """Whether vLLM runs its hybrid KV-cache manager (vllm/config/vllm.py): not on its CPU backend, not beside a
-    KV connector (spec.prefill) or KV events, not when engine.args turn it off; engine.args can insist on it
-    only where nothing turns it off."""
+def _hybrid_kv(spec: InferenceServiceSpec, kv_connector: bool) -> bool:
+    """Whether vLLM runs its hybrid KV-cache manager (vllm/config/vllm.py): on GPUs and on its CPU backend alike
+    (its CPU platform supports it, 0.19 and 0.32), not beside a KV connector (spec.prefill) or KV events, not when
+    engine.args turn it off; engine.args can insist on it only where nothing turns it off."""
     args = spec.engine.args
-    if cpu or any(engine_arg_value(args, flag) is not None
-                  for flag in ("--disable-hybrid-kv-cache-manager", "--kv-events-config")):
+    if any(engine_arg_value(args, flag) is not None
+           for flag in ("--disable-hybrid-kv-cache-manager", "--kv-events-config")):
         return False
     return engine_arg_value(args, "--no-disable-hybrid-kv-cache-manager") is not None or not kv_connector
+
+
+def _state_cache(spec: InferenceServiceSpec, arch: ArchitectureSpec) -> kvcache.StateCacheMode:
+    """How vLLM keeps a hybrid model's state pages: prefix caching is off for hybrid models unless engine.args
+    turn it on (--enable-prefix-caching), and --mamba-cache-mode may choose how."""
+    if arch.mamba is None:
+        return "none"
+    args = spec.engine.args
+    on = (engine_arg_value(args, "--enable-prefix-caching") is not None
+          and engine_arg_value(args, "--no-enable-prefix-caching") is None)
+    return hybrid.cache_mode(arch.mamba, on, engine_arg_value(args, "--mamba-cache-mode"))
+
+
+def _check_state_layers(spec: InferenceServiceSpec, arch: ArchitectureSpec, cpu: bool, hybrid_kv: bool,
+                        kv_connector: bool) -> None:
+    """What vLLM 0.19 refuses for a hybrid model (state layers beside attention ones), each refusal naming its
+    field: its CPU backend has no kernels for the state layers, and without the hybrid KV-cache manager it cannot
+    put them in one group with attention layers ("failed to convert the KV cache specs to one unified type")."""
+    if arch.mamba is None:
+        return
+    what = f"{spec.model.name} has {arch.mamba.layers} {arch.mamba.kind} state layers beside attention ones"
+    if cpu:
+        raise SpecError("spec.accelerator.type", f"{CPU}: {what}, and vLLM's CPU backend runs none (their kernels are "
+                                                 "Triton GPU kernels); choose a GPU type")
+    if hybrid_kv:
+        return
+    args = spec.engine.args
+    refused = "vLLM starts it only with its hybrid KV-cache manager"
+    if engine_arg_value(args, "--disable-hybrid-kv-cache-manager") is not None:
+        raise SpecError("spec.engine.args", f"--disable-hybrid-kv-cache-manager: {what}; {refused}: remove the flag")
+    if engine_arg_value(args, "--kv-events-config") is not None:
+        raise SpecError("spec.engine.args", f"--kv-events-config turns vLLM's hybrid KV-cache manager off: {what}; "
+                                            f"{refused}: remove it")
+    if kv_connector:
+        raise SpecError("spec.prefill", f"the KV connector turns vLLM's hybrid KV-cache manager off (as vLLM does "
+                                        f"beside --kv-transfer-config): {what}; {refused}: add "
+                                        "--no-disable-hybrid-kv-cache-manager to spec.engine.args (NixlConnector "
+                                        "supports it), or remove spec.prefill")
 
 
 def _batched_tokens(spec: InferenceServiceSpec, default: int) -> int:
@@ -222,6 +265,7 @@ def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None, kv_connector:
         )
     facts = _model_facts(spec, given)
     arch = facts.arch
+    _check_state_layers(spec, arch, cpu, _hybrid_kv(spec, kv_connector), kv_connector)
     native = facts.weight_format.name
     weight_format = _weight_format(spec, native, facts.source, gpu)
     # fp8 may be quantized at load time; awq/gptq name the checkpoint itself; a float16 config says so.
@@ -248,8 +292,9 @@ def _resolve(spec: InferenceServiceSpec, given: ModelFacts | None, kv_connector:
         batched_tokens=_batched_tokens(spec, batch.max_num_batched_tokens),
         lora=lora_memory.settings(spec),
         cpu=cpu,
-        hybrid_kv=_hybrid_kv(spec, cpu, kv_connector),
+        hybrid_kv=_hybrid_kv(spec, kv_connector),
         engine_args=tuple(spec.engine.args),
+        state_cache=_state_cache(spec, arch),
     )
 
 
@@ -387,6 +432,8 @@ def _tensor_problem(arch: ArchitectureSpec, tensor: int) -> str | None:
         return f"{tensor} does not divide the model's {heads} attention heads"
     if arch.mla is None and kv_heads % tensor and tensor % kv_heads:
         return f"{tensor} and the model's {kv_heads} KV heads must divide one another"
+    if arch.mamba is not None:
+        return hybrid.tensor_problem(arch.mamba, tensor)
     return None
 
 
@@ -400,15 +447,32 @@ def _kv_bytes(free: int, cpu: bool) -> int:
     return free // GiB * GiB if cpu else free
 
 
-def _kv_pool(r: Resolved, stages: list[memory.Stage], reserve: int) -> tuple[kvcache.KVPool, memory.Stage]:
+def _kv_pool(r: Resolved, stages: list[memory.Stage], reserve: int, tensor: int) -> tuple[kvcache.KVPool, memory.Stage]:
     """The engine's KV pool with RESERVE bytes per GPU beside each stage's weights, and the stage that sized it
     (the fewest blocks: planner/kvcache.py)."""
     block = vllm_defaults.CPU_BLOCK_SIZE if r.cpu else vllm_defaults.BLOCK_SIZE
-    grouping = kvcache.group_layers(kvcache.model_layers(r.arch), r.hybrid_kv)
+    logged_block = None
+    token_bytes = stages[0].kv_bytes_per_token_layer
+    if r.arch.mamba is not None:
+        chosen = _hybrid_block(r, tensor, token_bytes, block)
+        block = chosen.block_size
+        # One state per request: the state group's block is max_model_len, and vLLM logs the pool in the smaller.
+        logged_block = min(block, r.max_model_len) if r.state_cache == "none" else block
+    grouping = kvcache.group_layers(kvcache.model_layers(r.arch, r.state_cache), r.hybrid_kv)
     found, worst = kvcache.pool(
         grouping, [(stage.layer_indices, _kv_bytes(reserve - stage.weight_bytes_per_gpu, r.cpu)) for stage in stages],
-        block * stages[0].kv_bytes_per_token_layer, block, max(r.batched_tokens, r.max_num_seqs))
+        block * token_bytes, block, max(r.batched_tokens, r.max_num_seqs), logged_block)
     return found, stages[worst]
+
+
+def _hybrid_block(r: Resolved, tensor: int, token_bytes: int, base_block: int) -> hybrid.HybridBlock:
+    """The attention block vLLM chooses for a hybrid model at TENSOR ranks (planner/hybrid.py)."""
+    assert r.arch.mamba is not None
+    model_bytes = 4 if r.dtype == "float32" else 2
+    conv, ssm = hybrid.state_element_bytes(r.arch.mamba, model_bytes, engine_arg_value(r.engine_args, "--mamba-cache-dtype"),
+                                           engine_arg_value(r.engine_args, "--mamba-ssm-cache-dtype"))
+    state = hybrid.state_bytes(r.arch.mamba, tensor, conv, ssm)
+    return hybrid.block_size(state, token_bytes, base_block, r.state_cache, r.arch.mamba.chunk_size)
 
 
 def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max_loras: int | None = None) -> Plan:
@@ -433,13 +497,15 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
             notes.append(f"vLLM's custom all-reduce does not run ({why}): NCCL's buffers alone, "
                          f"{gib(non_torch)} per GPU")
     activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
-    kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch)
+    kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch, tensor)
+    state = (_hybrid_block(r, tensor, stages[0].kv_bytes_per_token_layer, kv_pool.block_size)
+             if arch.mamba is not None else None)
     lora: LoraPlan | None = None
     if r.lora is not None:
         # The LoRA slots come out of every stage's budget, like the activation reserve.
         kv_without_lora = max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0)
         lora = lora_memory.size(r.lora, arch, tensor, pipeline, r.batched_tokens, kv_without_lora, max_loras)
-        kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch - lora.bytes_per_gpu)
+        kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch - lora.bytes_per_gpu, tensor)
         notes += lora_memory.notes(r.lora, lora, arch)
     lora_bytes = lora.bytes_per_gpu if lora is not None else 0
     kv_heads = arch.kv_heads or arch.attention_heads
@@ -481,6 +547,8 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
         weight_detail=f"{r.weight_format}, quantized at load time" if r.bits is not None else r.facts.weight_format.detail,
         lora=lora,
         kv_pool=kv_pool,
+        state_bytes_per_gpu=state.state_bytes if state else 0,
+        state_page_bytes=state.page_bytes if state else 0,
     )
 
 
