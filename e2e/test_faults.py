@@ -5,6 +5,8 @@ objects recreated, orphaned or duplicated. The operator runs under e2e/supervise
 it exits as a kubelet would its container (with the kubelet's back-off): an operator that could not renew its
 Lease for its duration exits by design, as controller-runtime's do; once the fault ends, control-plane processes
 that exit are started again as a kubelet does static pods (`static_pods`). KWOK, the nodes' agent, runs throughout.
+Last, leader failover: a standby replica beside the operator (`e2e/cluster operator start --standby`) finishes a
+rollout whose leader was SIGKILLed.
 """
 
 from __future__ import annotations
@@ -25,23 +27,30 @@ import pytest
 from kube import (
     CHILD_KINDS,
     CLUSTER_SCRIPT,
+    NEXT_IMAGE,
+    SYSTEM_NAMESPACE,
     Requests,
     cluster_status,
     condition_status,
     delete_namespace_later,
     deploy,
+    engine_pods,
     eventually,
+    get,
     isvc,
     items,
     kubectl,
     new_namespace,
     router_url,
+    start_operator,
 )
+from test_rollout import _deploy, _rolled, _set_image
 
 from tensorfleet import contract
 
 OUTAGE_S = 20.0
 CONVERGE_S = 60.0  # a scale written after the outage is served within this
+FAILOVER_S = 30.0  # a standby leads within this of its leader's death: the Lease's 15 s, and its polls
 # The operator's direct children: what it writes itself (pods, their revisions and endpoint slices are written by
 # the StatefulSet and EndpointSlice controllers, and scaling changes them by design).
 OWN_KINDS = ",".join(k for k in CHILD_KINDS.split(",")
@@ -214,3 +223,77 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
     assert served_while_down > 0, "no request was answered during the fault"
     assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
     assert not recreated and not orphaned and not added, (recreated, orphaned, added)
+
+
+def _standby(action: str) -> None:
+    subprocess.run([str(CLUSTER_SCRIPT), "operator", action, "--standby"], check=True, capture_output=True,
+                   timeout=120)
+
+
+def _holder() -> str | None:
+    lease = get("lease", contract.OPERATOR_LEASE_NAME, SYSTEM_NAMESPACE) or {}
+    return (lease.get("spec") or {}).get("holderIdentity")
+
+
+def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() -> None:
+    """Two operator replicas electing a leader through one Lease, as two pods of the chart's Deployment do: the
+    leader SIGKILLed mid-rollout and not started again; the standby takes the Lease within its duration, finishes
+    the rollout, and every child the leader wrote is kept (none recreated, added or orphaned); requests through
+    the router are answered throughout."""
+    found = cluster_status() or {}
+    leader, standby = found["operator"], found.get("standby")
+    assert leader.get("running") and standby is not None, "needs e2e/cluster's operator (and its --standby)"
+    namespace = new_namespace("failover")
+    replicas = 3
+    killed = False
+    try:
+        name, pipeline = _deploy(namespace, replicas)
+        owner = (isvc(name, namespace) or {})["metadata"]["uid"]
+        model = (isvc(name, namespace) or {})["spec"]["model"]["servedName"]
+        _standby("start")
+        main = _holder()
+        assert main == leader["name"], f"the first replica leads: {main}"
+        before = children(name, namespace)
+        with Requests(router_url(name, namespace), model) as load:
+            eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+            first = len(load.codes)
+            _set_image(name, namespace, NEXT_IMAGE)
+
+            def partly() -> bool:
+                updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
+                return bool(any(p["spec"]["containers"][0]["image"] == NEXT_IMAGE for p in engine_pods(name, namespace))
+                            and updated < replicas)
+            eventually("the rollout under way", partly, every=0.1)
+            subprocess.run([str(CLUSTER_SCRIPT), "operator", "kill"], check=True, capture_output=True, timeout=60)
+            killed, at = True, time.monotonic()
+            mid = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
+            eventually("the standby holding the Lease", lambda: _holder() == standby["name"], timeout=FAILOVER_S,
+                       every=0.2)
+            took_over = time.monotonic() - at
+            obj = eventually("the rollout finished by the standby",
+                             lambda: _rolled(name, namespace, NEXT_IMAGE, replicas), timeout=CONVERGE_S + FAILOVER_S)
+            finished = time.monotonic() - at
+            sent = len(load.codes)
+            eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
+        during = load.codes[first:]
+        failed = [code for code in during if code != 200]
+        after = children(name, namespace)
+        recreated = sorted(f"{k}/{n}" for (k, n), (uid, _o) in before.items() if after.get((k, n), ("",))[0] != uid)
+        orphaned = sorted(f"{k}/{n}" for (k, n), (_uid, owners) in after.items() if owners != [owner])
+        added = sorted(f"{k}/{n}" for k, n in after.keys() - before.keys())
+        print(f"\nthe leader SIGKILLed mid-rollout ({'mid' if mid else 'AFTER'} rollout, {replicas} groups of "
+              f"{pipeline}): the standby took the Lease {took_over:.1f}s after, the rollout finished {finished:.1f}s "
+              f"after; {len(during)} requests through the router, {len(failed)} failed; children recreated "
+              f"{recreated}, orphaned {orphaned}, added {added}")
+        assert mid, "the rollout had finished before the leader was killed"
+        assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
+        assert not recreated and not orphaned and not added, (recreated, orphaned, added)
+        assert (obj.get("status") or {}).get("observedGeneration") == obj["metadata"]["generation"]
+    finally:
+        # Back as the other tests found it: the first replica started again (a standby until the other goes), then
+        # the standby stopped, which gives the Lease up on its way out.
+        if killed:
+            start_operator()
+        _standby("stop")
+        eventually("the first replica leading again", lambda: _holder() == leader["name"], timeout=FAILOVER_S)
+        delete_namespace_later(namespace)
