@@ -34,7 +34,6 @@ from kube import (
     condition_status,
     delete_namespace_later,
     deploy,
-    engine_pods,
     eventually,
     get,
     isvc,
@@ -44,7 +43,7 @@ from kube import (
     router_url,
     start_operator,
 )
-from test_rollout import _deploy, _rolled, _set_image
+from test_rollout import _deploy, _rolled, _set_image, _under_way
 
 from tensorfleet import contract
 
@@ -74,12 +73,24 @@ def control_plane_pids() -> dict[str, int]:
     return {name: int(p["pid"]) for name, p in ((cluster_status() or {}).get("processes") or {}).items() if p.get("pid")}
 
 
-def children(name: str, namespace: str) -> dict[tuple[str, str], tuple[str, list[str]]]:
+Children = dict[tuple[str, str], tuple[str, list[str]]]
+
+
+def children(name: str, namespace: str) -> Children:
     """(kind, name) -> (uid, the uids of its owners) of every object labelled with the InferenceService."""
     found = items(OWN_KINDS, namespace, f"{contract.LABEL_INFERENCE_SERVICE}={name}")
     return {(o["kind"], o["metadata"]["name"]): (o["metadata"]["uid"],
                                                  [r["uid"] for r in o["metadata"].get("ownerReferences") or []])
             for o in found}
+
+
+def changed_children(before: Children, after: Children, owner: str) -> tuple[list[str], list[str], list[str]]:
+    """(recreated, orphaned, added) children ("Kind/name") between two `children` readings; OWNER the
+    InferenceService's uid."""
+    recreated = sorted(f"{k}/{n}" for (k, n), (uid, _o) in before.items() if after.get((k, n), ("",))[0] != uid)
+    orphaned = sorted(f"{k}/{n}" for (k, n), (_uid, owners) in after.items() if owners != [owner])
+    added = sorted(f"{k}/{n}" for k, n in after.keys() - before.keys())
+    return recreated, orphaned, added
 
 
 @dataclass
@@ -207,10 +218,7 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
     service.replicas = replicas
     during = load.codes[first:]
     failed = [code for code in during if code != 200]
-    after = children(name, namespace)
-    recreated = sorted(f"{k}/{n}" for (k, n), (uid, _o) in before.items() if after.get((k, n), ("",))[0] != uid)
-    orphaned = sorted(f"{k}/{n}" for (k, n), (_uid, owners) in after.items() if owners != [service.owner])
-    added = sorted(f"{k}/{n}" for k, n in after.keys() - before.keys())
+    recreated, orphaned, added = changed_children(before, children(name, namespace), service.owner)
     restarted = operator_restarts() - restarts
     now = control_plane_pids()
     components = sorted(c for c, pid in pids.items() if now.get(c) != pid)
@@ -258,12 +266,7 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
             eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
             first = len(load.codes)
             _set_image(name, namespace, NEXT_IMAGE)
-
-            def partly() -> bool:
-                updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
-                return bool(any(p["spec"]["containers"][0]["image"] == NEXT_IMAGE for p in engine_pods(name, namespace))
-                            and updated < replicas)
-            eventually("the rollout under way", partly, every=0.1)
+            eventually("the rollout under way", lambda: _under_way(name, namespace, NEXT_IMAGE, replicas), every=0.1)
             subprocess.run([str(CLUSTER_SCRIPT), "operator", "kill"], check=True, capture_output=True, timeout=60)
             killed, at = True, time.monotonic()
             mid = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
@@ -277,10 +280,7 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
             eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
         during = load.codes[first:]
         failed = [code for code in during if code != 200]
-        after = children(name, namespace)
-        recreated = sorted(f"{k}/{n}" for (k, n), (uid, _o) in before.items() if after.get((k, n), ("",))[0] != uid)
-        orphaned = sorted(f"{k}/{n}" for (k, n), (_uid, owners) in after.items() if owners != [owner])
-        added = sorted(f"{k}/{n}" for k, n in after.keys() - before.keys())
+        recreated, orphaned, added = changed_children(before, children(name, namespace), owner)
         print(f"\nthe leader SIGKILLed mid-rollout ({'mid' if mid else 'AFTER'} rollout, {replicas} groups of "
               f"{pipeline}): the standby took the Lease {took_over:.1f}s after, the rollout finished {finished:.1f}s "
               f"after; {len(during)} requests through the router, {len(failed)} failed; children recreated "

@@ -10,6 +10,7 @@ every moment.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -70,6 +71,13 @@ def _rolled(name: str, namespace: str, image: str, replicas: int) -> dict[str, A
     return obj if done else None
 
 
+def _under_way(name: str, namespace: str, image: str, replicas: int) -> bool:
+    """A rollout to IMAGE begun (an engine pod runs it) and not finished."""
+    updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
+    return bool(any(p["spec"]["containers"][0]["image"] == image for p in engine_pods(name, namespace))
+                and updated < replicas)
+
+
 def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
     doc = example("simulator-cpu.yaml", namespace, replicas=replicas, autoscaling=None)
     name = doc["metadata"]["name"]
@@ -114,11 +122,7 @@ def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphan
     for image in (NEXT_IMAGE, f"{NEXT_IMAGE}-2", f"{NEXT_IMAGE}-3"):
         _set_image(name, namespace, image)
 
-        def partly(image: str = image) -> bool:
-            updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
-            return bool(any(p["spec"]["containers"][0]["image"] == image for p in engine_pods(name, namespace))
-                        and updated < replicas)
-        eventually("the rollout under way", partly, every=0.1)
+        eventually("the rollout under way", functools.partial(_under_way, name, namespace, image, replicas), every=0.1)
         kill_operator()
         mid_rollout = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
         time.sleep(2)

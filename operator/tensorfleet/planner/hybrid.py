@@ -72,15 +72,12 @@ def tensor_problem(mamba: MambaArchitecture, tensor: int) -> str | None:
 
 
 def cache_mode(mamba: MambaArchitecture, prefix_caching: bool, asked: str | None = None) -> StateCacheMode:
-    """How vLLM keeps the state pages: ASKED (--mamba-cache-mode) where given and prefix caching is on; none
-    without prefix caching (hybrid models' default); else a state per block where the model supports it."""
+    """How vLLM keeps the state pages: none without prefix caching (hybrid models' default); with it, an aligned
+    copy where ASKED (--mamba-cache-mode) says align or the model has no per-block states, else a state per block
+    (asking for all on such a model gets align)."""
     if not prefix_caching:
         return "none"
-    if asked == "align":
-        return "align"
-    if asked == "all" and mamba.kind in PER_BLOCK_STATE_KINDS:
-        return "all"
-    return "all" if mamba.kind in PER_BLOCK_STATE_KINDS else "align"
+    return "all" if asked != "align" and mamba.kind in PER_BLOCK_STATE_KINDS else "align"
 
 
 @dataclass(frozen=True)

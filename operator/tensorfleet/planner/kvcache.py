@@ -47,6 +47,11 @@ class LayerSpec:
     window: int = 0   # sliding window or attention chunk, in tokens
     state_cache: StateCacheMode = "none"   # a state layer's
 
+    @property
+    def attends(self) -> bool:
+        """Whether the layer keeps attention KV per token (state layers and layers without a cache do not)."""
+        return self.kind not in ("mamba", "none")
+
     def blocks_per_request(self, tokens: int, block: int, batched_tokens: int) -> int:
         """Blocks one request of TOKENS tokens may hold in this layer's group (vLLM's max_memory_usage_bytes)."""
         if self.kind == "mamba":
@@ -105,11 +110,11 @@ def model_layers(arch: ArchitectureSpec, state_cache: StateCacheMode = "none") -
     state = LayerSpec("mamba", state_cache=state_cache)
     rest = arch.layers - attention
     held = iter(attending)
-    states = _spread(arch.mamba.layers, rest)
+    states, attended = _spread(arch.mamba.layers, rest), _spread(attention, arch.layers)
     out: list[LayerSpec] = []
     other = 0
     for index in range(arch.layers):
-        if index in _spread(attention, arch.layers):
+        if index in attended:
             out.append(next(held))
         else:
             out.append(state if other in states else LayerSpec("none"))
@@ -121,8 +126,7 @@ def group_layers(layers: Sequence[LayerSpec], hybrid: bool) -> Grouping:
     """vLLM's get_kv_cache_groups for layers of one page size (a state layer's page padded to an attention one's).
     HYBRID: its hybrid KV-cache manager is on; without it vLLM cannot put state and attention layers in one group
     and refuses to start (ValueError here too). Layers without a cache are left out."""
-    if not hybrid and any(spec.kind == "mamba" for spec in layers) and any(
-            spec.kind not in ("mamba", "none") for spec in layers):
+    if not hybrid and any(spec.kind == "mamba" for spec in layers) and any(spec.attends for spec in layers):
         raise ValueError("without the hybrid KV-cache manager vLLM cannot group state layers with attention ones")
     if not hybrid and len(set(layers)) > 1 and FULL in layers:
         # vLLM's unify_hybrid_kv_cache_specs: windows and chunks kept as full layers. A model of one kind (all

@@ -134,7 +134,7 @@ def facts_stages(facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes
     arch = facts.arch
     per_layer_kv = kv_bytes_per_token_layer(arch, tensor, kv_element_bytes)
     # A hybrid model's state layers (and layers without a cache) hold no KV per token.
-    attending = [spec.kind not in ("mamba", "none") for spec in model_layers(arch)]
+    attending = [spec.attends for spec in model_layers(arch)]
     out: list[Stage] = []
     first = 0
     for index, count in enumerate(stage_layers(arch.layers, pipeline)):

@@ -447,32 +447,35 @@ def _kv_bytes(free: int, cpu: bool) -> int:
     return free // GiB * GiB if cpu else free
 
 
-def _kv_pool(r: Resolved, stages: list[memory.Stage], reserve: int, tensor: int) -> tuple[kvcache.KVPool, memory.Stage]:
+def _kv_pool(r: Resolved, stages: list[memory.Stage], reserve: int, state: hybrid.HybridBlock | None
+             ) -> tuple[kvcache.KVPool, memory.Stage]:
     """The engine's KV pool with RESERVE bytes per GPU beside each stage's weights, and the stage that sized it
-    (the fewest blocks: planner/kvcache.py)."""
-    block = vllm_defaults.CPU_BLOCK_SIZE if r.cpu else vllm_defaults.BLOCK_SIZE
-    logged_block = None
-    token_bytes = stages[0].kv_bytes_per_token_layer
-    if r.arch.mamba is not None:
-        chosen = _hybrid_block(r, tensor, token_bytes, block)
-        block = chosen.block_size
+    (the fewest blocks: planner/kvcache.py). STATE: a hybrid model's block (_hybrid_block)."""
+    block, logged_block = _base_block(r), None
+    if state is not None:
+        block = state.block_size
         # One state per request: the state group's block is max_model_len, and vLLM logs the pool in the smaller.
         logged_block = min(block, r.max_model_len) if r.state_cache == "none" else block
     grouping = kvcache.group_layers(kvcache.model_layers(r.arch, r.state_cache), r.hybrid_kv)
     found, worst = kvcache.pool(
         grouping, [(stage.layer_indices, _kv_bytes(reserve - stage.weight_bytes_per_gpu, r.cpu)) for stage in stages],
-        block * token_bytes, block, max(r.batched_tokens, r.max_num_seqs), logged_block)
+        block * stages[0].kv_bytes_per_token_layer, block, max(r.batched_tokens, r.max_num_seqs), logged_block)
     return found, stages[worst]
 
 
-def _hybrid_block(r: Resolved, tensor: int, token_bytes: int, base_block: int) -> hybrid.HybridBlock:
-    """The attention block vLLM chooses for a hybrid model at TENSOR ranks (planner/hybrid.py)."""
-    assert r.arch.mamba is not None
+def _base_block(r: Resolved) -> int:
+    return vllm_defaults.CPU_BLOCK_SIZE if r.cpu else vllm_defaults.BLOCK_SIZE
+
+
+def _hybrid_block(r: Resolved, tensor: int, token_bytes: int) -> hybrid.HybridBlock | None:
+    """The attention block vLLM chooses for a hybrid model at TENSOR ranks (planner/hybrid.py); None for others."""
+    if r.arch.mamba is None:
+        return None
     model_bytes = 4 if r.dtype == "float32" else 2
     conv, ssm = hybrid.state_element_bytes(r.arch.mamba, model_bytes, engine_arg_value(r.engine_args, "--mamba-cache-dtype"),
                                            engine_arg_value(r.engine_args, "--mamba-ssm-cache-dtype"))
     state = hybrid.state_bytes(r.arch.mamba, tensor, conv, ssm)
-    return hybrid.block_size(state, token_bytes, base_block, r.state_cache, r.arch.mamba.chunk_size)
+    return hybrid.block_size(state, token_bytes, _base_block(r), r.state_cache, r.arch.mamba.chunk_size)
 
 
 def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max_loras: int | None = None) -> Plan:
@@ -497,15 +500,14 @@ def size_layout(r: Resolved, tensor: int, pipeline: int, auto: bool = False, max
             notes.append(f"vLLM's custom all-reduce does not run ({why}): NCCL's buffers alone, "
                          f"{gib(non_torch)} per GPU")
     activation = memory.activation_peak_bytes(arch, tensor, r.batched_tokens, r.max_num_seqs)
-    kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch, tensor)
-    state = (_hybrid_block(r, tensor, stages[0].kv_bytes_per_token_layer, kv_pool.block_size)
-             if arch.mamba is not None else None)
+    state = _hybrid_block(r, tensor, stages[0].kv_bytes_per_token_layer)
+    kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch, state)
     lora: LoraPlan | None = None
     if r.lora is not None:
         # The LoRA slots come out of every stage's budget, like the activation reserve.
         kv_without_lora = max(budget - worst.weight_bytes_per_gpu - activation - non_torch, 0)
         lora = lora_memory.size(r.lora, arch, tensor, pipeline, r.batched_tokens, kv_without_lora, max_loras)
-        kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch - lora.bytes_per_gpu, tensor)
+        kv_pool, worst = _kv_pool(r, stages, budget - activation - non_torch - lora.bytes_per_gpu, state)
         notes += lora_memory.notes(r.lora, lora, arch)
     lora_bytes = lora.bytes_per_gpu if lora is not None else 0
     kv_heads = arch.kv_heads or arch.attention_heads
