@@ -29,8 +29,8 @@ from worker_helpers import WORKER, base_env, example_docs, free_port, install_fa
 
 from tensorfleet import contract, vllm_defaults
 from tensorfleet.api import load_inference_service
+from tensorfleet.api.base import quantity_bytes
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import quantity_bytes
 from tensorfleet.catalog import gpu_names
 from tensorfleet.planner import Plan, make_plan, memory
 from tensorfleet.planner.memory import GiB

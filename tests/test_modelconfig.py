@@ -475,7 +475,8 @@ def test_readme_sources_are_exact_paths() -> None:
 def test_the_status_names_every_source_the_facts_know() -> None:
     from typing import get_args
 
-    from tensorfleet.api.models import ArchitectureSpec, PlanStatus
+    from tensorfleet.api.architecture import ArchitectureSpec
+    from tensorfleet.api.status import PlanStatus
     from tensorfleet.catalog.facts import MODEL_SOURCES, ModelSource
 
     status_sources = get_args(get_args(PlanStatus.model_fields["model_source"].annotation)[0])

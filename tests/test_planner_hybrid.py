@@ -14,8 +14,8 @@ from conftest import isvc_doc, require_real_vllm
 from test_modelconfig import DATA, facts
 
 from tensorfleet.api import load_inference_service
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import ArchitectureSpec
 from tensorfleet.catalog.modelconfig import ModelConfigError, parse_model_config
 from tensorfleet.catalog.sizes import kv_bytes_per_token_layer
 from tensorfleet.planner import hybrid, kvcache, make_plan

@@ -14,7 +14,7 @@ from conftest import isvc_doc, require_real_vllm
 from test_modelconfig import facts
 
 from tensorfleet.api import load_inference_service
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.planner import kvcache, make_plan
 from tensorfleet.planner.memory import GiB, stage_layers
 from tensorfleet.render import render

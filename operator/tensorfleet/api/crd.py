@@ -17,7 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.api.models import MAX_NAME_LENGTH, InferenceServiceSpec, InferenceServiceStatus
+from tensorfleet.api.base import MAX_NAME_LENGTH
+from tensorfleet.api.models import InferenceServiceSpec
+from tensorfleet.api.status import InferenceServiceStatus
 from tensorfleet.engine_settings import WORKER_ENV_VARS
 
 # Keys of a Kubernetes JSONSchemaProps that this generator may emit.

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from tensorfleet.api.models import DNS_1035_PATTERN, DNS_1123_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
+from tensorfleet.api.base import DNS_1035_PATTERN, DNS_1123_LABEL_PATTERN, ENV_NAME_PATTERN, QUANTITY_PATTERN
 
 PATTERN_MEANINGS = {
     DNS_1035_PATTERN: "is not a DNS-1035 label: use lowercase letters, digits and '-', starting with a letter",

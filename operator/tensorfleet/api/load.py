@@ -7,8 +7,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from tensorfleet import contract
+from tensorfleet.api.base import MAX_NAME_LENGTH
 from tensorfleet.api.errors import SpecError, from_validation_error, one_line, quote
-from tensorfleet.api.models import MAX_DISAGGREGATED_NAME_LENGTH, MAX_NAME_LENGTH, InferenceService
+from tensorfleet.api.models import MAX_DISAGGREGATED_NAME_LENGTH, InferenceService
 from tensorfleet.api.strict import check_document
 
 

@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.catalog.formats import WeightFormat, standard
 
 ModelSource = Literal["hub", "cache", "file", "spec", "catalog", "catalog+id-markers"]

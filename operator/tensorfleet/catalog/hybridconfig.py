@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tensorfleet.api.models import MambaArchitecture
+from tensorfleet.api.architecture import MambaArchitecture
 
 # The hybrid families vLLM 0.19 runs and this reader sizes, by config.json model_type.
 HYBRID_TYPES = {"qwen3_next", "granitemoehybrid", "jamba", "nemotron_h", "bamba"}

@@ -68,7 +68,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tensorfleet.api.models import ArchitectureSpec, MambaArchitecture, MLAArchitecture, MoEArchitecture
+from tensorfleet.api.architecture import ArchitectureSpec, MambaArchitecture, MLAArchitecture, MoEArchitecture
 from tensorfleet.catalog import hybridconfig
 from tensorfleet.catalog.facts import LayerWeights, ModelFacts, ModelSource
 from tensorfleet.catalog.formats import BITS, WeightFormat

@@ -25,7 +25,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tensorfleet.api.models import ArchitectureSpec, MLAArchitecture, MoEArchitecture
+from tensorfleet.api.architecture import ArchitectureSpec, MLAArchitecture, MoEArchitecture
 from tensorfleet.catalog.facts import ModelFacts, from_architecture
 from tensorfleet.catalog.formats import VARIANT_TOKENS, id_format
 

@@ -24,7 +24,7 @@ vLLM's KV-cache manager pools and shares them is planner/kvcache.py's.
 
 from __future__ import annotations
 
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.catalog.facts import DEFAULT_VOCAB
 from tensorfleet.catalog.formats import BITS
 

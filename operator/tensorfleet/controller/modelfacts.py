@@ -49,7 +49,7 @@ from pydantic import ValidationError
 from tensorfleet import contract, modelinfo
 from tensorfleet.api import InferenceService
 from tensorfleet.api.errors import one_line
-from tensorfleet.api.models import ModelFactsStatus
+from tensorfleet.api.status import ModelFactsStatus
 from tensorfleet.catalog.facts import FactsEncodingError, ModelFacts, facts_digest, facts_from_json, facts_to_json
 from tensorfleet.catalog.models import catalog_facts
 

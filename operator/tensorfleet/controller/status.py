@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet.api.models import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
+from tensorfleet.api.status import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
 from tensorfleet.controller.diagnose import (
     OOM_KILLED,
     STUCK_REASONS,

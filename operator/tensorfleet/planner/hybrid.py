@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tensorfleet.api.models import MambaArchitecture
+from tensorfleet.api.architecture import MambaArchitecture
 from tensorfleet.planner.kvcache import StateCacheMode
 
 # vLLM's attention kernels take blocks of a multiple of 16 tokens (its default block size too).

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 
 LayerKind = Literal["full", "sliding", "chunked", "mamba", "none"]
 # How vLLM keeps a state layer's pages (--mamba-cache-mode): one state per request, an aligned copy beside it

@@ -71,8 +71,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import LORA_RANKS, ArchitectureSpec, InferenceServiceSpec
+from tensorfleet.api.models import LORA_RANKS, InferenceServiceSpec
 from tensorfleet.catalog.sizes import DEFAULT_VOCAB
 from tensorfleet.planner.memory import stage_layers
 

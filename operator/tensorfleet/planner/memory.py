@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.catalog.facts import EMBEDDING_BITS, ModelFacts, from_architecture
 from tensorfleet.catalog.sizes import DEFAULT_VOCAB, kv_bytes_per_token_layer
 from tensorfleet.planner.kvcache import model_layers

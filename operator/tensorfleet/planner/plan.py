@@ -36,8 +36,11 @@ import math
 from dataclasses import dataclass, field, replace
 
 from tensorfleet import contract, vllm_defaults
+from tensorfleet.api.architecture import ArchitectureSpec
+from tensorfleet.api.base import quantity_bytes
 from tensorfleet.api.errors import SpecError
-from tensorfleet.api.models import LORA_RANKS, ArchitectureSpec, InferenceServiceSpec, PlanStatus, quantity_bytes
+from tensorfleet.api.models import LORA_RANKS, InferenceServiceSpec
+from tensorfleet.api.status import PlanStatus
 from tensorfleet.catalog import CPU, GPUType, ModelFacts, accelerator_names, catalog_facts, find_gpu, is_cpu, sizes
 from tensorfleet.catalog.facts import from_architecture
 from tensorfleet.catalog.formats import BITS, UNQUANTIZED, family

@@ -67,7 +67,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tensorfleet.api.models import ArchitectureSpec, InferenceServiceSpec
+from tensorfleet.api.architecture import ArchitectureSpec
+from tensorfleet.api.models import InferenceServiceSpec
 from tensorfleet.catalog import ModelFacts, catalog_facts, find_gpu
 from tensorfleet.catalog.roofline import (
     BANDWIDTH_EFFICIENCY,

@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 
 from tensorfleet import vllm_defaults
 from tensorfleet.api import SpecError
-from tensorfleet.api.models import ArchitectureSpec
+from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.catalog import find_gpu, find_model, gpu_names, sizes
 from tensorfleet.catalog.roofline import (
     BANDWIDTH_EFFICIENCY,
