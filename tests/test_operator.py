@@ -320,6 +320,25 @@ async def test_injected_api_faults_converge_to_the_same_state() -> None:
         assert sorted(pods) == sorted(f"demo-stage-{k}-{i}" for k in (0, 1) for i in range(3))
 
 
+async def test_a_refused_child_write_is_said_in_degraded_and_an_event_until_one_gets_through() -> None:
+    """The API server refusing a child (as kube-apiserver does a Service once its ClusterIP range is full): the
+    person reading the InferenceService learns which object and why, not only the operator's log."""
+    async with cluster() as c, c.workloads(), running_operator(c) as op:
+        c.emulator.faults = Faults(rate=1.0, kinds=("500",), plurals=frozenset({"services"}))
+        await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 1}))
+        degraded = await eventually(lambda: (found := c.condition("demo", "Degraded")) and
+                                    found["reason"] == "WriteRefused" and found, message="Degraded WriteRefused")
+        assert degraded["status"] == "True", degraded
+        assert "Service demo-" in degraded["message"] and "500 InternalError: injected fault" in degraded["message"]
+        warning = await eventually(lambda: [e for e in c.events("demo") if e["reason"] == "WriteRefused"])
+        assert warning[0]["type"] == "Warning" and warning[0]["message"] == degraded["message"], warning
+        c.emulator.faults = None
+        assert op.queue is not None, "the running operator has its work queue"
+        op.queue.add(("default", "demo"))   # rather than wait out the retry's backoff
+        await _converged(c)
+        assert (c.condition("demo", "Degraded") or {}).get("reason") != "WriteRefused"
+
+
 async def test_no_writes_and_no_lists_when_nothing_changes() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))

@@ -54,13 +54,15 @@ from tensorfleet.controller.status import (
     PLAN_VALID,
     PROGRESSING,
     READY,
+    WRITE_REFUSED,
     condition_status,
     pod_causes,
     rejected_status,
     serving_status,
+    write_refused_status,
 )
 from tensorfleet.kube.cache import Cache
-from tensorfleet.kube.client import Kube
+from tensorfleet.kube.client import ApiError, Kube
 from tensorfleet.kube.events import EventRecorder
 from tensorfleet.kube.resources import (
     CHILD_KINDS,
@@ -210,7 +212,11 @@ class Reconciler:
             if conflict:
                 conflicts[(kind.kind, child)] = conflict
                 continue
-            live_after[(kind.kind, child)] = await self._apply(ctx, kind, obj, live, first_time, spec_unchanged)
+            try:
+                live_after[(kind.kind, child)] = await self._apply(ctx, kind, obj, live, first_time, spec_unchanged)
+            except ApiError as exc:
+                await self._write_refused(body, status, generation, f"{kind.kind} {child}", exc)
+                raise
         await self._prune(ctx, desired, children)
         for message in conflicts.values():
             await self.events.warning(body, "ChildConflict", message)
@@ -382,6 +388,23 @@ class Reconciler:
             await self.events.warning(body, "ModelFactsUnavailable", str(exc))
         failures = self._facts_failures[key] = self._facts_failures.get(key, 0) + 1
         return self.model_facts.retry_after(failures)
+
+    async def _write_refused(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, what: str,
+                             exc: ApiError) -> None:
+        """The API server refused a child's write (an answer: not a lost connection, nor a conflict the retry
+        resolves): Degraded and a Warning event name the object and the server's reason, where a person looks
+        rather than the operator's log. The work queue retries with backoff."""
+        if exc.status < 400 or exc.conflict:
+            return
+        message = f"{what} could not be written: {exc}"
+        try:
+            new = write_refused_status(status, generation=generation, message=message, now=self.now())
+            changed = await self._write_status(body, status, new)
+        except ApiError as failed:
+            log.warning("could not report the refused write of %s: %s", what, failed)
+            return
+        if changed:
+            await self.events.warning(body, WRITE_REFUSED, message)
 
     async def _write_status(self, body: dict[str, Any], old: dict[str, Any], new: dict[str, Any]) -> bool:
         """Patch the status subresource when `new` differs from `old`; True when it wrote."""

@@ -45,6 +45,7 @@ RECONCILING, STALLED = "Reconciling", "Stalled"
 # Unschedulable is not one (a cluster autoscaler may add the nodes), nor a Failed pod (its StatefulSet replaces it).
 STALLED_REASONS = STUCK_REASONS | {OOM_KILLED, "ChildConflict"}
 MAX_PROBLEMS_SHOWN = 3
+WRITE_REFUSED = "WriteRefused"   # Degraded: the API server refused a child's write (write_refused_status)
 # rejected_status: leave status.modelFacts as it was.
 KEEP: Any = object()
 
@@ -292,5 +293,15 @@ def rejected_status(previous: dict[str, Any], *, generation: int | None, field: 
     if not any(c.type == READY for c in conditions):
         conditions = set_condition(conditions, READY, "False", "PlanInvalid", "nothing deployed", generation, now)
     status.observed_generation = generation
+    status.conditions = with_kstatus(conditions, generation, now)
+    return _wire(status)
+
+
+def write_refused_status(previous: dict[str, Any], *, generation: int | None, message: str,
+                         now: str) -> dict[str, Any]:
+    """The API server refused a child's write (a quota, an admission webhook, a full Service IP range): Degraded
+    says which and why until a reconcile gets through. Nothing else moves: the spec is not reconciled yet."""
+    status = InferenceServiceStatus.model_validate(previous)
+    conditions = set_condition(status.conditions, DEGRADED, "True", WRITE_REFUSED, message, generation, now)
     status.conditions = with_kstatus(conditions, generation, now)
     return _wire(status)
