@@ -54,14 +54,25 @@ SETTLE_SECONDS = 3.0
 
 
 
-def _spec(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": contract.API_VERSION, "kind": contract.KIND,
-        "metadata": {"name": name, "namespace": "bench"},
-        "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
-                 "engine": {"kind": "simulator"}, "accelerator": {"type": "L4"},
-                 "parallelism": {"tensor": 1, "pipeline": 1}, "replicas": 1, "router": {"replicas": 1}},
+# Images the e2e cluster's pod runner does not run (it runs the control-plane image's pods as processes): KWOK
+# makes these pods Ready, as it does GPU engines', so a thousand services cost no two thousand processes. The
+# emulator run keeps the default images (nothing runs there).
+BENCH_ROUTER_IMAGE = "bench.tensorfleet.invalid/router:kwok"
+BENCH_ENGINE_IMAGES = ("bench.tensorfleet.invalid/engine:v1", "bench.tensorfleet.invalid/engine:v2")  # v2: the update
+
+
+def _spec(name: str, *, kwok: bool = False) -> dict[str, Any]:
+    """One InferenceService; KWOK: with images no pod runner runs."""
+    spec: dict[str, Any] = {
+        "model": {"name": "meta-llama/Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+        "engine": {"kind": "simulator"}, "accelerator": {"type": "L4"},
+        "parallelism": {"tensor": 1, "pipeline": 1}, "replicas": 1, "router": {"replicas": 1},
     }
+    if kwok:
+        spec["engine"]["image"] = BENCH_ENGINE_IMAGES[0]
+        spec["router"]["image"] = BENCH_ROUTER_IMAGE
+    return {"apiVersion": contract.API_VERSION, "kind": contract.KIND,
+            "metadata": {"name": name, "namespace": "bench"}, "spec": spec}
 
 
 def _operator_writes(emulator: ClusterEmulator, start: int, end: int | None = None) -> Counter[str]:
@@ -87,12 +98,12 @@ def _converged(emulator: ClusterEmulator, names: set[str]) -> int:
     return done
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _rss(pid: int) -> dict[str, float]:
+def rss(pid: int) -> dict[str, float]:
     fields = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         key, _, value = line.partition(":")
@@ -137,7 +148,7 @@ async def run(count: int, idle_seconds: float, resync_seconds: float, workers: i
                         if time.perf_counter() - started > 1800:
                             raise TimeoutError(f"only {_converged(emulator, names)} of {count} converged in 30 min")
                     converge_seconds = time.perf_counter() - started
-                    converge_cpu = _cpu_seconds(process.pid)
+                    converge_cpu = cpu_seconds(process.pid)
                 # Events and status writes triggered by the last readiness change land
                 # just after it; they belong to converging, not to the idle window.
                 await asyncio.sleep(SETTLE_SECONDS)
@@ -145,7 +156,7 @@ async def run(count: int, idle_seconds: float, resync_seconds: float, workers: i
                 create_writes = _operator_writes(emulator, start_index, converge_index)
                 await asyncio.sleep(idle_seconds)
                 idle_writes = _operator_writes(emulator, converge_index)
-                memory = _rss(process.pid)
+                memory = rss(process.pid)
             finally:
                 process.send_signal(signal.SIGTERM)
                 await asyncio.wait_for(process.wait(), 60)
@@ -181,7 +192,7 @@ def _kubectl(*args: str, stdin: str | None = None) -> str:
     return done.stdout
 
 
-def _local_operator() -> tuple[int, int]:
+def local_operator() -> tuple[int, int]:
     """(pid, metrics port) of the operator e2e/cluster runs."""
     import subprocess
 
@@ -190,10 +201,16 @@ def _local_operator() -> tuple[int, int]:
     operator = (json.loads(done.stdout or "null") or {}).get("operator") or {}
     if not operator.get("running") or not operator.get("metricsPort"):
         raise SystemExit(f"error: no local operator running (eval \"$(e2e/cluster up)\" first): {done.stdout.strip()!r}")
-    return int(operator["pid"]), int(operator["metricsPort"])
+    # The pid e2e/cluster keeps is its supervisor's (e2e/supervise.py); the operator is its one child.
+    supervisor = int(operator["pid"])
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    if len(children) != 1:
+        raise SystemExit(f"error: the operator's supervisor (pid {supervisor}) runs {len(children)} processes, not 1")
+    return int(children[0]), int(operator["metricsPort"])
 
 
 def _requests(port: int) -> Counter[str]:
+    """The operator's API requests ("METHOD Kind") and watch events handled ("watch Kind"), by its /metrics."""
     import urllib.request
 
     from tensorfleet import promtext
@@ -201,8 +218,10 @@ def _requests(port: int) -> Counter[str]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
         text = answer.read().decode()
     counts: Counter[str] = Counter()
-    for sample in promtext.select(text, "tensorfleet_api_requests_total"):
+    for sample in promtext.select(text, f"{contract.OPERATOR_METRIC_API_REQUESTS}_total"):
         counts[f"{sample.labels['method']} {sample.labels['kind']}"] += int(sample.value)
+    for sample in promtext.select(text, f"{contract.OPERATOR_METRIC_WATCH_EVENTS}_total"):
+        counts[f"watch {sample.labels['kind']}"] += int(sample.value)
     return counts
 
 
@@ -216,49 +235,94 @@ def _bench_nodes(count: int) -> list[dict[str, Any]]:
              "status": {"capacity": capacity, "allocatable": capacity}} for i in range(count)]
 
 
-def run_cluster(count: int, idle_seconds: float) -> dict[str, Any]:
-    pid, port = _local_operator()
+def _wait(what: str, done: Any, bound: float = 1800) -> float:
+    """Seconds until DONE() (a count left, 0 when done) reaches 0, polled every second."""
+    started = time.perf_counter()
+    while (left := done()) > 0:
+        if time.perf_counter() - started > bound:
+            raise TimeoutError(f"{what}: {left} left after {bound:.0f} s")
+        time.sleep(1.0)
+    return time.perf_counter() - started
+
+
+def _unconverged(names: set[str]) -> int:
+    """How many of NAMES are not Ready with nothing progressing at their current generation."""
+    items = json.loads(_kubectl("get", contract.PLURAL, "-n", BENCH_NAMESPACE, "-o", "json"))["items"]
+    done = 0
+    for isvc in items:
+        status = isvc.get("status") or {}
+        conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+        if isvc["metadata"]["name"] in names and conditions.get("Ready") == "True" \
+                and conditions.get("Progressing") == "False" \
+                and status.get("observedGeneration") == isvc["metadata"]["generation"]:
+            done += 1
+    return len(names) - done
+
+
+def _left_behind(names: set[str]) -> int:
+    """Objects still labelled with one of NAMES (the garbage collector removes a deleted one's children)."""
+    labelled = json.loads(_kubectl("get", f"{contract.PLURAL},statefulsets,deployments,services,pods", "-n",
+                                   BENCH_NAMESPACE, "-l", contract.LABEL_INFERENCE_SERVICE, "-o", "json"))["items"]
+    return sum(1 for o in labelled if (o["metadata"].get("labels") or {}).get(contract.LABEL_INFERENCE_SERVICE) in names
+               or (o["kind"] == contract.KIND and o["metadata"]["name"] in names))
+
+
+def _split(requests: Counter[str]) -> tuple[dict[str, int], dict[str, int]]:
+    """(writes, reads) by request, Lease renewals and watch events left out."""
+    writes = {k: v for k, v in requests.items() if not k.startswith(("GET", "WATCH", "watch ")) and "Lease" not in k}
+    reads = {k: v for k, v in requests.items() if k.startswith("GET") and "Lease" not in k}
+    return dict(sorted(writes.items())), dict(sorted(reads.items()))
+
+
+def run_cluster(count: int, idle_seconds: float, churn: float) -> dict[str, Any]:
+    pid, port = local_operator()
     pods = count * 2  # one engine pod and one router pod each
     nodes = _bench_nodes(pods // 100 + 1)
     _kubectl("apply", "--validate=false", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes}))
     _kubectl("create", "namespace", BENCH_NAMESPACE)
     try:
-        names = {f"bench-{i:03d}" for i in range(count)}
-        docs = [_spec(n) for n in sorted(names)]
+        names = {f"bench-{i:04d}" for i in range(count)}
+        docs = [_spec(n, kwok=True) for n in sorted(names)]
         before = _requests(port)
-        cpu_before = _cpu_seconds(pid)
-        started = time.perf_counter()
+        cpu_before = cpu_seconds(pid)
         _kubectl("create", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
-        while True:
-            items = json.loads(_kubectl("get", contract.PLURAL, "-n", BENCH_NAMESPACE, "-o", "json"))["items"]
-            done = 0
-            for isvc in items:
-                status = isvc.get("status") or {}
-                conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
-                if conditions.get("Ready") == "True" and conditions.get("Progressing") == "False" \
-                        and status.get("observedGeneration") == isvc["metadata"]["generation"]:
-                    done += 1
-            if done == count:
-                break
-            if time.perf_counter() - started > 1800:
-                raise TimeoutError(f"only {done} of {count} converged in 30 min")
-            time.sleep(1.0)
-        converge_seconds = time.perf_counter() - started
-        converge_cpu = _cpu_seconds(pid) - cpu_before
+        converge_seconds = _wait(f"{count} InferenceServices converging", lambda: _unconverged(names))
+        converge_cpu = cpu_seconds(pid) - cpu_before
         time.sleep(SETTLE_SECONDS)
         converged = _requests(port)
         time.sleep(idle_seconds)
         idle = _requests(port)
-        memory = _rss(pid)
+        # Churn: CHURN of them get a new engine image at once (a rollout each), as many others are deleted at once.
+        ordered = sorted(names)
+        changed = set(ordered[:max(1, int(count * churn))])
+        deleted = set(ordered[-max(1, int(count * churn)):]) - changed
+        cpu_before = cpu_seconds(pid)
+        patch = json.dumps({"spec": {"engine": {"image": BENCH_ENGINE_IMAGES[1]}}})
+        for name in sorted(changed):
+            _kubectl("patch", contract.PLURAL, name, "-n", BENCH_NAMESPACE, "--type=merge", "-p", patch)
+        update_seconds = _wait(f"{len(changed)} rollouts", lambda: _unconverged(changed))
+        time.sleep(SETTLE_SECONDS)
+        updated = _requests(port)
+        _kubectl("delete", contract.PLURAL, "-n", BENCH_NAMESPACE, "--wait=false", *sorted(deleted))
+        delete_seconds = _wait(f"{len(deleted)} deletions", lambda: _left_behind(deleted))
+        time.sleep(SETTLE_SECONDS)
+        removed = _requests(port)
+        churn_cpu = cpu_seconds(pid) - cpu_before
+        memory = rss(pid)
     finally:
-        _kubectl("delete", "namespace", BENCH_NAMESPACE, "--wait=true", "--timeout=600s")
+        _kubectl("delete", "namespace", BENCH_NAMESPACE, "--wait=true", "--timeout=900s")
         _kubectl("delete", "nodes", "-l", "tensorfleet.dev/bench=true")
-    to_converge = converged - before
-    idle_requests = idle - converged
-    writes = {k: v for k, v in to_converge.items() if not k.startswith("GET") and "Lease" not in k}
-    reads = {k: v for k, v in to_converge.items() if k.startswith("GET")}
-    idle_writes = {k: v for k, v in idle_requests.items() if not k.startswith("GET") and "Lease" not in k}
-    idle_reads = {k: v for k, v in idle_requests.items() if k.startswith("GET")}
+    writes, reads = _split(converged - before)
+    idle_writes, idle_reads = _split(idle - converged)
+    update_writes, update_reads = _split(updated - idle)
+    delete_writes, delete_reads = _split(removed - updated)
+
+    def beyond(reads: dict[str, int], seconds: float) -> float:
+        """READS less what the idle fleet reads anyway in SECONDS (each InferenceService's resync GET)."""
+        return max(0.0, sum(reads.values()) - sum(idle_reads.values()) * seconds / idle_seconds)
+
+    def watched(requests: Counter[str]) -> dict[str, int]:
+        return {k.removeprefix("watch "): v for k, v in sorted(requests.items()) if k.startswith("watch ")}
     return {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "api_server": _kubectl("version", "-o", "json") and json.loads(_kubectl("version", "-o", "json"))
@@ -266,13 +330,26 @@ def run_cluster(count: int, idle_seconds: float) -> dict[str, Any]:
         "inference_services": count,
         "converge_seconds": round(converge_seconds, 2),
         "operator_cpu_seconds_to_converge": round(converge_cpu, 2),
-        "writes_to_converge": dict(sorted(writes.items())),
+        "writes_to_converge": writes,
         "writes_per_inference_service": round(sum(writes.values()) / count, 2),
-        "reads_to_converge": dict(sorted(reads.items())),
+        "reads_to_converge": reads,
         "reads_per_inference_service": round(sum(reads.values()) / count, 2),
+        "watch_events_to_converge": watched(converged - before),
         "idle_seconds": idle_seconds,
+        "idle_watch_events": sum(watched(idle - converged).values()),
         "idle_writes_per_minute": round(sum(idle_writes.values()) * 60 / idle_seconds, 2),
         "idle_reads_per_minute": round(sum(idle_reads.values()) * 60 / idle_seconds, 2),
+        "updated": len(changed),
+        "update_seconds": round(update_seconds, 2),
+        "writes_per_update": round(sum(update_writes.values()) / len(changed), 2),
+        "reads_per_update": round(sum(update_reads.values()) / len(changed), 2),
+        "reads_per_update_beyond_idle": round(beyond(update_reads, update_seconds) / len(changed), 2),
+        "deleted": len(deleted),
+        "delete_seconds": round(delete_seconds, 2),
+        "writes_per_delete": round(sum(delete_writes.values()) / max(1, len(deleted)), 2),
+        "reads_per_delete": round(sum(delete_reads.values()) / max(1, len(deleted)), 2),
+        "reads_per_delete_beyond_idle": round(beyond(delete_reads, delete_seconds) / max(1, len(deleted)), 2),
+        "operator_cpu_seconds_in_churn": round(churn_cpu, 2),
         **memory,
     }
 
@@ -287,7 +364,7 @@ def _report(rows: list[tuple[str, Any]], result: dict[str, Any], file: str) -> N
 
 
 def main_cluster(args: argparse.Namespace) -> None:
-    result = run_cluster(args.count, args.idle_seconds)
+    result = run_cluster(args.count, args.idle_seconds, args.churn)
     rows = [
         ("machine", result["machine"]),
         ("API server", f"{result['api_server']} (e2e/cluster: etcd, kube-apiserver, controllers, scheduler, KWOK)"),
@@ -297,7 +374,16 @@ def main_cluster(args: argparse.Namespace) -> None:
         ("API writes to converge, per InferenceService", result["writes_per_inference_service"]),
         ("  by request", ", ".join(f"{k} {v}" for k, v in result["writes_to_converge"].items())),
         ("API reads to converge, per InferenceService", result["reads_per_inference_service"]),
+        ("watch events handled to converge", ", ".join(f"{k} {v}" for k, v in result["watch_events_to_converge"].items())),
         ("API writes / reads per minute, idle", f"{result['idle_writes_per_minute']} / {result['idle_reads_per_minute']}"),
+        ("  watch events handled while idle", result["idle_watch_events"]),
+        (f"{result['updated']} engine images changed at once: until all rolled out",
+         (f"{result['update_seconds']} s, {result['writes_per_update']} writes, {result['reads_per_update']} reads "
+         f"({result['reads_per_update_beyond_idle']} beyond the idle resync) each")),
+        (f"{result['deleted']} deleted at once: until every child is gone",
+         (f"{result['delete_seconds']} s, {result['writes_per_delete']} writes, {result['reads_per_delete']} reads "
+         f"({result['reads_per_delete_beyond_idle']} beyond the idle resync) each")),
+        ("  operator CPU time in the churn", f"{result['operator_cpu_seconds_in_churn']} s"),
         ("operator RSS (peak)", f"{result['rss_mib']} MiB ({result['peak_rss_mib']} MiB)"),
     ]
     _report(rows, result, "operator-cluster.json")
@@ -309,6 +395,9 @@ def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--resync-seconds", type=float, default=15.0)
     parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--churn", type=float, default=0.1,
+                        help="--cluster: the share of InferenceServices updated at once, and deleted at once, after "
+                             "the idle time (default 0.1)")
     parser.add_argument("--cluster", action="store_true",
                         help="against the cluster of e2e/cluster up (KUBECONFIG) and its operator process")
     args = parser.parse_args()

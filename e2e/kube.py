@@ -33,6 +33,10 @@ TIMEOUT = float(os.environ.get("TF_E2E_TIMEOUT", "300"))
 NEXT_IMAGE = "ghcr.io/tensorfleet/tensorfleet:e2e-next"
 CHILD_KINDS = ("statefulsets,deployments,replicasets,services,endpointslices,horizontalpodautoscalers,"
                "poddisruptionbudgets,serviceaccounts,roles,rolebindings,networkpolicies,pods,controllerrevisions")
+# The operator's direct children: what it writes itself (pods, their revisions and endpoint slices are written by
+# the StatefulSet and EndpointSlice controllers, and scaling changes them by design).
+OWN_KINDS = ",".join(k for k in CHILD_KINDS.split(",")
+                     if k not in ("pods", "controllerrevisions", "endpointslices", "replicasets"))
 
 
 class KubectlError(AssertionError):

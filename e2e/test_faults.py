@@ -25,9 +25,9 @@ from typing import Any
 
 import pytest
 from kube import (
-    CHILD_KINDS,
     CLUSTER_SCRIPT,
     NEXT_IMAGE,
+    OWN_KINDS,
     SYSTEM_NAMESPACE,
     Requests,
     cluster_status,
@@ -50,10 +50,6 @@ from tensorfleet import contract
 OUTAGE_S = 20.0
 CONVERGE_S = 60.0  # a scale written after the outage is served within this
 FAILOVER_S = 30.0  # a standby leads within this of its leader's death: the Lease's 15 s, and its polls
-# The operator's direct children: what it writes itself (pods, their revisions and endpoint slices are written by
-# the StatefulSet and EndpointSlice controllers, and scaling changes them by design).
-OWN_KINDS = ",".join(k for k in CHILD_KINDS.split(",")
-                     if k not in ("pods", "controllerrevisions", "endpointslices", "replicasets"))
 
 
 def control_plane(action: str, *only: str) -> float:
@@ -173,8 +169,54 @@ def test_a_20s_freeze_of_the_api_server(service: Service) -> None:
     _through(service, "kube-apiserver frozen (SIGSTOP)", lambda: _signal_apiserver(signal.SIGSTOP), _thaw, 1)
 
 
+def _list_version(namespace: str) -> str:
+    """The resourceVersion a LIST of InferenceServices is at now: where a watch started from it resumes."""
+    found = json.loads(kubectl("get", "--raw", f"/apis/{contract.API_VERSION}/namespaces/{namespace}/{contract.PLURAL}"))
+    return str(found["metadata"]["resourceVersion"])
+
+
+def _etcd(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """A call to etcd's gRPC gateway (JSON over HTTP on its client port)."""
+    url = (cluster_status() or {}).get("etcd")
+    assert url, "needs e2e/cluster's etcd client URL (e2e/cluster status --json: etcd)"
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as answer:
+        return dict(json.load(answer))
+
+
+def test_etcd_compacted_and_restarted_then_the_api_server_restarted(service: Service) -> None:
+    """etcd compacted at its newest revision (physically: every older one gone) and restarted, then kube-apiserver
+    restarted: its watch cache starts again past every revision a client held, so every watch resumes with 410
+    Gone and must relist (the operator in-process when the API server is back within its Lease). A scale written
+    once it is back is reconciled and served, nothing is recreated, no request through the router fails."""
+    held: dict[str, str] = {}
+
+    def begin() -> float:
+        started = time.monotonic()
+        held["version"] = _list_version(service.namespace)
+        revision = _etcd("/v3/kv/range", {"key": "AA==", "limit": 1, "keys_only": True})["header"]["revision"]
+        _etcd("/v3/kv/compaction", {"revision": revision, "physical": True})
+        held["compacted"] = str(revision)
+        control_plane("stop", "etcd")
+        control_plane("start")
+        control_plane("stop", "kube-apiserver")
+        return time.monotonic() - started
+
+    _through(service, "etcd compacted and restarted, then kube-apiserver restarted", begin,
+             lambda: control_plane("start"), 1 if service.replicas == 2 else 2, outage=0.0)
+    # What every watcher met: a watch from before the fault is refused as expired, not resumed.
+    path = f"/apis/{contract.API_VERSION}/namespaces/{service.namespace}/{contract.PLURAL}"
+    expired = subprocess.run(
+        ["kubectl", "get", "--raw", f"{path}?watch=true&resourceVersion={held['version']}&timeoutSeconds=2"],
+        capture_output=True, text=True, timeout=60, check=False)
+    said = expired.stdout + expired.stderr
+    print(f"a watch from resourceVersion {held['version']} (etcd compacted at {held['compacted']}): {said.strip()[:300]}")
+    assert "410" in said or "Expired" in said or "too old" in said, said
+
+
 def _through(service: Service, fault: str, begin: Callable[[], float], end: Callable[[], float],
-             replicas: int) -> None:
+             replicas: int, outage: float = OUTAGE_S) -> None:
     name, namespace = service.name, service.namespace
     before = children(name, namespace)
     assert before and all(owners == [service.owner] for _uid, owners in before.values()), before
@@ -185,11 +227,11 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
         first = len(load.codes)
         try:
             began = begin()
-            time.sleep(OUTAGE_S)
-            served_while_down = len(load.codes) - first
+            time.sleep(outage)
         finally:
             ended = end()
             kubelet.enter_context(static_pods())
+        served_while_down = len(load.codes) - first
         back = time.monotonic()
         kubectl("scale", contract.PLURAL, name, "-n", namespace, f"--replicas={replicas}")
 
@@ -222,7 +264,7 @@ def _through(service: Service, fault: str, begin: Callable[[], float], end: Call
     restarted = operator_restarts() - restarts
     now = control_plane_pids()
     components = sorted(c for c, pid in pids.items() if now.get(c) != pid)
-    print(f"\n{fault} for {OUTAGE_S:.0f}s (begun in {began:.1f}s, ended in {ended:.1f}s): {len(during)} requests "
+    print(f"\n{fault} for {outage:.0f}s (begun in {began:.1f}s, ended in {ended:.1f}s): {len(during)} requests "
           f"through the router ({served_while_down} during the fault), {len(failed)} failed; the scale to {replicas} "
           f"reconciled {took:.1f}s after, served "
           f"{served_in:.1f}s after; "

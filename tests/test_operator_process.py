@@ -59,7 +59,10 @@ async def test_run_command_serves_against_a_kubeconfig(tmp_path: Path) -> None:
 
                 async def reconciled_ok() -> bool:
                     status, text = await _get(metrics_url)
-                    return status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text
+                    # ... and the watch events of the InferenceService and of the StatefulSet it wrote counted.
+                    return status == 200 and 'tensorfleet_reconciles_total{result="ok"}' in text and \
+                        'tensorfleet_watch_events_total{kind="InferenceService"' in text and \
+                        'tensorfleet_watch_events_total{kind="StatefulSet"' in text
 
                 # The StatefulSet is written partway through the first reconcile; its count follows its end.
                 await loopback.eventually(reconciled_ok, timeout=10)

@@ -272,6 +272,7 @@ OPERATOR_METRIC_MANAGED_OBJECTS: Final = "tensorfleet_managed_objects"          
 OPERATOR_METRIC_INFERENCE_SERVICES: Final = "tensorfleet_inference_services"          # gauge: ready
 OPERATOR_METRIC_QUEUE_DEPTH: Final = "tensorfleet_work_queue_depth"                   # gauge
 OPERATOR_METRIC_LEADER: Final = "tensorfleet_leader"                                  # gauge, 1/0
+OPERATOR_METRIC_WATCH_EVENTS: Final = "tensorfleet_watch_events"                      # counter: kind, type
 
 # --- Commands --------------------------------------------------------------
 WORKER_COMMAND: Final = ("tensorfleet-worker",)

@@ -28,3 +28,7 @@ INFERENCE_SERVICES = Gauge(
 )
 QUEUE_DEPTH = Gauge(contract.OPERATOR_METRIC_QUEUE_DEPTH, "InferenceServices waiting to be reconciled.")
 IS_LEADER = Gauge(contract.OPERATOR_METRIC_LEADER, "1 while this operator replica holds the leader lease.")
+WATCH_EVENTS = Counter(
+    contract.OPERATOR_METRIC_WATCH_EVENTS, "Watch events handled (the InferenceServices, their children and engine "
+    "pods), by kind and type (ADDED, MODIFIED, DELETED; None for the initial listing).", ["kind", "type"],
+)

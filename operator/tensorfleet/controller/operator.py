@@ -129,8 +129,10 @@ class Operator:
 
         @kopf.on.event(INFERENCE_SERVICE.group, INFERENCE_SERVICE.version, INFERENCE_SERVICE.plural, registry=registry)
         # kopf types `namespace` as optional (for cluster-scoped kinds); every kind watched here is namespaced.
-        async def inference_service_changed(namespace: str | None, name: str, **_: object) -> None:
+        async def inference_service_changed(event: kopf.RawEvent, namespace: str | None, name: str,
+                                            **_: object) -> None:
             """An InferenceService changed (or was listed at start): reconcile it."""
+            metrics.WATCH_EVENTS.labels(kind=INFERENCE_SERVICE.kind, type=str(event.get("type"))).inc()
             cache.mark_synced()
             if namespace is not None:
                 queue.add((namespace, name))
@@ -139,6 +141,7 @@ class Operator:
             async def handler(event: kopf.RawEvent, labels: Mapping[str, str], namespace: str | None,
                               **_: object) -> None:
                 """A child or engine pod changed: its index is current now; reconcile its InferenceService."""
+                metrics.WATCH_EVENTS.labels(kind=kind.kind, type=str(event.get("type"))).inc()
                 cache.mark_synced()
                 cache.observed(kind, event["object"])
                 owner = labels.get(contract.LABEL_INSTANCE)
