@@ -14,6 +14,7 @@ from conftest import existing, existing_isvc, present, sim_doc
 
 from tensorfleet import contract
 from tensorfleet.controller.webhook import review
+from tensorfleet.testing.kube_emulator import rfc3339_now
 from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
 
 pytestmark = pytest.mark.asyncio
@@ -211,6 +212,22 @@ async def test_a_group_whose_worker_was_replaced_restarts_as_a_whole() -> None:
         assert _pod_uids(c)["demo-stage-0-0"] == before["demo-stage-0-0"]
         await eventually(lambda: any(e["reason"] == "GroupRestarted" and "was replaced after the group formed"
                                      in e["message"] for e in c.events("demo")), message="a GroupRestarted event")
+
+
+async def test_a_group_whose_worker_is_being_deleted_restarts_at_once() -> None:
+    """A worker stopping (evicted, drained, its node gone) while its leader serves: the group restarts now. A
+    stopping worker waits for its leader to stop, so waiting for its replacement would take its grace period."""
+    async with cluster() as c, c.workloads(), running_operator(c):
+        before = await _two_ready_groups(c)
+        worker = existing(c, "v1", "pods", "demo-stage-1-0")
+        worker["metadata"].update(deletionTimestamp=rfc3339_now(), deletionGracePeriodSeconds=120)
+        await c.upsert("v1", "pods", worker)
+        await eventually(lambda: _pod_uids(c).get("demo-stage-0-0") not in (None, before["demo-stage-0-0"]),
+                         message="the leader of group 0 replaced")
+        assert _pod_uids(c)["demo-stage-0-1"] == before["demo-stage-0-1"], "group 1 is left alone"
+        restarted = await eventually(lambda: [e for e in c.events("demo") if e["reason"] == "GroupRestarted"],
+                                     message="a GroupRestarted event")
+        assert "pod demo-stage-1-0 is being deleted" in restarted[0]["message"], restarted
 
 
 async def test_groups_that_start_normally_are_never_restarted() -> None:

@@ -108,9 +108,22 @@ class Group:
         one it replaced was deleted or evicted), and a member whose Ready went
         False after that has failed (its readiness includes GPU health). A
         member stuck in a crash loop is left alone (restarting its group again
-        cannot help, and Degraded says why), as is a group already going away.
+        cannot help, and Degraded says why), as is a group already going away
+        (its leader goes first). A member being deleted while the leader it
+        joined still serves (evicted, drained, its node gone) breaks the group
+        too, and restarting it at once is what ends that member's wait: a
+        stopping worker keeps running until its leader has drained and stopped,
+        which otherwise happens only when its grace period runs out.
         """
-        if pipeline < 2 or self.terminating() or any(pod_problem(pod) for pod in self.pods.values()):
+        if pipeline < 2 or any(pod_problem(pod) for pod in self.pods.values()):
+            return None
+        leader = self.pods.get(0)
+        if leader is not None and not is_terminating(leader) and pod_ready(leader):
+            for stage, member in sorted(self.pods.items()):
+                if stage and is_terminating(member):
+                    return (f"stage {stage} pod {member['metadata']['name']} is being deleted (evicted, drained, "
+                            "or its node is gone) while its leader serves")
+        if self.terminating():
             return None
         for stage, pod in sorted(self.pods.items()):
             restarted = max((c.get("restartCount") or 0 for c in pod.get("status", {}).get("containerStatuses") or []),
