@@ -20,6 +20,7 @@ from tensorfleet.catalog.modelconfig import ModelConfigError, parse_model_config
 from tensorfleet.catalog.sizes import kv_bytes_per_token_layer
 from tensorfleet.planner import hybrid, kvcache, make_plan
 from tensorfleet.planner.memory import GiB, stage_layers
+from tensorfleet.sim.profile import read_layers
 from tensorfleet.testing import realvllm
 
 CHECK_SCRIPT = Path(__file__).with_name("realvllm_hybrid_check.py")
@@ -49,6 +50,14 @@ def test_hybrid_configs_are_read_layer_by_layer(repo: str, attention: int, state
     layers = kvcache.model_layers(arch)
     assert sum(spec.kind == "full" for spec in layers) == attention
     assert sum(spec.kind == "mamba" for spec in layers) == state
+
+
+def test_the_simulator_reads_kv_per_context_token_only_on_attention_layers() -> None:
+    """A decode step reads a hybrid model's KV cache on its attention layers alone (the state layers keep a fixed
+    state per sequence)."""
+    arch = facts("Qwen/Qwen3-Next-80B-A3B-Instruct").arch
+    assert arch.layers == 48
+    assert read_layers(arch, 8192) == 12.0
 
 
 def test_what_the_reader_cannot_size_is_refused_by_field() -> None:

@@ -230,8 +230,9 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
 def read_layers(arch: ArchitectureSpec, max_model_len: int) -> float:
     """Layers whose KV a decode step reads per context token, as full-attention equivalents: a sliding-window or
     chunked layer reads at most its window, spread here over a full-length context (the step's timing, not the
-    pool's size, which comes from the plan)."""
-    layers = float(arch.layers)
+    pool's size, which comes from the plan). A hybrid model's state layers (Mamba, linear attention) keep a fixed
+    state per sequence, no KV per token: only its attention layers count."""
+    layers = float(arch.attention_layer_count)
     for span, count in ((arch.sliding_window, arch.sliding_window_layers),
                         (arch.attention_chunk_size, arch.chunked_attention_layers)):
         if span:
