@@ -256,3 +256,21 @@ def test_pod_problem_is_the_diagnosis_line_and_a_crash_looping_member_does_not_r
     member = _pod("m-stage-1-0", phase="Running", containers=[
         _waiting("CrashLoopBackOff", "back-off", restarts=3, last=_terminated(137, "OOMKilled"))])
     assert Group(0, {0: leader, 1: member}).broken(2) is None, "restarting the group again cannot help"
+
+
+def test_a_member_deleted_after_its_leader_formed_the_group_breaks_it_one_left_from_the_last_restart_does_not() -> None:
+    leader = _pod("m-stage-0-0", phase="Running", containers=[{**_running(), "ready": True}],
+                  conditions=[{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-24T12:05:00Z"}])
+    member = _pod("m-stage-1-0", phase="Running", containers=[{**_running(), "ready": True}],
+                  conditions=[{"type": "Ready", "status": "True", "lastTransitionTime": "2026-11-24T12:00:30Z"}])
+    member["metadata"]["creationTimestamp"] = "2026-11-24T12:00:00Z"
+    assert Group(0, {0: leader, 1: member}).broken(2) is None
+    member["metadata"]["deletionTimestamp"] = "2026-11-24T12:06:00Z"   # evicted, drained, deleted
+    assert "pod m-stage-1-0 is being deleted" in (Group(0, {0: leader, 1: member}).broken(2) or "")
+    # The old member of a group restarted at 12:04, still stopping once the new leader is Ready: no second restart.
+    member["metadata"]["deletionTimestamp"] = "2026-11-24T12:04:00Z"
+    assert Group(0, {0: leader, 1: member}).broken(2) is None
+    # A leader going away takes its group with it: nothing to restart.
+    leader["metadata"]["deletionTimestamp"] = "2026-11-24T12:07:00Z"
+    member["metadata"]["deletionTimestamp"] = "2026-11-24T12:07:00Z"
+    assert Group(0, {0: leader, 1: member}).broken(2) is None

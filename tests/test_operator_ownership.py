@@ -219,6 +219,7 @@ async def test_a_group_whose_worker_is_being_deleted_restarts_at_once() -> None:
     stopping worker waits for its leader to stop, so waiting for its replacement would take its grace period."""
     async with cluster() as c, c.workloads(), running_operator(c):
         before = await _two_ready_groups(c)
+        await asyncio.sleep(1.1)  # timestamps have whole seconds: the deletion must be visibly later than the group
         worker = existing(c, "v1", "pods", "demo-stage-1-0")
         worker["metadata"].update(deletionTimestamp=rfc3339_now(), deletionGracePeriodSeconds=120)
         await c.upsert("v1", "pods", worker)

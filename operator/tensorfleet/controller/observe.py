@@ -118,9 +118,11 @@ class Group:
         if pipeline < 2 or any(pod_problem(pod) for pod in self.pods.values()):
             return None
         leader = self.pods.get(0)
-        if leader is not None and not is_terminating(leader) and pod_ready(leader):
+        formed = _ready_since(leader) if leader is not None and pod_ready(leader) else None
+        if formed is not None:
             for stage, member in sorted(self.pods.items()):
-                if stage and is_terminating(member):
+                # Deleted after this leader formed the group: not a member left over from the group's last restart.
+                if stage and (member.get("metadata", {}).get("deletionTimestamp") or "") > formed:
                     return (f"stage {stage} pod {member['metadata']['name']} is being deleted (evicted, drained, "
                             "or its node is gone) while its leader serves")
         if self.terminating():
@@ -130,8 +132,6 @@ class Group:
                             default=0)
             if restarted:
                 return f"stage {stage} pod {pod['metadata']['name']} restarted (restartCount {restarted})"
-        leader = self.pods.get(0)
-        formed = _ready_since(leader) if leader is not None and pod_ready(leader) else None
         if formed is None:
             return None
         for stage, member in sorted(self.pods.items()):
