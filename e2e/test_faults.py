@@ -5,8 +5,9 @@ objects recreated, orphaned or duplicated. The operator runs under e2e/supervise
 it exits as a kubelet would its container (with the kubelet's back-off): an operator that could not renew its
 Lease for its duration exits by design, as controller-runtime's do; once the fault ends, control-plane processes
 that exit are started again as a kubelet does static pods (`static_pods`). KWOK, the nodes' agent, runs throughout.
-Last, leader failover: a standby replica beside the operator (`e2e/cluster operator start --standby`) finishes a
-rollout whose leader was SIGKILLed.
+Then etcd compacted and restarted and the API server restarted, so every watch resumes into 410 Gone; leader
+failover: a standby replica beside the operator (`e2e/cluster operator start --standby`) finishes a rollout whose
+leader was SIGKILLed; last, a GPU node under one stage of a pipeline group deleted.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kube import (
     condition_status,
     delete_namespace_later,
     deploy,
+    engine_pods,
     eventually,
     get,
     isvc,
@@ -42,10 +44,13 @@ from kube import (
     new_namespace,
     router_url,
     start_operator,
+    wait_deleted,
 )
 from test_rollout import _deploy, _rolled, _set_image, _under_way
 
 from tensorfleet import contract
+from tensorfleet.catalog.gpus import find_gpu
+from tensorfleet.controller.observe import pod_ready
 
 OUTAGE_S = 20.0
 CONVERGE_S = 60.0  # a scale written after the outage is served within this
@@ -339,3 +344,80 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
         _standby("stop")
         eventually("the first replica leading again", lambda: _holder() == leader["name"], timeout=FAILOVER_S)
         delete_namespace_later(namespace)
+
+
+# A GPU type no other e2e test uses: the nodes of the node-loss case are its own.
+NODE_LOSS_GPU = "H100-NVL-94GB"
+
+
+def _gpu_node(name: str, index: int) -> dict[str, Any]:
+    """A KWOK node with one GPU of NODE_LOSS_GPU, as GPU feature discovery labels it: one engine pod fits."""
+    gpu = find_gpu(NODE_LOSS_GPU)
+    assert gpu is not None
+    capacity = {"cpu": "64", "memory": "512Gi", "pods": "110", contract.GPU_RESOURCE: "1"}
+    cidr = f"10.244.{200 + index}.0/24"
+    return {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
+                         "labels": {"kubernetes.io/hostname": name, "type": "kwok", "e2e.tensorfleet.dev/node-loss": "",
+                                    "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": gpu.product_labels[0],
+                                    "nvidia.com/gpu.count": "1", "nvidia.com/gpu.memory": str(gpu.memory_mib)}},
+            "spec": {"podCIDR": cidr, "podCIDRs": [cidr],
+                     "taints": [{"key": contract.GPU_RESOURCE, "value": "present", "effect": "NoSchedule"}]},
+            "status": {"capacity": capacity, "allocatable": capacity}}
+
+
+def _groups(name: str, namespace: str) -> dict[str, dict[str, Any]]:
+    return {p["metadata"]["name"]: p for p in engine_pods(name, namespace)}
+
+
+def test_a_gpu_node_lost_under_a_pipeline_group() -> None:
+    """A GPU node holding one stage of a pipeline-2 group is deleted, as a cloud provider's node controller deletes
+    a VM that died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and
+    the operator restarts that group as a whole (vLLM cannot take a lost stage back). The other group is left
+    alone and the service stays Ready on it throughout."""
+    nodes = [f"e2e-node-loss-{i}" for i in range(5)]   # four engine pods of one GPU each, and a spare
+    kubectl("apply", "--validate=false", "-f", "-",
+            stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [_gpu_node(n, i) for i, n in enumerate(nodes)]}))
+    namespace = new_namespace("node-loss")
+    try:
+        eventually("the fault's nodes Ready", lambda: all(condition_status(get("node", n, None), "Ready") == "True"
+                                                          for n in nodes), timeout=60)
+        name, _doc = deploy("llama-3.1-8b-l4.yaml", namespace, replicas=2, autoscaling=None,
+                            accelerator={"type": NODE_LOSS_GPU}, parallelism={"tensor": 1, "pipeline": 2})
+        pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
+                          and all(pod_ready(p) for p in found.values()) and found)
+        lost = pods[f"{contract.stage_name(name, 1)}-0"]["spec"]["nodeName"]
+        other = {n: p["metadata"]["uid"] for n, p in pods.items() if n.endswith("-1")}   # group 1's pods
+        time.sleep(1.1)   # whole-second timestamps: the replacement must be visibly later than the group
+        kubectl("delete", "node", lost, "--wait=false")
+        at = time.monotonic()
+        lowest, seen = 2, set[str]()
+
+        def back() -> bool:
+            nonlocal lowest
+            obj = isvc(name, namespace) or {}
+            status = obj.get("status") or {}
+            assert condition_status(obj, "Ready") == "True", f"the service stopped being Ready: {status}"
+            lowest = min(lowest, int(status.get("readyReplicas") or 0))
+            seen.update(f"{c['type']}={c['status']} {c.get('reason')}: {c.get('message')}"
+                        for c in status.get("conditions") or [] if c["type"] in ("Degraded", "Progressing")
+                        and c["status"] == "True")
+            found = _groups(name, namespace)
+            worker = found.get(f"{contract.stage_name(name, 1)}-0")
+            return bool(len(found) == 4 and worker and worker["spec"].get("nodeName") not in (None, lost)
+                        and all(pod_ready(p) for p in found.values()) and status.get("readyReplicas") == 2)
+        eventually("group 0 serving again on the spare node", back, timeout=180, every=1.0)
+        took = time.monotonic() - at
+        restarted = [e["message"] for e in items("events", namespace) if e.get("reason") == "GroupRestarted"]
+        after = _groups(name, namespace)
+        print(f"\na GPU node under stage 1 of group 0 deleted: the group served again on the spare node {took:.1f}s "
+              f"after (the pod garbage collector's 40 s quarantine included); ready groups never below {lowest}; "
+              f"group 1 untouched: {all(after[n]['metadata']['uid'] == uid for n, uid in other.items())}; "
+              f"GroupRestarted: {restarted}; conditions meanwhile: {sorted(seen)}")
+        assert lowest >= 1, "the other group stopped serving"
+        assert all(after[n]["metadata"]["uid"] == uid for n, uid in other.items()), "group 1 was restarted too"
+        assert any("group 0" in m for m in restarted), restarted
+    finally:
+        delete_namespace_later(namespace)
+        wait_deleted()
+        kubectl("delete", "nodes", "-l", "e2e.tensorfleet.dev/node-loss", "--wait=false", check=False)
