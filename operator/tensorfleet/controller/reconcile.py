@@ -26,6 +26,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
+from tensorfleet.api.errors import one_line
 from tensorfleet.catalog import is_cpu
 from tensorfleet.controller import adapters, metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
@@ -396,7 +397,7 @@ class Reconciler:
         rather than the operator's log. The work queue retries with backoff."""
         if exc.status < 400 or exc.conflict:
             return
-        message = f"{what} could not be written: {exc}"
+        message = f"{what} could not be written: {one_line(str(exc), 600)}"
         try:
             new = write_refused_status(status, generation=generation, message=message, now=self.now())
             changed = await self._write_status(body, status, new)
