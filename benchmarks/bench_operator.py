@@ -86,16 +86,17 @@ def _operator_writes(emulator: ClusterEmulator, start: int, end: int | None = No
     return counts
 
 
+def settled(isvc: dict[str, Any]) -> bool:
+    """Ready, nothing progressing, and at its current generation."""
+    status = isvc.get("status") or {}
+    conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
+    return conditions.get("Ready") == "True" and conditions.get("Progressing") == "False" \
+        and status.get("observedGeneration") == isvc["metadata"]["generation"]
+
+
 def _converged(emulator: ClusterEmulator, names: set[str]) -> int:
-    done = 0
-    for isvc in emulator.all(contract.API_VERSION, contract.PLURAL, "bench"):
-        status = isvc.get("status") or {}
-        conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
-        if isvc["metadata"]["name"] in names and conditions.get("Ready") == "True" \
-                and conditions.get("Progressing") == "False" \
-                and status.get("observedGeneration") == isvc["metadata"]["generation"]:
-            done += 1
-    return done
+    return sum(1 for isvc in emulator.all(contract.API_VERSION, contract.PLURAL, "bench")
+               if isvc["metadata"]["name"] in names and settled(isvc))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -235,7 +236,7 @@ def _bench_nodes(count: int) -> list[dict[str, Any]]:
              "status": {"capacity": capacity, "allocatable": capacity}} for i in range(count)]
 
 
-def _wait(what: str, done: Any, bound: float = 1800) -> float:
+def wait_for(what: str, done: Any, bound: float = 1800) -> float:
     """Seconds until DONE() (a count left, 0 when done) reaches 0, polled every second."""
     started = time.perf_counter()
     while (left := done()) > 0:
@@ -248,15 +249,7 @@ def _wait(what: str, done: Any, bound: float = 1800) -> float:
 def _unconverged(names: set[str]) -> int:
     """How many of NAMES are not Ready with nothing progressing at their current generation."""
     items = json.loads(_kubectl("get", contract.PLURAL, "-n", BENCH_NAMESPACE, "-o", "json"))["items"]
-    done = 0
-    for isvc in items:
-        status = isvc.get("status") or {}
-        conditions = {c["type"]: c["status"] for c in status.get("conditions") or []}
-        if isvc["metadata"]["name"] in names and conditions.get("Ready") == "True" \
-                and conditions.get("Progressing") == "False" \
-                and status.get("observedGeneration") == isvc["metadata"]["generation"]:
-            done += 1
-    return len(names) - done
+    return len(names) - sum(1 for isvc in items if isvc["metadata"]["name"] in names and settled(isvc))
 
 
 def _left_behind(names: set[str]) -> int:
@@ -286,7 +279,7 @@ def run_cluster(count: int, idle_seconds: float, churn: float) -> dict[str, Any]
         before = _requests(port)
         cpu_before = cpu_seconds(pid)
         _kubectl("create", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))
-        converge_seconds = _wait(f"{count} InferenceServices converging", lambda: _unconverged(names))
+        converge_seconds = wait_for(f"{count} InferenceServices converging", lambda: _unconverged(names))
         converge_cpu = cpu_seconds(pid) - cpu_before
         time.sleep(SETTLE_SECONDS)
         converged = _requests(port)
@@ -300,11 +293,11 @@ def run_cluster(count: int, idle_seconds: float, churn: float) -> dict[str, Any]
         patch = json.dumps({"spec": {"engine": {"image": BENCH_ENGINE_IMAGES[1]}}})
         for name in sorted(changed):
             _kubectl("patch", contract.PLURAL, name, "-n", BENCH_NAMESPACE, "--type=merge", "-p", patch)
-        update_seconds = _wait(f"{len(changed)} rollouts", lambda: _unconverged(changed))
+        update_seconds = wait_for(f"{len(changed)} rollouts", lambda: _unconverged(changed))
         time.sleep(SETTLE_SECONDS)
         updated = _requests(port)
         _kubectl("delete", contract.PLURAL, "-n", BENCH_NAMESPACE, "--wait=false", *sorted(deleted))
-        delete_seconds = _wait(f"{len(deleted)} deletions", lambda: _left_behind(deleted))
+        delete_seconds = wait_for(f"{len(deleted)} deletions", lambda: _left_behind(deleted))
         time.sleep(SETTLE_SECONDS)
         removed = _requests(port)
         churn_cpu = cpu_seconds(pid) - cpu_before

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from bench_operator import cpu_seconds, local_operator, rss
+from bench_operator import cpu_seconds, local_operator, rss, settled, wait_for
 from common import write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "e2e"))   # e2e/kube.py, the e2e tests' helpers
@@ -36,7 +36,6 @@ from kube import (
     OWN_KINDS,
     Requests,
     cluster_status,
-    condition_status,
     example,
     get,
     items,
@@ -45,6 +44,7 @@ from kube import (
 )
 
 from tensorfleet import contract
+from tensorfleet.kube.resources import kind_of
 
 NAMESPACE = "soak"
 ANCHORS = ("anchor-a", "anchor-b")
@@ -100,7 +100,7 @@ def _step(soak: Soak) -> str:
         else:
             change = {"parallelism": {"tensor": 1, "pipeline": 3 - int(spec["parallelism"]["pipeline"])}}
         _patch(name, change)
-        spec.update({k: v for k, v in change.items()})
+        spec.update(change)
         spec["engine"] = {k: v for k, v in spec["engine"].items() if v is not None}
     soak.actions[action] += 1
     return action
@@ -131,9 +131,7 @@ def _slope(samples: list[tuple[float, float]]) -> float:
 
 def _converged(name: str) -> bool:
     obj = get(contract.PLURAL, name, NAMESPACE)
-    status = (obj or {}).get("status") or {}
-    return bool(obj) and condition_status(obj, "Ready") == "True" and condition_status(obj, "Progressing") == "False" \
-        and status.get("observedGeneration") == (obj or {})["metadata"]["generation"]
+    return obj is not None and settled(obj)
 
 
 def _expected(name: str) -> set[str]:
@@ -144,11 +142,7 @@ def _expected(name: str) -> set[str]:
                           capture_output=True, text=True, timeout=60, check=True)
     plurals = set(OWN_KINDS.split(","))
     return {f"{o['kind']}/{o['metadata']['name']}" for o in yaml.safe_load_all(done.stdout)
-            if o and _plural(o["kind"]) in plurals}
-
-
-def _plural(kind: str) -> str:
-    return f"{kind[:-1]}ies".lower() if kind.endswith("y") else f"{kind}s".lower()
+            if o and kind_of(o).plural in plurals}
 
 
 def _audit(soak: Soak) -> dict[str, Any]:
@@ -188,12 +182,7 @@ def run(minutes: float, services: int, every: float, sample_every: float, seed: 
             doc = _doc(name)
             kubectl("create", "-f", "-", stdin=json.dumps(doc))
             soak.live[name] = doc["spec"]
-        for name in ANCHORS:
-            deadline = time.monotonic() + 300
-            while not _converged(name):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"anchor {name} not Ready in 300 s")
-                time.sleep(1)
+        wait_for("the anchors converging", lambda: sum(not _converged(n) for n in ANCHORS), bound=300)
         model = soak.live[ANCHORS[0]]["model"]["servedName"]
         routers = {name: _router_pid(name) for name in ANCHORS}
         seconds = minutes * 60
