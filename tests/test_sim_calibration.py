@@ -409,12 +409,36 @@ def test_calibrate_against_a_real_engine_writes_a_valid_profile(real_vllm: Any, 
     assert [p["concurrency"] for p in doc["measurements"]["sustained"]] == [1, 3], doc["notes"]
     assert all(p["steps"] > 0 and p["generated_tokens"] > 0 for p in doc["measurements"]["sustained"])
     assert {(p["concurrency"], p["prompt_tokens"]) for p in doc["measurements"]["decode"]} == {
-        (1, 32), (3, 32), (1, 512), (3, 512)}
+        (1, 32), (3, 32), (1, 512), (3, 512)}, doc["notes"]
     assert all(p["itl_s"] > 0 for p in doc["measurements"]["decode"])
     calibration = load(path)
     assert calibration.step.step_seconds(1, 100, 0) > 0
     assert calibration.profile().fitted == calibration.step
 
+
+
+@pytest.mark.asyncio
+async def test_a_decode_point_sent_in_one_merged_event_is_taken_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine whose HTTP side was starved while it decoded (as on a busy host) sends a request's tokens in one
+    merged event: that try has no window, and the point is taken again rather than dropped."""
+    merged: list[int] = []
+    stream = calibrate._Client.stream
+
+    async def starved(self: Any, tokens: int, max_tokens: int, marks: Any = None) -> Any:
+        got = await stream(self, tokens, max_tokens, marks)
+        if max_tokens == sweep.decode_tokens and tokens not in merged:
+            merged.append(tokens)  # the first request of each point: all its tokens at once, at its end
+            got[:] = [(got[-1][0], got[-1][1])]
+        return got
+
+    monkeypatch.setattr(calibrate._Client, "stream", starved)
+    sweep = Sweep(concurrencies=(1,), contexts=(32, 96), decode_tokens=16, prompt_lengths=(16,), repeats=1,
+                  prefill_repeats=1, sustained_s=0.0, warmup=0, time_limit_s=60.0)
+    async with sim(profile=make_profile(max_num_batched_tokens=BUDGET), time_scale=0.02) as s:
+        doc = await calibrate.measure(s.url, MODEL, sweep)
+    assert merged == [32, 96]
+    assert [p["prompt_tokens"] for p in doc["measurements"]["decode"]] == [32, 96], doc["notes"]
+    assert not [n for n in doc["notes"] if "no window" in n]
 
 
 @pytest.mark.asyncio

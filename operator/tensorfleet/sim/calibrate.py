@@ -135,7 +135,7 @@ DROP_ORDER = ("per_context_token_s", "first_token_busy_s", "first_token_s", "per
               "overhead_s")
 SUSTAINED_MIN_STEPS = 8  # engine steps a sustained window must hold to be averaged
 BACKGROUND_PROMPT = 64  # prompt tokens of the requests decoding behind busy prefill points
-PROBE_ATTEMPTS = 5  # of one busy prefill probe, sent again while a background request finished during it
+PROBE_ATTEMPTS = 5  # of a busy prefill probe a background request finished in, or of a decode point with no window
 
 _METRIC_PREFILL = "vllm:request_prefill_time_seconds"
 
@@ -837,7 +837,12 @@ async def measure(url: str, model: str | None = None, sweep: Sweep | None = None
                              f"{concurrency} at {context} tokens")
                 break
             for _ in range(sweep.repeats):
-                point, running, waiting = await _decode_point(client, concurrency, context, sweep)
+                # A busy host can starve the engine's HTTP side until it sends a request's tokens in one or two
+                # merged events: no window, so the point is taken again.
+                for _attempt in range(PROBE_ATTEMPTS):
+                    point, running, waiting = await _decode_point(client, concurrency, context, sweep)
+                    if point is not None or (running < concurrency and waiting > 0):
+                        break
                 if running < concurrency and waiting > 0 and capacity.max_num_seqs is None:
                     # More sequences than the engine runs at once: that is its max-num-seqs.
                     limit = running
@@ -846,7 +851,7 @@ async def measure(url: str, model: str | None = None, sweep: Sweep | None = None
                     break
                 if point is None:
                     notes.append(f"decode batch {concurrency} at {context} tokens: no window where all decode "
-                                 "(more decode tokens?)")
+                                 f"in {PROBE_ATTEMPTS} tries (more decode tokens?)")
                     continue
                 decode.append(point)
                 say(f"decode batch {concurrency:3d}, prompt {context:5d}: ITL {point.itl_s * 1e3:7.3f} ms "
