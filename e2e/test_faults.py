@@ -21,7 +21,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -346,8 +346,12 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
         delete_namespace_later(namespace)
 
 
-# A GPU type no other e2e test uses: the nodes of the node-loss case are its own.
+# A GPU type no other e2e test uses: the nodes of the node fault cases are their own.
 NODE_LOSS_GPU = "H100-NVL-94GB"
+NODE_FAULT_LABEL = "e2e.tensorfleet.dev/node-fault"
+# KWOK's chaos stage (kustomize/stage/node/chaos) turns a node with this label NotReady, with the reason and
+# message of these annotations, as a kubelet whose container runtime died reports it.
+KWOK_NOT_READY = "node-not-ready.stage.kwok.x-k8s.io"
 
 
 def _gpu_node(name: str, index: int) -> dict[str, Any]:
@@ -358,7 +362,7 @@ def _gpu_node(name: str, index: int) -> dict[str, Any]:
     cidr = f"10.244.{200 + index}.0/24"
     return {"apiVersion": "v1", "kind": "Node",
             "metadata": {"name": name, "annotations": {"kwok.x-k8s.io/node": "fake"},
-                         "labels": {"kubernetes.io/hostname": name, "type": "kwok", "e2e.tensorfleet.dev/node-loss": "",
+                         "labels": {"kubernetes.io/hostname": name, "type": "kwok", NODE_FAULT_LABEL: "",
                                     "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": gpu.product_labels[0],
                                     "nvidia.com/gpu.count": "1", "nvidia.com/gpu.memory": str(gpu.memory_mib)}},
             "spec": {"podCIDR": cidr, "podCIDRs": [cidr],
@@ -370,15 +374,57 @@ def _groups(name: str, namespace: str) -> dict[str, dict[str, Any]]:
     return {p["metadata"]["name"]: p for p in engine_pods(name, namespace)}
 
 
-def test_a_gpu_node_lost_under_a_pipeline_group() -> None:
-    """A GPU node holding one stage of a pipeline-2 group is deleted, as a cloud provider's node controller deletes
-    a VM that died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and
-    the operator restarts that group as a whole (vLLM cannot take a lost stage back). The other group is left
-    alone and the service stays Ready on it throughout."""
-    nodes = [f"e2e-node-loss-{i}" for i in range(5)]   # four engine pods of one GPU each, and a spare
+@dataclass
+class PipelineFleet:
+    """Two groups of pipeline 2 on five one-GPU nodes of their own (four pods and a spare)."""
+
+    name: str
+    namespace: str
+    pods: dict[str, dict[str, Any]]
+    lowest: int = 2                                     # the fewest ready groups watch() saw
+    seen: set[str] = field(default_factory=set)         # Degraded and Progressing conditions it saw True
+
+    def pod(self, stage: int, group: int) -> dict[str, Any]:
+        return self.pods[f"{contract.stage_name(self.name, stage)}-{group}"]
+
+    def watch(self) -> Callable[[], dict[str, Any]]:
+        """A probe for eventually(): the service must stay Ready; it gathers the lowest readyReplicas seen and
+        the Degraded and Progressing conditions that were True, and returns the status and the pods."""
+
+        def probe() -> dict[str, Any]:
+            obj = isvc(self.name, self.namespace) or {}
+            status = obj.get("status") or {}
+            assert condition_status(obj, "Ready") == "True", f"the service stopped being Ready: {status}"
+            self.lowest = min(self.lowest, int(status.get("readyReplicas") or 0))
+            self.seen.update(f"{c['type']}={c['status']} {c.get('reason')}: {c.get('message')}"
+                             for c in status.get("conditions") or [] if c["type"] in ("Degraded", "Progressing")
+                             and c["status"] == "True")
+            return {"status": status, "pods": _groups(self.name, self.namespace)}
+        return probe
+
+    def restarted(self, pods: dict[str, dict[str, Any]], status: dict[str, Any], lost: str) -> bool:
+        """Group 0 restarted as a whole (a new leader: the worker's replacement alone, Ready before the operator
+        restarts the group, is not a served group), its worker off node LOST, and both groups serving."""
+        worker = pods.get(f"{contract.stage_name(self.name, 1)}-0")
+        leader = pods.get(f"{contract.stage_name(self.name, 0)}-0", {}).get("metadata", {}).get("uid")
+        return bool(len(pods) == 4 and worker and worker["spec"].get("nodeName") not in (None, lost)
+                    and leader != self.pod(0, 0)["metadata"]["uid"]
+                    and all(pod_ready(p) for p in pods.values()) and status.get("readyReplicas") == 2)
+
+    def group_1_untouched(self) -> bool:
+        after = _groups(self.name, self.namespace)
+        return all(after[n]["metadata"]["uid"] == p["metadata"]["uid"] for n, p in self.pods.items() if n.endswith("-1"))
+
+    def restart_events(self) -> list[str]:
+        return [e["message"] for e in items("events", self.namespace) if e.get("reason") == "GroupRestarted"]
+
+
+@contextmanager
+def _pipeline_fleet(case: str) -> Iterator[PipelineFleet]:
+    nodes = [f"e2e-{case}-{i}" for i in range(5)]
     kubectl("apply", "--validate=false", "-f", "-",
             stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [_gpu_node(n, i) for i, n in enumerate(nodes)]}))
-    namespace = new_namespace("node-loss")
+    namespace = new_namespace(case)
     try:
         eventually("the fault's nodes Ready", lambda: all(condition_status(get("node", n, None), "Ready") == "True"
                                                           for n in nodes), timeout=60)
@@ -386,42 +432,74 @@ def test_a_gpu_node_lost_under_a_pipeline_group() -> None:
                             accelerator={"type": NODE_LOSS_GPU}, parallelism={"tensor": 1, "pipeline": 2})
         pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
                           and all(pod_ready(p) for p in found.values()) and found)
-        lost = pods[f"{contract.stage_name(name, 1)}-0"]["spec"]["nodeName"]
-        other = {n: p["metadata"]["uid"] for n, p in pods.items() if n.endswith("-1")}   # group 1's pods
-        leader = pods[f"{contract.stage_name(name, 0)}-0"]["metadata"]["uid"]
-        time.sleep(1.1)   # whole-second timestamps: the replacement must be visibly later than the group
-        kubectl("delete", "node", lost, "--wait=false")
-        at = time.monotonic()
-        lowest, seen = 2, set[str]()
-
-        def back() -> bool:
-            nonlocal lowest
-            obj = isvc(name, namespace) or {}
-            status = obj.get("status") or {}
-            assert condition_status(obj, "Ready") == "True", f"the service stopped being Ready: {status}"
-            lowest = min(lowest, int(status.get("readyReplicas") or 0))
-            seen.update(f"{c['type']}={c['status']} {c.get('reason')}: {c.get('message')}"
-                        for c in status.get("conditions") or [] if c["type"] in ("Degraded", "Progressing")
-                        and c["status"] == "True")
-            found = _groups(name, namespace)
-            worker = found.get(f"{contract.stage_name(name, 1)}-0")
-            # Restarted as a whole (a new leader too: the worker's replacement alone, Ready before the operator
-            # restarts the group, is not a served group), then serving.
-            restarted = found.get(f"{contract.stage_name(name, 0)}-0", {}).get("metadata", {}).get("uid") != leader
-            return bool(len(found) == 4 and worker and worker["spec"].get("nodeName") not in (None, lost) and restarted
-                        and all(pod_ready(p) for p in found.values()) and status.get("readyReplicas") == 2)
-        eventually("group 0 restarted and serving again on the spare node", back, timeout=180, every=1.0)
-        took = time.monotonic() - at
-        restarted = [e["message"] for e in items("events", namespace) if e.get("reason") == "GroupRestarted"]
-        after = _groups(name, namespace)
-        untouched = all(after[n]["metadata"]["uid"] == uid for n, uid in other.items())
-        print(f"\na GPU node under stage 1 of group 0 deleted: the group served again on the spare node {took:.1f}s "
-              f"after (the pod garbage collector's 40 s quarantine included); ready groups never below {lowest}; "
-              f"group 1 untouched: {untouched}; GroupRestarted: {restarted}; conditions meanwhile: {sorted(seen)}")
-        assert lowest >= 1, "the other group stopped serving"
-        assert untouched, "group 1 was restarted too"
-        assert any("group 0" in m for m in restarted), restarted
+        time.sleep(1.1)   # whole-second timestamps: what the fault brings must be visibly later than the groups
+        yield PipelineFleet(name, namespace, pods)
     finally:
         delete_namespace_later(namespace)
         wait_deleted()
-        kubectl("delete", "nodes", "-l", "e2e.tensorfleet.dev/node-loss", "--wait=false", check=False)
+        kubectl("delete", "nodes", "-l", NODE_FAULT_LABEL, "--wait=false", check=False)
+
+
+def test_a_gpu_node_lost_under_a_pipeline_group() -> None:
+    """A GPU node holding one stage of a pipeline-2 group is deleted, as a cloud provider's node controller deletes
+    a VM that died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and
+    the operator restarts that group as a whole (vLLM cannot take a lost stage back). The other group is left
+    alone and the service stays Ready on it throughout."""
+    with _pipeline_fleet("node-loss") as fleet:
+        lost = fleet.pod(1, 0)["spec"]["nodeName"]
+        kubectl("delete", "node", lost, "--wait=false")
+        at = time.monotonic()
+        probe = fleet.watch()
+        eventually("group 0 restarted and serving again on the spare node",
+                   lambda: fleet.restarted(**(seen := probe()), lost=lost) and seen, timeout=180, every=1.0)
+        took = time.monotonic() - at
+        restarted, untouched = fleet.restart_events(), fleet.group_1_untouched()
+        print(f"\na GPU node under stage 1 of group 0 deleted: the group served again on the spare node {took:.1f}s "
+              f"after (the pod garbage collector's 40 s quarantine included); ready groups never below "
+              f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; conditions meanwhile: "
+              f"{sorted(fleet.seen)}")
+        assert fleet.lowest >= 1, "the other group stopped serving"
+        assert untouched, "group 1 was restarted too"
+        assert any("group 0" in m for m in restarted), restarted
+
+
+def test_a_gpu_node_not_ready_under_a_pipeline_group() -> None:
+    """A GPU node holding one stage of a pipeline-2 group stops being Ready (its kubelet reports the container
+    runtime down; KWOK's chaos stage): Degraded names the node and its kubelet's words at once, the group stops
+    counting as ready, and once the node has been NotReady for the operator's --node-not-ready-seconds (15 in the
+    e2e chart values) the group is restarted as a whole on Ready nodes (the node controller's not-ready taint
+    keeps the scheduler off it). The other group is left alone and the service stays Ready on it throughout."""
+    with _pipeline_fleet("node-down") as fleet:
+        down = fleet.pod(1, 0)["spec"]["nodeName"]
+        message = "container runtime network not ready: NetworkReady=false"
+        kubectl("annotate", "node", down, f"{KWOK_NOT_READY}/reason=KubeletNotReady",
+                f"{KWOK_NOT_READY}/message={message}", "--overwrite")
+        kubectl("label", "node", down, f"{KWOK_NOT_READY}=true")
+        at = time.monotonic()
+        probe = fleet.watch()
+
+        def said() -> str | None:
+            found = probe()
+            now: dict[str, Any] = next((c for c in found["status"].get("conditions") or []
+                                        if c["type"] == "Degraded"), {})
+            return str(now.get("message")) if now.get("status") == "True" and now.get("reason") == "NodeNotReady" \
+                else None
+        degraded = eventually("Degraded names the node", said, timeout=60, every=0.5)
+        noticed = time.monotonic() - at
+        eventually("group 0 restarted and serving again off the node",
+                   lambda: fleet.restarted(**(seen := probe()), lost=down) and seen, timeout=180, every=1.0)
+        took = time.monotonic() - at
+        settled = eventually("Degraded clear", lambda: (c := [x for x in probe()["status"].get("conditions") or []
+                                                              if x["type"] == "Degraded"]) and c[0]["status"] == "False",
+                             timeout=60)
+        restarted, untouched = fleet.restart_events(), fleet.group_1_untouched()
+        print(f"\na GPU node under stage 1 of group 0 NotReady: Degraded said so {noticed:.1f}s after; the group "
+              f"served again off the node {took:.1f}s after (15 s of grace included); ready groups never below "
+              f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; Degraded meanwhile: "
+              f"{degraded!r}")
+        assert f"node {down} is not Ready (Ready=False, KubeletNotReady: {message})" in degraded, degraded
+        assert f"pod {contract.stage_name(fleet.name, 1)}-0" in degraded, degraded
+        assert settled and fleet.lowest == 1, "group 0 must stop counting as ready while its node is down, and " \
+                                              "group 1 must serve throughout"
+        assert untouched, "group 1 was restarted too"
+        assert any("group 0" in m and f"node {down} is not Ready" in m for m in restarted), restarted

@@ -111,6 +111,9 @@ Namespaced rules: */}}
 {{/* Cluster-scoped rules (kopf lists namespaces and checks the CRD): */}}
 {{- define "tensorfleet.rules.cluster" -}}
 - apiGroups: [""]
+  resources: ["nodes"]
+  verbs: ["list", "watch"]
+- apiGroups: [""]
   resources: ["namespaces"]
   verbs: ["list", "watch"]
 - apiGroups: ["apiextensions.k8s.io"]

@@ -30,6 +30,9 @@ def register(commands: Any) -> None:
     tuning.add_argument("--workers", type=argtypes.positive_int, default=4, help="InferenceServices reconciled in parallel (default 4)")
     tuning.add_argument("--resync-seconds", type=argtypes.positive_float, default=300.0,
                         help="re-check every InferenceService this often, besides watch events (default 300)")
+    tuning.add_argument("--node-not-ready-seconds", type=argtypes.positive_float, default=60.0,
+                        help="restart a multi-node (pipeline-parallel) group once one of its pods' nodes has been "
+                             "seen not Ready this long; its peers cannot reach that stage meanwhile (default 60)")
     tuning.add_argument("--worker-image", default=os.environ.get(contract.ENV_DEFAULT_WORKER_IMAGE) or None,
                         help=f"default engine image for vllm InferenceServices (env {contract.ENV_DEFAULT_WORKER_IMAGE}; "
                              "default: the worker image of this release)")
@@ -88,7 +91,7 @@ def register(commands: Any) -> None:
 def rbac_objects(service_account: str, service_account_namespace: str, namespaces: list[str] | None) -> list[dict[str, Any]]:
     """RBAC objects granting exactly kube.resources' verbs; cluster-wide unless namespaces are given."""
     from tensorfleet import contract
-    from tensorfleet.kube.resources import rbac_rules
+    from tensorfleet.kube.resources import ALL_KINDS, rbac_rules
 
     name = "tensorfleet-operator"
     labels = {contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: "operator"}
@@ -104,10 +107,10 @@ def rbac_objects(service_account: str, service_account_namespace: str, namespace
              "subjects": [subject]},
         ]
     cluster_scoped = [r for r in rules if r["resources"][0] in
-                      ("namespaces", "customresourcedefinitions")]
+                      {k.plural for k in ALL_KINDS if not k.namespaced}]
     namespaced = [r for r in rules if r not in cluster_scoped]
     objects: list[dict[str, Any]] = [
-        # kopf lists namespaces and CRDs even when it watches chosen namespaces.
+        # kopf lists namespaces and CRDs even when it watches chosen namespaces, and Nodes are cluster-scoped.
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
          "metadata": {"name": f"{name}-discovery", "labels": labels}, "rules": cluster_scoped},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
@@ -160,6 +163,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         namespaces=args.namespaces or _env_list(contract.ENV_WATCH_NAMESPACES),
         workers=args.workers,
         resync_seconds=args.resync_seconds,
+        node_not_ready_seconds=args.node_not_ready_seconds,
         leader_election=not args.no_leader_election,
         lease_namespace=args.lease_namespace,
         lease_name=args.lease_name,

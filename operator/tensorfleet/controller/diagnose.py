@@ -13,6 +13,7 @@ Where each cause's words come from (as kubelet and kube-scheduler 1.36 write the
 | reason | read from | detail |
 |---|---|---|
 | `Unschedulable` | `status.conditions[PodScheduled]` False, reason Unschedulable | the scheduler's message, without its `preemption:` sentence |
+| `NodeNotReady` | the Node named by `spec.nodeName`: its `Ready` condition not True | the node, since when the operator has seen it so, and the kubelet's (or the node controller's) reason and message |
 | `InvalidImageName`, `ErrImagePull`, `ImagePullBackOff` | `containerStatuses[].state.waiting` | the kubelet's message (in 1.36 it names the image and the registry's answer, during back-off too); the image is prefixed when the message does not name it |
 | `CreateContainerConfigError` | `state.waiting` | the kubelet's message: `secret "hf-token" not found`, `couldn't find key token in Secret llm/hf-token` |
 | `CreateContainerError`, `RunContainerError` | `state.waiting` | the kubelet's message |
@@ -21,7 +22,7 @@ Where each cause's words come from (as kubelet and kube-scheduler 1.36 write the
 | `Evicted`, ... | `status.phase` Failed | `status.reason` and `status.message` |
 
 "Worst" is the earliest point in a pod's life a cause stops it (`SEVERITY`):
-no node, then no image, then no container, then a container that dies, then a
+no node (or a node that is not Ready), then no image, then no container, then a container that dies, then a
 pod that already failed (its controller replaces it). An earlier cause hides
 whatever would come after it, so it is the one to fix first. Ties go to the
 pod that comes first (lowest group, then stage) and, in a pod, to its init
@@ -37,11 +38,12 @@ from __future__ import annotations
 
 import re
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 UNSCHEDULABLE = "Unschedulable"
+NODE_NOT_READY = "NodeNotReady"
 OOM_KILLED = "OOMKilled"
 CRASH_LOOP = "CrashLoopBackOff"
 POD_FAILED = "PodFailed"
@@ -55,7 +57,7 @@ STUCK_REASONS = frozenset({
 # Worst first: the earlier in a pod's life a cause stops it, the worse (see the module docstring).
 # Reasons in one entry rank the same: the kubelet alternates between ErrImagePull and ImagePullBackOff.
 SEVERITY: tuple[tuple[str, ...], ...] = (
-    (UNSCHEDULABLE,),
+    (UNSCHEDULABLE,), (NODE_NOT_READY,),
     ("InvalidImageName",), ("ErrImagePull", "ImagePullBackOff"),
     ("CreateContainerConfigError",), ("CreateContainerError",), ("RunContainerError",),
     (OOM_KILLED,), (CRASH_LOOP,),
@@ -114,6 +116,24 @@ class Diagnosis:
         """One line naming the pod, the reason and the detail (and how often it restarted)."""
         restarted = f" (restarted {self.restarts} time{'s' if self.restarts != 1 else ''})" if self.restarts else ""
         return f"pod {self.pod}: {self.reason}: {self.detail}{restarted}"
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """A Node that is not Ready, as the operator last saw it. `since` is when the operator first saw it so
+    (RFC 3339), not the condition's lastTransitionTime, which not every kubelet stand-in keeps."""
+
+    name: str
+    status: str          # the Ready condition's status: False or Unknown ("" when the node has none)
+    reason: str
+    message: str
+    since: str
+
+    @property
+    def detail(self) -> str:
+        said = ": ".join(part for part in (self.reason, one_line(self.message, 120)) if part)
+        return f"node {self.name} is not Ready (Ready={self.status or 'missing'}{f', {said}' if said else ''}) " \
+               f"since {self.since}"
 
 
 def _unschedulable(pod: dict[str, Any]) -> str | None:
@@ -178,8 +198,8 @@ def _waiting(pod: dict[str, Any], status: dict[str, Any]) -> tuple[str, str] | N
     return reason, message or f"container {status.get('name')}"
 
 
-def diagnose(pod: dict[str, Any]) -> Diagnosis | None:
-    """Why `pod` cannot become ready without someone acting, or None."""
+def diagnose(pod: dict[str, Any], nodes: Mapping[str, NodeState] | None = None) -> Diagnosis | None:
+    """Why `pod` cannot become ready without someone acting, or None. NODES: the nodes that are not Ready."""
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status", {})
     if status.get("phase") == "Failed":
@@ -188,6 +208,9 @@ def diagnose(pod: dict[str, Any]) -> Diagnosis | None:
     scheduler = _unschedulable(pod)
     if scheduler is not None:
         return Diagnosis(name, UNSCHEDULABLE, scheduler)
+    node = (nodes or {}).get(pod.get("spec", {}).get("nodeName") or "")
+    if node is not None:
+        return Diagnosis(name, NODE_NOT_READY, node.detail)
     found: list[Diagnosis] = []
     # Init containers run first: one stuck there is what stops the pod.
     for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
@@ -208,9 +231,9 @@ def worst(diagnoses: Iterable[Diagnosis]) -> Diagnosis | None:
     return found[0] if found else None
 
 
-def diagnose_all(pods: Iterable[dict[str, Any]]) -> list[Diagnosis]:
-    """The diagnoses of `pods`, worst first."""
-    return ranked(d for d in map(diagnose, pods) if d is not None)
+def diagnose_all(pods: Iterable[dict[str, Any]], nodes: Mapping[str, NodeState] | None = None) -> list[Diagnosis]:
+    """The diagnoses of `pods`, worst first (NODES: the nodes that are not Ready)."""
+    return ranked(d for pod in pods if (d := diagnose(pod, nodes)) is not None)
 
 
 def causes(diagnoses: Iterable[Diagnosis], max_pods: int = 3) -> list[tuple[str, str]]:

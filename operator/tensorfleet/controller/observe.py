@@ -1,17 +1,21 @@
 """What the cluster shows about one InferenceService's groups. Pure functions.
 
 A group is ordinal i of every stage StatefulSet: pod NAME-stage-K-i for each
-stage K. It serves only when every one of its pods is Ready, and it runs the
-current spec only when every pod carries its stage's update revision.
+stage K. It serves only when every one of its pods is Ready on a node that is
+Ready, and it runs the current spec only when every pod carries its stage's
+update revision.
 """
 
 from __future__ import annotations
 
+import datetime
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.controller.diagnose import diagnose
+from tensorfleet.controller.diagnose import NodeState, diagnose
+from tensorfleet.controller.idle import parse_time
 
 REVISION_LABEL = "controller-revision-hash"
 
@@ -76,12 +80,19 @@ def pod_problem(pod: dict[str, Any]) -> str | None:
 class Group:
     index: int
     pods: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> pod
+    nodes: Mapping[str, NodeState] = field(default_factory=dict)  # the cluster's nodes that are not Ready
 
     def complete(self, pipeline: int) -> bool:
         return all(stage in self.pods for stage in range(pipeline))
 
     def ready(self, pipeline: int) -> bool:
-        return self.complete(pipeline) and all(pod_ready(pod) for pod in self.pods.values())
+        """Every stage's pod Ready, none of them on a node that is not (its Ready is stale: nobody reports it)."""
+        return self.complete(pipeline) and all(pod_ready(pod) for pod in self.pods.values()) and not self.stranded()
+
+    def stranded(self) -> list[tuple[int, dict[str, Any], NodeState]]:
+        """(stage, pod, node) of each member on a node that is not Ready."""
+        return [(stage, pod, node) for stage, pod in sorted(self.pods.items())
+                if (node := self.nodes.get(pod.get("spec", {}).get("nodeName") or "")) is not None]
 
     def updated(self, revisions: dict[int, str | None]) -> bool:
         """Every pod runs its stage's update revision (unknown revisions count as current)."""
@@ -167,6 +178,10 @@ class Observation:
     # A StatefulSet whose controller has not yet seen its latest spec (status.observedGeneration behind
     # metadata.generation): its updateRevision is the old template's, so which pods are updated is unknown.
     revisions_pending: bool = False
+    nodes: Mapping[str, NodeState] = field(default_factory=dict)  # the nodes under our pods that are not Ready
+    # A multi-node group with a member on a node not Ready this long is restarted (--node-not-ready-seconds).
+    node_grace_s: float = 60.0
+    now: datetime.datetime | None = None
 
     @property
     def existing(self) -> int:
@@ -203,28 +218,61 @@ class Observation:
         return [pod for group in self.current() for _, pod in sorted(group.pods.items()) if pod_unschedulable(pod)]
 
     def groups_to_restart(self) -> dict[int, str]:
-        """Broken multi-node groups (see Group.broken), by index, with the reason."""
+        """Broken multi-node groups (see Group.broken and `_stranded_for`), by index, with the reason."""
         found = {}
         for group in self.current():
-            reason = group.broken(self.pipeline)
+            reason = group.broken(self.pipeline) or self._node_lost(group)
             if reason:
                 found[group.index] = reason
         return found
 
+    def _stranded_for(self, group: Group) -> list[tuple[int, dict[str, Any], NodeState, float]]:
+        """(stage, pod, node, seconds the node has been seen not Ready) of a multi-node group's members.
+
+        A pipeline stage on a node that stopped being Ready holds the whole
+        group: its peers cannot reach it, and its pod cannot be evicted before
+        the taint manager's toleration (300 s by default) runs out. After
+        `node_grace_s`, so that a node's blip costs no model load, the group
+        is restarted: the scheduler places the new pods on Ready nodes. A
+        group already going away, and a single-node engine (Kubernetes'
+        eviction moves it), are left alone."""
+        if self.pipeline < 2 or group.terminating() or self.now is None:
+            return []
+        now = self.now
+        return [(stage, pod, node, max(0.0, (now - (parse_time(node.since) or now)).total_seconds()))
+                for stage, pod, node in group.stranded()]
+
+    def _node_lost(self, group: Group) -> str | None:
+        for stage, pod, node, waited in self._stranded_for(group):
+            if waited >= self.node_grace_s:
+                return (f"stage {stage} pod {pod['metadata']['name']}: {node.detail}, longer than the "
+                        f"{self.node_grace_s:g} s the operator waits for it (--node-not-ready-seconds)")
+        return None
+
+    def node_wait(self) -> float | None:
+        """Seconds until a multi-node group's member has been on a not-Ready node for `node_grace_s`, or None."""
+        left = [self.node_grace_s - waited for group in self.current()
+                for *_, waited in self._stranded_for(group) if waited < self.node_grace_s]
+        return max(0.5, min(left)) if left else None
+
 
 def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulsets: dict[int, dict[str, Any]],
-            router: dict[str, Any] | None, *, surge: int = 0) -> Observation:
+            router: dict[str, Any] | None, *, surge: int = 0, nodes: Mapping[str, NodeState] | None = None,
+            node_grace_s: float = 60.0, now: datetime.datetime | None = None) -> Observation:
     groups: dict[int, Group] = {}
+    nodes = nodes or {}
     for pod in pods:
         stage, index = pod_stage(pod), pod_group(pod)
         if stage is None or index is None or stage >= pipeline:
             continue
-        groups.setdefault(index, Group(index)).pods[stage] = pod
+        groups.setdefault(index, Group(index, nodes=nodes)).pods[stage] = pod
     revisions = {stage: (sts.get("status") or {}).get("updateRevision") for stage, sts in statefulsets.items()}
     pending = any(_status_behind(sts) for sts in statefulsets.values())
     available = int(((router or {}).get("status") or {}).get("availableReplicas") or 0)
     return Observation(pipeline=pipeline, desired=desired, groups=groups, revisions=revisions,
-                       router_available=available, surge=surge, revisions_pending=pending)
+                       router_available=available, surge=surge, revisions_pending=pending, nodes=nodes,
+                       node_grace_s=node_grace_s, now=now)
+
 
 
 def _status_behind(obj: dict[str, Any]) -> bool:

@@ -33,7 +33,7 @@ from tensorfleet.kube.client import ApiError, Kube
 from tensorfleet.kube.connection import Connection
 from tensorfleet.kube.events import EventRecorder
 from tensorfleet.kube.lease import LeaderElector, LostLease
-from tensorfleet.kube.resources import CHILD_KINDS, INFERENCE_SERVICE, POD, Kind
+from tensorfleet.kube.resources import CHILD_KINDS, INFERENCE_SERVICE, NODE, POD, Kind
 from tensorfleet.render import Images
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,8 @@ class OperatorConfig:
     workers: int = 4
     resync_seconds: float = 300.0
     child_debounce_seconds: float = 0.5
+    # A multi-node group with a pod on a node not Ready this long is restarted (controller/nodes.py).
+    node_not_ready_seconds: float = 60.0
     leader_election: bool = True
     lease_namespace: str = "default"
     lease_name: str = contract.OPERATOR_LEASE_NAME
@@ -105,7 +107,8 @@ class Operator:
         self.reconciler = Reconciler(self.kube, EventRecorder(self.kube, instance=config.identity), self.cache,
                                      images=config.images, allowed_registries=config.allowed_registries,
                                      model_facts=config.model_facts,
-                                     operator_namespace=os.environ.get(contract.ENV_OPERATOR_POD_NAMESPACE) or None)
+                                     operator_namespace=os.environ.get(contract.ENV_OPERATOR_POD_NAMESPACE) or None,
+                                     node_not_ready_seconds=config.node_not_ready_seconds)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
@@ -153,6 +156,17 @@ class Operator:
         for kind in (*CHILD_KINDS, POD):
             kopf.on.event(kind.group, kind.version, kind.plural, registry=registry, id=f"owned-{kind.plural}",
                           labels={contract.LABEL_MANAGED_BY: contract.APP_NAME})(owner_changed(kind))
+
+        reconciler = self.reconciler
+
+        @kopf.on.event(NODE.group, NODE.version, NODE.plural, registry=registry, id="nodes")
+        async def node_changed(event: kopf.RawEvent, name: str, **_: object) -> None:
+            """A Node changed: when it turned Ready or stopped being so, reconcile what has pods on it."""
+            metrics.WATCH_EVENTS.labels(kind=NODE.kind, type=str(event.get("type"))).inc()
+            cache.mark_synced()
+            if reconciler.nodes.observed(event["object"], reconciler.now(), deleted=event.get("type") == "DELETED"):
+                for owner in cache.owners_on_node(POD, name):
+                    queue.add(owner, debounce)
 
         return registry
 

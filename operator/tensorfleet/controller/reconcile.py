@@ -41,6 +41,7 @@ from tensorfleet.controller.modelfacts import (
     Resolved,
 )
 from tensorfleet.controller.modelfacts import resolve as resolve_facts
+from tensorfleet.controller.nodes import NotReadyNodes
 from tensorfleet.controller.observe import Observation, is_terminating, observe, pod_ready
 from tensorfleet.controller.policy import check_images
 from tensorfleet.controller.rollout import Mode, decide
@@ -134,8 +135,12 @@ class Reconciler:
     def __init__(self, kube: Kube, events: EventRecorder, cache: Cache, *, now: Callable[[], str] = utc_now,
                  images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = (),
                  model_facts: ModelFactsConfig = DEFAULT_MODEL_FACTS, operator_namespace: str | None = None,
-                 adapter_sync: adapters.Sync = adapters.sync) -> None:
+                 adapter_sync: adapters.Sync = adapters.sync, node_not_ready_seconds: float = 60.0) -> None:
         self.kube = kube
+        # The nodes that are not Ready (the operator's Node watch fills it), and how long a multi-node group
+        # with a pod on one is left before it is restarted.
+        self.nodes = NotReadyNodes()
+        self.node_not_ready_seconds = node_not_ready_seconds
         # Where the operator's pods run (the engines' NetworkPolicy admits them when they load LoRA adapters),
         # and how adapters reach the engines (controller/adapters.py; tests give their own).
         self.operator_namespace = operator_namespace
@@ -226,7 +231,9 @@ class Reconciler:
                if (key := (STATEFUL_SET.kind, contract.stage_name(name, k))) in live_after}
         router = live_after.get((DEPLOYMENT.kind, contract.router_name(name)))
         pods = self._engine_pods(namespace, name, sts)
-        obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle), pods, sts, router, surge=mode.surge)
+        obs = observe(plan.pipeline, desired_replicas(isvc.spec, idle=zero.idle), pods, sts, router, surge=mode.surge,
+                      nodes=self.nodes.under(pods), node_grace_s=self.node_not_ready_seconds,
+                      now=parse_time(self.now()))
         await roll_groups(ctx, obs, mode)
         lora = await self._sync_adapters(isvc, pods)
         prefill = (_prefill_counts(live_after.get((STATEFUL_SET.kind, contract.prefill_stage_name(name, 0))))
@@ -241,7 +248,8 @@ class Reconciler:
         for obj in desired:
             counts[obj["kind"]] = counts.get(obj["kind"], 0) + 1
         self._record((namespace, name), (counts, ready))
-        waits = [t for t in (zero.requeue, lora.requeue if lora is not None else None) if t is not None]
+        waits = [t for t in (zero.requeue, lora.requeue if lora is not None else None, obs.node_wait())
+                 if t is not None]
         return min(waits) if waits else None
 
     async def _sync_adapters(self, isvc: InferenceService, pods: list[dict[str, Any]]) -> adapters.Outcome | None:

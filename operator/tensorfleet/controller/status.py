@@ -140,7 +140,7 @@ def _diagnoses(obs: Observation) -> list[Diagnosis]:
     """
     pods = [group.pods[stage] for group in obs.current() for stage in sorted(group.pods)]
     surge = [group.pods[stage] for group in obs.surge_groups() for stage in sorted(group.pods)]
-    return diagnose_all([*pods, *(pod for pod in surge if not pod_unschedulable(pod))])
+    return diagnose_all([*pods, *(pod for pod in surge if not pod_unschedulable(pod))], obs.nodes)
 
 
 def _cause(obs: Observation, plan: Plan, found: list[Diagnosis]) -> tuple[str, str] | None:

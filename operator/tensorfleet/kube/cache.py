@@ -121,6 +121,11 @@ class Cache:
             for name in store:
                 yield namespace, name
 
+    def owners_on_node(self, kind: Kind, node: str) -> set[Owner]:
+        """The InferenceServices with a `kind` object (a pod) scheduled to NODE."""
+        return {owner for owner, objs in self._indexes[kind.kind].items()
+                if any((obj.get("spec") or {}).get("nodeName") == node for obj in objs)}
+
     # --- writes and their echoes ---------------------------------------------
     def wrote(self, kind: Kind, obj: Mapping[str, Any]) -> None:
         """Remember what an apply, create or replace returned until its watch event arrives."""

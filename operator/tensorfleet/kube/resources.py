@@ -68,6 +68,8 @@ LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", (*_CHILD_VERBS, "up
 # The router Role grants read access to EndpointSlices; RBAC lets a subject
 # grant only what it holds itself, so the operator needs the same.
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", ("get", "list", "watch"))
+# Only readiness is read off Nodes: a pipeline stage on a node that stopped being Ready holds its group.
+NODE = Kind("", "v1", "nodes", "Node", ("list", "watch"), namespaced=False)
 # kopf lists namespaces to expand namespace patterns and checks the CRD exists.
 NAMESPACE = Kind("", "v1", "namespaces", "Namespace", ("list", "watch"), namespaced=False)
 CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
@@ -77,7 +79,7 @@ CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomRes
 # NetworkPolicies go before the workloads so that no pod starts unisolated.
 CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, NETWORK_POLICY, PDB, STATEFUL_SET,
                                  LEASE, DEPLOYMENT, HPA)
-ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, ENDPOINT_SLICE, NAMESPACE, CRD)
+ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, ENDPOINT_SLICE, NODE, NAMESPACE, CRD)
 
 _BY_API_KIND = {(k.api_version, k.kind): k for k in ALL_KINDS}
 

@@ -1,0 +1,44 @@
+"""The nodes under the engine pods that are not Ready, from the operator's watch of Nodes.
+
+Only readiness is kept (a Node's status moves with every heartbeat; nothing
+else of it is read), and only for nodes that are not Ready, so the memory is
+the size of the cluster's trouble, not of the cluster. A reconcile sees them
+through `observe.Observation.nodes`: a pod on such a node is diagnosed
+`NodeNotReady` (Degraded says which node and why), its group does not count as
+ready, and a multi-node group is restarted once the node has been seen not
+Ready for the operator's `--node-not-ready-seconds` (README, "How it behaves").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from tensorfleet.controller.diagnose import NodeState
+
+
+class NotReadyNodes:
+    """Nodes whose Ready condition is not True, by name, as the watch last showed them."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[str, NodeState] = {}
+
+    def observed(self, node: Mapping[str, Any], now: str, *, deleted: bool = False) -> bool:
+        """Take a Node from a watch event (NOW: the time, RFC 3339); whether what a reconcile sees changed.
+
+        A node without a Ready condition yet (registering) is not tracked: no pod runs on it."""
+        name = (node.get("metadata") or {}).get("name") or ""
+        ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
+                     None)
+        if deleted or ready is None or ready.get("status") == "True":
+            return self._nodes.pop(name, None) is not None
+        before = self._nodes.get(name)
+        state = NodeState(name, str(ready.get("status") or ""), str(ready.get("reason") or ""),
+                          str(ready.get("message") or ""), before.since if before is not None else now)
+        self._nodes[name] = state
+        return state != before
+
+    def under(self, pods: Iterable[Mapping[str, Any]]) -> dict[str, NodeState]:
+        """The nodes of PODS that are not Ready."""
+        return {node: self._nodes[node] for pod in pods
+                if (node := (pod.get("spec") or {}).get("nodeName") or "") in self._nodes}
