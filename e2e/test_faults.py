@@ -7,7 +7,8 @@ Lease for its duration exits by design, as controller-runtime's do; once the fau
 that exit are started again as a kubelet does static pods (`static_pods`). KWOK, the nodes' agent, runs throughout.
 Then etcd compacted and restarted and the API server restarted, so every watch resumes into 410 Gone; leader
 failover: a standby replica beside the operator (`e2e/cluster operator start --standby`) finishes a rollout whose
-leader was SIGKILLed; last, a GPU node under one stage of a pipeline group deleted.
+leader was SIGKILLed; last, the faults of a GPU node under one stage of a pipeline group (deleted, NotReady) and
+of a GPU (an XID, through a simulator pod's simulated GPU state).
 """
 
 from __future__ import annotations
@@ -503,3 +504,58 @@ def test_a_gpu_node_not_ready_under_a_pipeline_group() -> None:
                                               "group 1 must serve throughout"
         assert untouched, "group 1 was restarted too"
         assert any("group 0" in m and f"node {down} is not Ready" in m for m in restarted), restarted
+
+
+def test_a_gpu_fault_under_a_pipeline_stage_under_traffic() -> None:
+    """A simulator InferenceService of 2 groups of pipeline 2 under steady requests through its router; XID 79
+    (the GPU fell off the bus) set on the stage 1 pod of group 0 through its simulated GPU state (the annotation
+    its launcher reads as NVML, worker/simgpu.py): that pod's readiness drops (its launcher's /health, probed every
+    5 s, 3 failures), the operator restarts group 0 as a whole, leader first, so the router stops sending to it;
+    the new pods start without the fault and serve. Group 1 is untouched and no request fails."""
+    namespace = new_namespace("gpu-fault")
+    try:
+        name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None,
+                           parallelism={"tensor": 1, "pipeline": 2})
+        pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
+                          and all(pod_ready(p) for p in found.values()) and found, timeout=180)
+        eventually("both groups ready", lambda: ((isvc(name, namespace) or {}).get("status") or {})
+                   .get("readyReplicas") == 2, timeout=60)
+        faulty = f"{contract.stage_name(name, 1)}-0"
+        leader = pods[f"{contract.stage_name(name, 0)}-0"]["metadata"]["uid"]
+        group_1 = {n: p["metadata"]["uid"] for n, p in pods.items() if n.endswith("-1")}
+        url = router_url(name, namespace)
+        with Requests(url, doc["spec"]["model"]["servedName"]) as load:
+            eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+            first = len(load.codes)
+            kubectl("annotate", "pod", faulty, "-n", namespace,
+                    f"{contract.ANNOTATION_SIMULATED_GPU_STATE}=" + json.dumps({"xids": [{"gpu": 0, "xid": 79}]}))
+            at = time.monotonic()
+            eventually("the faulty pod not Ready", lambda: not pod_ready(get("pod", faulty, namespace) or {}),
+                       timeout=60)
+            unready = time.monotonic() - at
+
+            def served() -> bool:
+                found = _groups(name, namespace)
+                status = (isvc(name, namespace) or {}).get("status") or {}
+                restarted = found.get(f"{contract.stage_name(name, 0)}-0", {}).get("metadata", {}).get("uid")
+                return bool(len(found) == 4 and restarted not in (None, leader) and status.get("readyReplicas") == 2
+                            and all(pod_ready(p) for p in found.values()) and _router_engines(url) == 2)
+            eventually("group 0 restarted and serving again", served, timeout=180, every=1.0)
+            took = time.monotonic() - at
+            sent = len(load.codes)
+            eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
+        during = load.codes[first:]
+        failed = [code for code in during if code != 200]
+        after = _groups(name, namespace)
+        untouched = all(after[n]["metadata"]["uid"] == uid for n, uid in group_1.items())
+        restarts = [e["message"] for e in items("events", namespace) if e.get("reason") == "GroupRestarted"]
+        print(f"\nXID 79 on the GPU of stage 1 of group 0: the pod left readiness {unready:.1f}s after, the group "
+              f"served again {took:.1f}s after; {len(during)} requests through the router meanwhile, {len(failed)} "
+              f"failed; group 1 untouched: {untouched}; GroupRestarted: {restarts}")
+        assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
+        assert untouched, "group 1 was restarted too"
+        assert any("group 0" in m and f"pod {faulty} stopped being Ready" in m for m in restarts), restarts
+        assert not (get("pod", faulty, namespace) or {}).get("metadata", {}).get("annotations", {}).get(
+            contract.ANNOTATION_SIMULATED_GPU_STATE), "the replacement pod starts without the fault"
+    finally:
+        delete_namespace_later(namespace)

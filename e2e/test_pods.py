@@ -121,7 +121,7 @@ def _pod_logs(namespace: str, name: str) -> str:
 
 def test_a_router_pod_answers_from_the_simulator_pod_it_found_in_the_endpointslices(namespace: str) -> None:
     _runner()
-    # Pipeline 2: the stage-1 pod finds its leader by the StatefulSet hostname and passes an exec probe.
+    # Pipeline 2: the stage-1 pod finds its leader by the StatefulSet hostname and passes its launcher's /health.
     name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1)
     router = _router_pod(name, namespace)
     (leader,) = _leaders(name, namespace)

@@ -77,7 +77,7 @@ def _observe(pipeline: int, at: str, *, terminating: bool = False) -> Any:
             for g in range(2) for s in range(pipeline)]
     if terminating:
         pods[0]["metadata"]["deletionTimestamp"] = at
-    now = datetime.datetime.fromisoformat(at.replace("Z", "+00:00"))
+    now = datetime.datetime.fromisoformat(at)
     return observe(pipeline, 2, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60, now=now)
 
 

@@ -324,10 +324,13 @@ def test_shm_and_cache_volumes(case: str) -> None:
             {"name": contract.LAUNCHER_VOLUME, "mountPath": contract.LAUNCHER_DIR, "readOnly": True},
             {"name": contract.ENGINE_HOME_VOLUME, "mountPath": contract.ENGINE_HOME_PATH},
         ] if case != "simulator" else []
+        simulated = [{"name": contract.SIMULATED_GPU_VOLUME, "mountPath": contract.SIMULATED_GPU_DIR,
+                      "readOnly": True}] if case == "simulator" else []
         assert engine(sts)["volumeMounts"] == [
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "model-cache", "mountPath": contract.CACHE_PATH},
             *launcher,
+            *simulated,
         ]
         if doc["spec"].get("cache", {}).get("size"):
             assert "model-cache" not in volumes
@@ -556,8 +559,18 @@ def test_simulator_has_no_gpu() -> None:
         env = env_map(container)
         assert env["TF_ENGINE_KIND"]["value"] == "simulator"
         assert set(env) >= {"TF_LEADER_ADDRESS", "TF_MODEL", "TF_MAX_NUM_SEQS"}
-        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-        # The control-plane image's user; no GPU metrics port, so the simulator's own /health.
+        # Readiness is the launcher's verdict on its simulated GPUs (and, on stage 0, the simulator's /health), on
+        # the port a GPU pod serves it; startup and liveness stay on the simulator's own /health.
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": contract.PORT_NAME_GPU_METRICS}
+        assert {"name": contract.PORT_NAME_GPU_METRICS, "containerPort": contract.WORKER_METRICS_PORT,
+                "protocol": "TCP"} in container["ports"]
+        stage = sts["spec"]["template"]["metadata"]["labels"][contract.LABEL_STAGE]
+        assert container["livenessProbe"]["httpGet"]["port"] == ("http" if stage == "0" else contract.PORT_NAME_GPU_METRICS)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[contract.SIMULATED_GPU_VOLUME]["downwardAPI"]["items"] == [{"path": "state", "fieldRef": {
+            "fieldPath": f"metadata.annotations['{contract.ANNOTATION_SIMULATED_GPU_STATE}']"}}]
+        assert env["TF_SIMULATED_GPU_STATE"]["value"] == contract.SIMULATED_GPU_STATE_PATH
+        # The control-plane image's user.
         assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["runAsGroup"] == contract.CONTROL_PLANE_UID
         assert pod["securityContext"]["runAsNonRoot"] is True
     bare = by_kind(rendered(document(engine={"kind": "simulator"})), "StatefulSet")[0]["spec"]["template"]["spec"]
@@ -780,9 +793,10 @@ def test_network_policy_settings() -> None:
 
     assert by_kind(rendered(document(networkPolicy={"enabled": False})), "NetworkPolicy") == []
 
-    # The simulator has no GPU gauges: only the API port is scraped.
+    # The simulator's gauges of its simulated GPUs are scraped as a GPU pod's are.
     sim = one(rendered(SIMULATOR), "NetworkPolicy", "llama-engine")["spec"]["ingress"][2]
-    assert sim["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT}]
+    assert sim["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT},
+                            {"protocol": "TCP", "port": contract.WORKER_METRICS_PORT}]
 
 
 def test_network_policies_come_before_the_pods_they_protect() -> None:

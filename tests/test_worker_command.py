@@ -337,10 +337,14 @@ def test_no_env_name_is_spelled_outside_the_contract() -> None:
             assert not re.search(rf"\b{value}\b", text), f"{path.name} spells port {value}"
 
 
-def test_gpu_metrics_port_is_rendered_for_gpu_engines_only() -> None:
+def test_gpu_metrics_port_is_rendered_for_gpu_engines_and_simulators_of_a_gpu_type() -> None:
     gpu = pod_env(FULL, 0)
     assert gpu[contract.ENV_GPU_METRICS_PORT] == str(contract.WORKER_METRICS_PORT)
+    assert contract.ENV_SIMULATED_GPU_STATE not in gpu, "a GPU engine's GPUs are real"
     sim = copy.deepcopy(FULL)
     sim["spec"]["engine"]["kind"] = "simulator"
-    assert contract.ENV_GPU_METRICS_PORT not in pod_env(sim, 0)
+    # A simulator standing in for a GPU pod serves the same port, from simulated GPUs (worker/simgpu.py).
+    assert pod_env(sim, 0)[contract.ENV_GPU_METRICS_PORT] == str(contract.WORKER_METRICS_PORT)
+    assert pod_env(sim, 0)[contract.ENV_SIMULATED_GPU_STATE] == contract.SIMULATED_GPU_STATE_PATH
+    assert role_from_env(pod_env(sim, 1)).simulated_gpu_state == contract.SIMULATED_GPU_STATE_PATH
     assert role_from_env(gpu).gpu_metrics_port == contract.WORKER_METRICS_PORT

@@ -2,8 +2,9 @@
 with the env the renderer writes for the simulator example (pipeline 2).
 
 Stage 0 runs `tensorfleet sim` and answers a chat completion; stage 1 waits
-for the leader, stands in for a Ray worker, reports healthy without NVML, and
-exits non-zero once the leader has gone, as a Ray worker would.
+for the leader, stands in for a Ray worker, reports healthy without NVML (its
+GPU simulated, and made to fail from its pod's state), and exits non-zero once
+the leader has gone, as a Ray worker would.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def test_simulator_group_serves_a_chat_completion(tmp_path: Path) -> None:
     leader_env[contract.ENV_ENGINE_PORT] = str(port)
     worker_env = pod_env(SIM, 1)
     worker_env.update({contract.ENV_ENGINE_PORT: str(port), contract.ENV_LEADER_ADDRESS: "127.0.0.1"})
+    # Two pods on one loopback: each launcher's /health and gauges on a port of its own.
+    leader_env[contract.ENV_GPU_METRICS_PORT], worker_env[contract.ENV_GPU_METRICS_PORT] = str(free_port()), str(free_port())
+    state = tmp_path / "simulated-gpu-state"
+    worker_env[contract.ENV_SIMULATED_GPU_STATE] = str(state)   # the pod's annotation, as its downward-API file
     fast = ["--poll-interval", "0.1", "--watch-interval", "0.1", "--leader-lost-after", "0.5"]
     leader_state, worker_state = tmp_path / "leader.json", tmp_path / "worker.json"
 
@@ -87,11 +92,20 @@ def test_simulator_group_serves_a_chat_completion(tmp_path: Path) -> None:
         assert body["choices"][0]["message"]["role"] == "assistant"
         assert body["choices"][0]["message"]["content"]
 
-        # Stage 1 joined its leader and is healthy without any GPU or NVML.
+        # Stage 1 joined its leader and is healthy without any GPU or NVML: its GPU is simulated, its readiness
+        # the launcher's /health as a GPU pod's; `tensorfleet-worker health` gives the same verdict.
         assert wait_until(lambda: worker_state.exists() and '"phase": "running"' in worker_state.read_text(), timeout=30)
+        ready = f"http://127.0.0.1:{worker_env[contract.ENV_GPU_METRICS_PORT]}{contract.HEALTH_PATH}"
+        assert wait_until(lambda: _get(ready) == 200, timeout=30)
+        assert _get(f"http://127.0.0.1:{leader_env[contract.ENV_GPU_METRICS_PORT]}{contract.HEALTH_PATH}") == 200
         health = run_worker(["health", "--state-file", str(worker_state)], base_env(worker_env))
         assert health.returncode == 0, health.stdout
-        assert "simulator mode" in health.stdout and health.stdout.splitlines()[-1] == "healthy"
+        assert health.stdout.splitlines()[-1] == "healthy: 1 of 1 GPU(s) ok; tensor parallel needs 1", health.stdout
+        # A GPU fault set on the pod: its readiness drops, and the command says why.
+        state.write_text(json.dumps({"gpus": [{"index": 0, "error": "GPU is lost"}]}))
+        assert _get(ready) == 503
+        health = run_worker(["health", "--state-file", str(worker_state)], base_env(worker_env))
+        assert health.returncode == 1 and "GPU is lost" in health.stdout.splitlines()[-1], health.stdout
 
         # SIGTERM: nothing in flight, so the leader stops the simulator and exits cleanly...
         leader.send_signal(signal.SIGTERM)

@@ -70,6 +70,12 @@ ANNOTATION_MODEL_FACTS_REFRESH: Final = f"{GROUP}/model-facts-refresh"
 # On an engine StatefulSet, set by the operator: the groups the spec wants, without
 # a rollout's surge groups (which its replicas include).
 ANNOTATION_WANTED_GROUPS: Final = f"{GROUP}/wanted-groups"
+# On a simulator engine pod: the state of its simulated GPUs (JSON, worker/simgpu.py), which its launcher reads
+# through a downward-API file at SIMULATED_GPU_STATE_PATH, named by ENV_SIMULATED_GPU_STATE.
+ANNOTATION_SIMULATED_GPU_STATE: Final = f"{GROUP}/simulated-gpu-state"
+SIMULATED_GPU_VOLUME: Final = "simulated-gpu"
+SIMULATED_GPU_DIR: Final = "/etc/tensorfleet/simulated-gpu"
+SIMULATED_GPU_STATE_PATH: Final = f"{SIMULATED_GPU_DIR}/state"
 
 APP_NAME: Final = "tensorfleet"
 COMPONENT_ENGINE: Final = "engine"
@@ -129,8 +135,8 @@ ROUTER_PEER_PATH: Final = "/tensorfleet/v1/placements"
 SHM_PATH: Final = "/dev/shm"
 CACHE_PATH: Final = "/cache"
 HF_HOME_PATH: Final = f"{CACHE_PATH}/huggingface"
-# Written by the worker launcher, read by `tensorfleet-worker health` (the
-# exec probe of stages > 0): the launcher's phase and the GPU XID errors it saw.
+# Written by the worker launcher, read by `tensorfleet-worker health` (run by
+# hand in the container): the launcher's phase and the GPU XID errors it saw.
 WORKER_STATE_PATH: Final = "/tmp/tensorfleet-worker/state.json"
 # The launcher reaches a GPU engine pod without being in its image: the
 # control-plane image carries it as a self-contained zipapp (stdlib, plus the
@@ -205,6 +211,7 @@ ENV_ACCELERATOR: Final = "TF_ACCELERATOR"
 ENV_KV_CACHE_TOKENS: Final = "TF_KV_CACHE_TOKENS"
 # The launcher's port: the GPU gauges and the pod's /health (on a CPU engine pod, /health only).
 ENV_GPU_METRICS_PORT: Final = "TF_GPU_METRICS_PORT"
+ENV_SIMULATED_GPU_STATE: Final = "TF_SIMULATED_GPU_STATE"
 # vLLM's own, on CPU engine pods (accelerator CPU): the KV cache in whole GiB, which its CPU backend
 # allocates instead of sizing one from --gpu-memory-utilization; the operator sets it from the plan.
 ENV_CPU_KVCACHE_SPACE: Final = "VLLM_CPU_KVCACHE_SPACE"
@@ -276,7 +283,6 @@ OPERATOR_METRIC_WATCH_EVENTS: Final = "tensorfleet_watch_events"                
 
 # --- Commands --------------------------------------------------------------
 WORKER_COMMAND: Final = ("tensorfleet-worker",)
-WORKER_HEALTH_COMMAND: Final = ("tensorfleet-worker", "health")
 # GPU engine pods: the init container (control-plane image) installs the
 # launcher, the engine container runs it with the engine image's Python.
 LAUNCHER_INSTALL_COMMAND: Final = ("tensorfleet-worker", "install-launcher", LAUNCHER_DIR)

@@ -108,6 +108,8 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     # The plan's KV-cache size: the simulator's capacity; vLLM measures its own.
     Setting(contract.ENV_KV_CACHE_TOKENS, "kv_cache_tokens", sim_flag="--kv-cache-tokens"),
     Setting(contract.ENV_GPU_METRICS_PORT, "gpu_metrics_port"),
+    # A simulator pod's simulated GPUs: the downward-API file of its annotation (worker/simgpu.py).
+    Setting(contract.ENV_SIMULATED_GPU_STATE, "simulated_gpu_state"),
 )
 
 BY_FIELD: Final = {setting.field: setting for setting in SETTINGS}

@@ -26,6 +26,11 @@ the launcher runs its engine or Ray worker, and, on stage 0, vLLM's own
 `/health` answers; it runs in the launcher, so a probe costs no process and
 no NVML start-up. Stage 0's startup and liveness probes stay on vLLM's
 `/health`: a restart would not mend a GPU, only reload the model.
+A simulator pod on a GPU type stands in for a GPU pod the same way: its
+launcher serves `/health` and the GPU gauges on `gpu-metrics` from simulated
+GPUs whose state is the pod's `tensorfleet.dev/simulated-gpu-state`
+annotation, projected by a downward-API volume (`simulates_gpus`,
+worker/simgpu.py).
 
 Accelerator CPU (vLLM's CPU backend; `is_cpu`): the same launcher and pod,
 minus everything GPU: no nvidia.com/gpu request, no GPU node affinity, no GPU
@@ -101,6 +106,18 @@ def is_gpu(ctx: Context) -> bool:
 def is_cpu(ctx: Context) -> bool:
     """vLLM on its CPU backend (accelerator CPU)."""
     return is_vllm(ctx) and ctx.plan.cpu
+
+
+def simulates_gpus(ctx: Context) -> bool:
+    """A simulator pod, which stands in for a GPU one (the planner refuses it accelerator CPU): its launcher serves
+    GPU health and gauges from simulated GPUs, whose state is the pod's ANNOTATION_SIMULATED_GPU_STATE
+    (worker/simgpu.py)."""
+    return ctx.spec.engine.kind == "simulator"
+
+
+def serves_gpu_metrics(ctx: Context) -> bool:
+    """The launcher's `gpu-metrics` port: GPU gauges and the pod's /health, real or simulated GPUs."""
+    return is_gpu(ctx) or simulates_gpus(ctx)
 
 
 def statefulsets(ctx: Context) -> list[dict[str, Any]]:
@@ -275,7 +292,7 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         if ctx.plan.kv_connector is not None:
             # NIXL's side channel, where the other pool's engines read this one's KV cache.
             ports.insert(1, _port(contract.NIXL_PORT_NAME, contract.NIXL_SIDE_CHANNEL_PORT))
-    if is_gpu(ctx):
+    if serves_gpu_metrics(ctx):
         # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
         ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
     elif is_cpu(ctx):
@@ -295,6 +312,8 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
             {"name": contract.SHM_VOLUME, "mountPath": contract.SHM_PATH},
             {"name": contract.CACHE_VOLUME, "mountPath": contract.CACHE_PATH},
             *_launcher_mounts(ctx),
+            *([{"name": contract.SIMULATED_GPU_VOLUME, "mountPath": contract.SIMULATED_GPU_DIR, "readOnly": True}]
+              if simulates_gpus(ctx) else []),
         ],
     })
     return container
@@ -394,7 +413,9 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         contract.ENV_ACCELERATOR: plan.accelerator,
         contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),
         # The launcher serves GPU health gauges (pynvml) and the pod's /health on this port; on CPU /health alone.
-        contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_vllm(ctx) else None,
+        contract.ENV_GPU_METRICS_PORT: str(contract.WORKER_METRICS_PORT) if is_vllm(ctx) or simulates_gpus(ctx)
+        else None,
+        contract.ENV_SIMULATED_GPU_STATE: contract.SIMULATED_GPU_STATE_PATH if simulates_gpus(ctx) else None,
     })
     env.append(_value(contract.ENV_HF_HOME, contract.HF_HOME_PATH))
     if is_cpu(ctx):
@@ -484,6 +505,11 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
     ]
     if not ctx.spec.cache.size:
         volumes.append({"name": contract.CACHE_VOLUME, "emptyDir": {}})
+    if simulates_gpus(ctx):
+        # Refreshed by the kubelet as the annotation changes: the launcher reads it at every check.
+        volumes.append({"name": contract.SIMULATED_GPU_VOLUME, "downwardAPI": {"items": [{
+            "path": contract.SIMULATED_GPU_STATE_PATH.rsplit("/", 1)[1],
+            "fieldRef": {"fieldPath": f"metadata.annotations['{contract.ANNOTATION_SIMULATED_GPU_STATE}']"}}]}})
     if is_vllm(ctx):
         volumes += [
             {"name": contract.LAUNCHER_VOLUME, "emptyDir": {"sizeLimit": LAUNCHER_VOLUME_SIZE}},
@@ -494,18 +520,11 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
 
 def _probes(ctx: Context, stage: int) -> dict[str, Any]:
     engine_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
-    if is_vllm(ctx):
-        # The launcher's verdict on this pod: its GPUs (NVML; not on CPU), its engine or Ray
-        # worker running, and on stage 0 vLLM's /health (see the module docstring).
-        port = contract.PORT_NAME_GPU_METRICS if is_gpu(ctx) else contract.PORT_NAME_POD_HEALTH
-        pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": port}}
-        startup, readiness, liveness = (engine_health, pod_health, engine_health) if stage == 0 else (pod_health,) * 3
-    elif stage == 0:
-        startup = readiness = liveness = engine_health
-    else:
-        # A simulator's stage > 0 is an idle stand-in for a Ray worker, with no
-        # port of its own: `tensorfleet-worker health` checks its launcher.
-        startup = readiness = liveness = {"exec": {"command": list(contract.WORKER_HEALTH_COMMAND)}}
+    # The launcher's verdict on this pod: its GPUs (NVML, or simulated on a simulator; none on CPU), its engine,
+    # Ray worker or stand-in running, and on stage 0 the engine's /health (see the module docstring).
+    port = contract.PORT_NAME_GPU_METRICS if serves_gpu_metrics(ctx) else contract.PORT_NAME_POD_HEALTH
+    pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": port}}
+    startup, readiness, liveness = (engine_health, pod_health, engine_health) if stage == 0 else (pod_health,) * 3
     # Downloading and loading a large model takes many minutes; the startup
     # probe holds off the others until then, so they can stay quick.
     startup_failures = math.ceil(ctx.spec.engine.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.render.engine import is_gpu
+from tensorfleet.render.engine import serves_gpu_metrics
 from tensorfleet.render.meta import Context, engine_selector, metadata, router_selector
 
 # Set by the API server on every namespace (Kubernetes >= 1.22), immutable: selects namespaces by name.
@@ -91,7 +91,8 @@ def engine_policy(ctx: Context) -> dict[str, Any]:
         operator.update(_namespaces([ctx.operator_namespace]) if ctx.operator_namespace else {"namespaceSelector": {}})
         rules.append({"from": [operator], "ports": _ports(contract.ENGINE_PORT)})
     if monitoring:
-        scraped = (contract.ENGINE_PORT, contract.WORKER_METRICS_PORT) if is_gpu(ctx) else (contract.ENGINE_PORT,)
+        scraped = (contract.ENGINE_PORT, contract.WORKER_METRICS_PORT) if serves_gpu_metrics(ctx) \
+            else (contract.ENGINE_PORT,)
         rules.append({"from": [_namespaces(monitoring)], "ports": _ports(*scraped)})
     return _policy(ctx, engine_policy_name(ctx.name), contract.COMPONENT_ENGINE,
                    engine_selector(ctx.name), rules)

@@ -1,7 +1,7 @@
 """`tensorfleet-worker`: the engine pod's entrypoint.
 
   tensorfleet-worker [--print-command] [timing flags]   run this pod's role (from the env)
-  tensorfleet-worker health [--json] [thresholds]        GPU + launcher health (exec probe)
+  tensorfleet-worker health [--json] [thresholds]        GPU + launcher health (by hand)
   tensorfleet-worker metrics [--port N]                  GPU gauges, printed once or served
   tensorfleet-worker install-launcher DIR                copy the launcher zipapp into DIR (init container)
 

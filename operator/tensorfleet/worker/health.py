@@ -3,7 +3,8 @@
 Checks, in order: the launcher's state (when it runs in this container: it
 must be running its engine or Ray worker, not still waiting), then, when
 asked (`engine_port`), that the engine answers its own `/health` on this pod,
-then every GPU through NVML (skipped in simulator mode and in CPU mode).
+then every GPU through NVML (in CPU mode none; a simulator pod's GPUs are
+simulated, worker/simgpu.py, where its pod names their state, else none).
 
 CPU mode is a vLLM pod planned for vLLM's CPU backend (spec.accelerator.type
 CPU, which the renderer passes on as TF_ACCELERATOR=CPU): it has no GPU, so
@@ -18,17 +19,15 @@ stage 0, so the serving leader is ready only while its GPUs are healthy. It
 runs inside the long-lived launcher, which keeps NVML loaded (its XID watcher
 holds it), so a probe costs a few NVML reads and no process start. The command
 `tensorfleet-worker health` runs the same check from the state file, for
-people and for the exec probe of a simulator's stages > 0 (which have no GPU
-and no HTTP port of their own); each run pays Python's start-up and NVML's
-initialisation (about 100 ms on a GPU node), which is why the GPU pods'
-probes do not use it. Exit codes:
+people; each run pays Python's start-up and NVML's initialisation (about
+100 ms on a GPU node), which is why no probe uses it. Exit codes:
 
   0  healthy (warnings may be printed)
   1  unhealthy: a threshold crossed, an XID, fewer GPUs than tensor parallel
      needs, the launcher not (yet) running its engine, or the engine not answering
   2  bad flags
   3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked
-     (a GPU pod only: CPU and simulator mode check none)
+     (a GPU pod only: CPU mode checks none, a simulator its simulated GPUs)
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.worker import gpu as gpus
+from tensorfleet.worker import simgpu
 from tensorfleet.worker import state as statefile
 from tensorfleet.worker.errors import EXIT_NO_NVML, EXIT_OK, EXIT_UNHEALTHY
 from tensorfleet.worker.role import cpu_backend, health_settings
@@ -119,8 +119,12 @@ def check(
 ) -> HealthResult:
     """`tensorfleet-worker health`: the pod's settings from `environ`, the launcher's state from its file."""
     kind, tensor = health_settings(environ)
+    simulated = environ.get(contract.ENV_SIMULATED_GPU_STATE) if kind == "simulator" else None
+    sampler = simgpu.SimulatedGpus(simulated, environ.get(contract.ENV_ACCELERATOR), tensor or 1).sample \
+        if simulated else gpus.sample
     return judge(kind, tensor, statefile.read_state(state_path), state_path=state_path,
-                 thresholds=thresholds, min_gpus=min_gpus, cpu=cpu_backend(environ))
+                 thresholds=thresholds, min_gpus=min_gpus, cpu=cpu_backend(environ), sampler=sampler,
+                 simulated_gpus=bool(simulated))
 
 
 def judge(
@@ -135,10 +139,12 @@ def judge(
     sampler: Callable[[], gpus.Snapshot] = gpus.sample,
     cpu: bool = False,
     warmup: Callable[[], tuple[bool, str]] | None = None,
+    simulated_gpus: bool = False,
 ) -> HealthResult:
     """The verdict on one engine pod (see the module docstring); engine_port: also ask the engine; cpu: the pod
     runs vLLM's CPU backend (no GPUs to check); warmup: asked once the engine answers healthy, (done, line)
-    (worker/warmup.py)."""
+    (worker/warmup.py); simulated_gpus: a simulator pod whose SAMPLER reports simulated GPUs (worker/simgpu.py),
+    checked as real ones are."""
     launcher_ok, launcher_line = _launcher_check(state, state_path)
     lines = [launcher_line]
     doc: dict[str, Any] = {"engine": kind, "launcher": {"ok": launcher_ok, "state": state}}
@@ -155,7 +161,7 @@ def judge(
             if not warm:
                 reasons.append(warm_line)
 
-    if kind == "simulator" or cpu:
+    if cpu or (kind == "simulator" and not simulated_gpus):
         lines.append(f"simulator mode ({contract.ENV_ENGINE_KIND}=simulator): no GPUs to check" if kind == "simulator"
                      else f"CPU mode ({contract.ENV_ACCELERATOR}={contract.CPU_ACCELERATOR}, vLLM's CPU backend): "
                           "no GPUs to check")

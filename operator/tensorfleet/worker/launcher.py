@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tensorfleet import contract
-from tensorfleet.worker import command, health, raywait, warmup
+from tensorfleet.worker import command, health, raywait, simgpu, warmup
 from tensorfleet.worker import gpu as gpus
 from tensorfleet.worker import state as statefile
 from tensorfleet.worker.errors import EXIT_LEADER_LOST, EXIT_NOT_FOUND, EXIT_OK, EXIT_START_FAILED, WorkerError
@@ -51,6 +51,8 @@ class Launcher:
         self._metrics_server: Any = None
         self._health_lock = threading.Lock()
         self._last_health: bool | None = None
+        # A simulator pod's GPUs (worker/simgpu.py); None: NVML's, or none to check.
+        self._simulated: simgpu.SimulatedGpus | None = None
         # vLLM's CPU backend compiles on its first generations: the serving stage warms it up before Ready.
         self.warmup = (warmup.Warmup(role.engine_port, role.served_model_name, log=self.log)
                        if role.cpu and role.leader else None)
@@ -68,7 +70,9 @@ class Launcher:
             self._announce()
             if self.role.cpu:
                 self._cpu_side()
-            elif not self.role.simulator:
+            elif self.role.simulator:
+                self._simulated_side()
+            else:
                 self._gpu_side()
             if self.role.multi_node and not self.role.leader:
                 return self._worker()
@@ -197,6 +201,22 @@ class Launcher:
                 xids=lambda: self.state.snapshot().get("xids", []),
             ))
 
+    def _simulated_side(self) -> None:
+        """A simulator pod that stands in for a GPU one: the same health and gauges, from simulated GPUs."""
+        if not self.role.gpu_metrics_port:
+            return
+        from tensorfleet.worker import metrics
+
+        role = self.role
+        self._simulated = simgpu.SimulatedGpus(role.simulated_gpu_state, role.accelerator, role.tensor_parallel_size)
+        self.log(f"{role.tensor_parallel_size} simulated {self._simulated.name} GPU(s); their state comes from the "
+                 f"pod's {contract.ANNOTATION_SIMULATED_GPU_STATE} annotation")
+        simgpu.XidFeed(self._simulated, self.state.add_xid, self._stop_background, log=self.log).start()
+        self._serve_health(metrics.GpuCollector(
+            gpus.Thresholds(min_gpus=role.tensor_parallel_size),
+            xids=lambda: self.state.snapshot().get("xids", []), sampler=self._simulated.sample,
+        ))
+
     def _check_cache_dir(self) -> None:
         hf_home = self.environ.get(contract.ENV_HF_HOME)
         if hf_home:
@@ -240,6 +260,8 @@ class Launcher:
             role.engine_kind, role.tensor_parallel_size, self.state.snapshot(), state_path=None,
             thresholds=gpus.Thresholds(), engine_port=role.engine_port if role.leader else None, cpu=role.cpu,
             warmup=self.warmup.check if self.warmup is not None else None,
+            sampler=self._simulated.sample if self._simulated is not None else gpus.sample,
+            simulated_gpus=self._simulated is not None,
         )
         healthy = result.code == EXIT_OK
         with self._health_lock:

@@ -65,6 +65,7 @@ class Role(BaseModel):
     accelerator: str | None = None
     kv_cache_tokens: int | None = Field(default=None, ge=0)
     gpu_metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    simulated_gpu_state: str | None = None
 
     @property
     def simulator(self) -> bool:

@@ -1,7 +1,7 @@
 """The launcher's state file: its phase and the GPU XID errors it saw.
 
 The launcher writes it (atomically: write, then rename); `tensorfleet-worker
-health`, run by the kubelet as an exec probe in the same container, reads it.
+health`, run by hand in the same container, reads it.
 """
 
 from __future__ import annotations
