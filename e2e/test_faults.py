@@ -7,8 +7,9 @@ Lease for its duration exits by design, as controller-runtime's do; once the fau
 that exit are started again as a kubelet does static pods (`static_pods`). KWOK, the nodes' agent, runs throughout.
 Then etcd compacted and restarted and the API server restarted, so every watch resumes into 410 Gone; leader
 failover: a standby replica beside the operator (`e2e/cluster operator start --standby`) finishes a rollout whose
-leader was SIGKILLed; last, the faults of a GPU node under one stage of a pipeline group (deleted, NotReady) and
-of a GPU (an XID, through a simulator pod's simulated GPU state).
+leader was SIGKILLed; last, the faults of a GPU node under one stage of a pipeline group (NotReady, deleted), of a
+GPU (an XID, through a simulator pod's simulated GPU state), and of a router replica SIGKILLed with streams open
+(clients through the Service's ClusterIP, which the e2e cluster's kube-proxy routes).
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ from kube import (
     start_operator,
     wait_deleted,
 )
+from test_pods import _runner_pod
 from test_rollout import _deploy, _rolled, _set_image, _under_way
 
-from tensorfleet import contract
+from tensorfleet import contract, promtext
 from tensorfleet.catalog.gpus import find_gpu
 from tensorfleet.controller.observe import pod_ready
 
@@ -377,13 +379,23 @@ def _groups(name: str, namespace: str) -> dict[str, dict[str, Any]]:
 
 @dataclass
 class PipelineFleet:
-    """Two groups of pipeline 2 on five one-GPU nodes of their own (four pods and a spare)."""
+    """Two groups of pipeline 2 on six one-GPU nodes of their own (four pods and two spares), which the node cases
+    share: each faults the node under stage 1 of one group, and the next finds the fleet whole again."""
 
     name: str
     namespace: str
-    pods: dict[str, dict[str, Any]]
+    pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     lowest: int = 2                                     # the fewest ready groups watch() saw
     seen: set[str] = field(default_factory=set)         # Degraded and Progressing conditions it saw True
+
+    def settle(self) -> None:
+        """Wait for four Ready engine pods and both groups ready; remember the pods, forget what watch() saw."""
+        self.pods = eventually("four engine pods Ready", lambda: (found := _groups(self.name, self.namespace))
+                               and len(found) == 4 and all(pod_ready(p) for p in found.values()) and found)
+        eventually("both groups ready", lambda: ((isvc(self.name, self.namespace) or {}).get("status") or {})
+                   .get("readyReplicas") == 2, timeout=60)
+        self.lowest, self.seen = 2, set()
+        time.sleep(1.1)   # whole-second timestamps: what the fault brings must be visibly later than the groups
 
     def pod(self, stage: int, group: int) -> dict[str, Any]:
         return self.pods[f"{contract.stage_name(self.name, stage)}-{group}"]
@@ -391,7 +403,6 @@ class PipelineFleet:
     def watch(self) -> Callable[[], dict[str, Any]]:
         """A probe for eventually(): the service must stay Ready; it gathers the lowest readyReplicas seen and
         the Degraded and Progressing conditions that were True, and returns the status and the pods."""
-
         def probe() -> dict[str, Any]:
             obj = isvc(self.name, self.namespace) or {}
             status = obj.get("status") or {}
@@ -403,159 +414,292 @@ class PipelineFleet:
             return {"status": status, "pods": _groups(self.name, self.namespace)}
         return probe
 
-    def restarted(self, pods: dict[str, dict[str, Any]], status: dict[str, Any], lost: str) -> bool:
-        """Group 0 restarted as a whole (a new leader: the worker's replacement alone, Ready before the operator
+    def restarted(self, group: int, pods: dict[str, dict[str, Any]], status: dict[str, Any], lost: str) -> bool:
+        """GROUP restarted as a whole (a new leader: the worker's replacement alone, Ready before the operator
         restarts the group, is not a served group), its worker off node LOST, and both groups serving."""
-        worker = pods.get(f"{contract.stage_name(self.name, 1)}-0")
-        leader = pods.get(f"{contract.stage_name(self.name, 0)}-0", {}).get("metadata", {}).get("uid")
+        worker = pods.get(f"{contract.stage_name(self.name, 1)}-{group}")
+        leader = pods.get(f"{contract.stage_name(self.name, 0)}-{group}", {}).get("metadata", {}).get("uid")
         return bool(len(pods) == 4 and worker and worker["spec"].get("nodeName") not in (None, lost)
-                    and leader != self.pod(0, 0)["metadata"]["uid"]
+                    and leader != self.pod(0, group)["metadata"]["uid"]
                     and all(pod_ready(p) for p in pods.values()) and status.get("readyReplicas") == 2)
 
-    def group_1_untouched(self) -> bool:
+    def untouched(self, group: int) -> bool:
         after = _groups(self.name, self.namespace)
-        return all(after[n]["metadata"]["uid"] == p["metadata"]["uid"] for n, p in self.pods.items() if n.endswith("-1"))
+        return all(after[n]["metadata"]["uid"] == p["metadata"]["uid"] for n, p in self.pods.items()
+                   if n.endswith(f"-{group}"))
 
     def restart_events(self) -> list[str]:
         return [e["message"] for e in items("events", self.namespace) if e.get("reason") == "GroupRestarted"]
 
 
-@contextmanager
-def _pipeline_fleet(case: str) -> Iterator[PipelineFleet]:
-    nodes = [f"e2e-{case}-{i}" for i in range(5)]
+@pytest.fixture(scope="module")
+def gpu_fleet() -> Iterator[PipelineFleet]:
+    nodes = [f"e2e-node-fault-{i}" for i in range(6)]
     kubectl("apply", "--validate=false", "-f", "-",
             stdin=json.dumps({"apiVersion": "v1", "kind": "List", "items": [_gpu_node(n, i) for i, n in enumerate(nodes)]}))
-    namespace = new_namespace(case)
+    namespace = new_namespace("node-fault")
     try:
         eventually("the fault's nodes Ready", lambda: all(condition_status(get("node", n, None), "Ready") == "True"
                                                           for n in nodes), timeout=60)
         name, _doc = deploy("llama-3.1-8b-l4.yaml", namespace, replicas=2, autoscaling=None,
                             accelerator={"type": NODE_LOSS_GPU}, parallelism={"tensor": 1, "pipeline": 2})
-        pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
-                          and all(pod_ready(p) for p in found.values()) and found)
-        time.sleep(1.1)   # whole-second timestamps: what the fault brings must be visibly later than the groups
-        yield PipelineFleet(name, namespace, pods)
+        yield PipelineFleet(name, namespace)
     finally:
         delete_namespace_later(namespace)
         wait_deleted()
         kubectl("delete", "nodes", "-l", NODE_FAULT_LABEL, "--wait=false", check=False)
 
 
-def test_a_gpu_node_lost_under_a_pipeline_group() -> None:
-    """A GPU node holding one stage of a pipeline-2 group is deleted, as a cloud provider's node controller deletes
-    a VM that died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and
-    the operator restarts that group as a whole (vLLM cannot take a lost stage back). The other group is left
-    alone and the service stays Ready on it throughout."""
-    with _pipeline_fleet("node-loss") as fleet:
-        lost = fleet.pod(1, 0)["spec"]["nodeName"]
-        kubectl("delete", "node", lost, "--wait=false")
-        at = time.monotonic()
-        probe = fleet.watch()
-        eventually("group 0 restarted and serving again on the spare node",
-                   lambda: fleet.restarted(**(seen := probe()), lost=lost) and seen, timeout=180, every=1.0)
-        took = time.monotonic() - at
-        restarted, untouched = fleet.restart_events(), fleet.group_1_untouched()
-        print(f"\na GPU node under stage 1 of group 0 deleted: the group served again on the spare node {took:.1f}s "
-              f"after (the pod garbage collector's 40 s quarantine included); ready groups never below "
-              f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; conditions meanwhile: "
-              f"{sorted(fleet.seen)}")
-        assert fleet.lowest >= 1, "the other group stopped serving"
-        assert untouched, "group 1 was restarted too"
-        assert any("group 0" in m for m in restarted), restarted
+def test_a_gpu_node_not_ready_under_a_pipeline_group(gpu_fleet: PipelineFleet) -> None:
+    """A GPU node holding stage 1 of group 0 stops being Ready (its kubelet reports the container runtime down;
+    KWOK's chaos stage): Degraded names the node and its kubelet's words at once, the group stops counting as
+    ready, and once the node has been NotReady for the operator's --node-not-ready-seconds (15 in the e2e chart
+    values) the group is restarted as a whole on Ready nodes (the node controller's not-ready taint keeps the
+    scheduler off it). Group 1 is left alone and the service stays Ready on it throughout."""
+    fleet = gpu_fleet
+    fleet.settle()
+    down = fleet.pod(1, 0)["spec"]["nodeName"]
+    message = "container runtime network not ready: NetworkReady=false"
+    kubectl("annotate", "node", down, f"{KWOK_NOT_READY}/reason=KubeletNotReady",
+            f"{KWOK_NOT_READY}/message={message}", "--overwrite")
+    kubectl("label", "node", down, f"{KWOK_NOT_READY}=true")
+    at = time.monotonic()
+    probe = fleet.watch()
+
+    def said() -> str | None:
+        found = probe()
+        now: dict[str, Any] = next((c for c in found["status"].get("conditions") or []
+                                    if c["type"] == "Degraded"), {})
+        return str(now.get("message")) if now.get("status") == "True" and now.get("reason") == "NodeNotReady" \
+            else None
+    degraded = eventually("Degraded names the node", said, timeout=60, every=0.5)
+    noticed = time.monotonic() - at
+    eventually("group 0 restarted and serving again off the node",
+               lambda: fleet.restarted(0, **(seen := probe()), lost=down) and seen, timeout=180, every=1.0)
+    took = time.monotonic() - at
+    settled = eventually("Degraded clear", lambda: (c := [x for x in probe()["status"].get("conditions") or []
+                                                          if x["type"] == "Degraded"]) and c[0]["status"] == "False",
+                         timeout=60)
+    restarted, untouched = fleet.restart_events(), fleet.untouched(1)
+    print(f"\na GPU node under stage 1 of group 0 NotReady: Degraded said so {noticed:.1f}s after; the group "
+          f"served again off the node {took:.1f}s after (15 s of grace included); ready groups never below "
+          f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; Degraded meanwhile: "
+          f"{degraded!r}")
+    assert f"node {down} is not Ready (Ready=False, KubeletNotReady: {message})" in degraded, degraded
+    assert f"pod {contract.stage_name(fleet.name, 1)}-0" in degraded, degraded
+    assert settled and fleet.lowest == 1, "group 0 must stop counting as ready while its node is down, and " \
+                                          "group 1 must serve throughout"
+    assert untouched, "group 1 was restarted too"
+    assert any("group 0" in m and f"node {down} is not Ready" in m for m in restarted), restarted
 
 
-def test_a_gpu_node_not_ready_under_a_pipeline_group() -> None:
-    """A GPU node holding one stage of a pipeline-2 group stops being Ready (its kubelet reports the container
-    runtime down; KWOK's chaos stage): Degraded names the node and its kubelet's words at once, the group stops
-    counting as ready, and once the node has been NotReady for the operator's --node-not-ready-seconds (15 in the
-    e2e chart values) the group is restarted as a whole on Ready nodes (the node controller's not-ready taint
-    keeps the scheduler off it). The other group is left alone and the service stays Ready on it throughout."""
-    with _pipeline_fleet("node-down") as fleet:
-        down = fleet.pod(1, 0)["spec"]["nodeName"]
-        message = "container runtime network not ready: NetworkReady=false"
-        kubectl("annotate", "node", down, f"{KWOK_NOT_READY}/reason=KubeletNotReady",
-                f"{KWOK_NOT_READY}/message={message}", "--overwrite")
-        kubectl("label", "node", down, f"{KWOK_NOT_READY}=true")
-        at = time.monotonic()
-        probe = fleet.watch()
-
-        def said() -> str | None:
-            found = probe()
-            now: dict[str, Any] = next((c for c in found["status"].get("conditions") or []
-                                        if c["type"] == "Degraded"), {})
-            return str(now.get("message")) if now.get("status") == "True" and now.get("reason") == "NodeNotReady" \
-                else None
-        degraded = eventually("Degraded names the node", said, timeout=60, every=0.5)
-        noticed = time.monotonic() - at
-        eventually("group 0 restarted and serving again off the node",
-                   lambda: fleet.restarted(**(seen := probe()), lost=down) and seen, timeout=180, every=1.0)
-        took = time.monotonic() - at
-        settled = eventually("Degraded clear", lambda: (c := [x for x in probe()["status"].get("conditions") or []
-                                                              if x["type"] == "Degraded"]) and c[0]["status"] == "False",
-                             timeout=60)
-        restarted, untouched = fleet.restart_events(), fleet.group_1_untouched()
-        print(f"\na GPU node under stage 1 of group 0 NotReady: Degraded said so {noticed:.1f}s after; the group "
-              f"served again off the node {took:.1f}s after (15 s of grace included); ready groups never below "
-              f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; Degraded meanwhile: "
-              f"{degraded!r}")
-        assert f"node {down} is not Ready (Ready=False, KubeletNotReady: {message})" in degraded, degraded
-        assert f"pod {contract.stage_name(fleet.name, 1)}-0" in degraded, degraded
-        assert settled and fleet.lowest == 1, "group 0 must stop counting as ready while its node is down, and " \
-                                              "group 1 must serve throughout"
-        assert untouched, "group 1 was restarted too"
-        assert any("group 0" in m and f"node {down} is not Ready" in m for m in restarted), restarted
+def test_a_gpu_node_lost_under_a_pipeline_group(gpu_fleet: PipelineFleet) -> None:
+    """A GPU node holding stage 1 of group 1 is deleted, as a cloud provider's node controller deletes a VM that
+    died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and the
+    operator restarts that group as a whole (vLLM cannot take a lost stage back). Group 0 is left alone and the
+    service stays Ready on it throughout."""
+    fleet = gpu_fleet
+    fleet.settle()
+    lost = fleet.pod(1, 1)["spec"]["nodeName"]
+    kubectl("delete", "node", lost, "--wait=false")
+    at = time.monotonic()
+    probe = fleet.watch()
+    eventually("group 1 restarted and serving again on the spare node",
+               lambda: fleet.restarted(1, **(seen := probe()), lost=lost) and seen, timeout=180, every=1.0)
+    took = time.monotonic() - at
+    restarted = [m for m in fleet.restart_events() if "group 1" in m]
+    untouched = fleet.untouched(0)
+    print(f"\na GPU node under stage 1 of group 1 deleted: the group served again on the spare node {took:.1f}s "
+          f"after (the pod garbage collector's 40 s quarantine included); ready groups never below "
+          f"{fleet.lowest}; group 0 untouched: {untouched}; GroupRestarted: {restarted}; conditions meanwhile: "
+          f"{sorted(fleet.seen)}")
+    assert fleet.lowest >= 1, "the other group stopped serving"
+    assert untouched, "group 0 was restarted too"
+    assert restarted, "no GroupRestarted event for group 1"
 
 
-def test_a_gpu_fault_under_a_pipeline_stage_under_traffic() -> None:
+@dataclass
+class SimFleet:
+    name: str
+    namespace: str
+    model: str
+
+
+@pytest.fixture(scope="module")
+def sim_fleet() -> Iterator[SimFleet]:
+    """A simulator InferenceService of 2 groups of pipeline 2 behind 2 router replicas, which the GPU fault and
+    the router fault share."""
+    namespace = new_namespace("sim-fault")
+    try:
+        name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None,
+                           parallelism={"tensor": 1, "pipeline": 2}, router={"replicas": 2})
+        yield SimFleet(name, namespace, doc["spec"]["model"]["servedName"])
+    finally:
+        delete_namespace_later(namespace)
+
+
+def test_a_gpu_fault_under_a_pipeline_stage_under_traffic(sim_fleet: SimFleet) -> None:
     """A simulator InferenceService of 2 groups of pipeline 2 under steady requests through its router; XID 79
     (the GPU fell off the bus) set on the stage 1 pod of group 0 through its simulated GPU state (the annotation
     its launcher reads as NVML, worker/simgpu.py): that pod's readiness drops (its launcher's /health, probed every
     5 s, 3 failures), the operator restarts group 0 as a whole, leader first, so the router stops sending to it;
     the new pods start without the fault and serve. Group 1 is untouched and no request fails."""
-    namespace = new_namespace("gpu-fault")
-    try:
-        name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None,
-                           parallelism={"tensor": 1, "pipeline": 2})
-        pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
-                          and all(pod_ready(p) for p in found.values()) and found, timeout=180)
-        eventually("both groups ready", lambda: ((isvc(name, namespace) or {}).get("status") or {})
-                   .get("readyReplicas") == 2, timeout=60)
-        faulty = f"{contract.stage_name(name, 1)}-0"
-        leader = pods[f"{contract.stage_name(name, 0)}-0"]["metadata"]["uid"]
-        group_1 = {n: p["metadata"]["uid"] for n, p in pods.items() if n.endswith("-1")}
-        url = router_url(name, namespace)
-        with Requests(url, doc["spec"]["model"]["servedName"]) as load:
-            eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
-            first = len(load.codes)
-            kubectl("annotate", "pod", faulty, "-n", namespace,
-                    f"{contract.ANNOTATION_SIMULATED_GPU_STATE}=" + json.dumps({"xids": [{"gpu": 0, "xid": 79}]}))
-            at = time.monotonic()
-            eventually("the faulty pod not Ready", lambda: not pod_ready(get("pod", faulty, namespace) or {}),
-                       timeout=60)
-            unready = time.monotonic() - at
+    name, namespace = sim_fleet.name, sim_fleet.namespace
+    pods = eventually("four engine pods Ready", lambda: (found := _groups(name, namespace)) and len(found) == 4
+                      and all(pod_ready(p) for p in found.values()) and found, timeout=180)
+    eventually("both groups ready", lambda: ((isvc(name, namespace) or {}).get("status") or {})
+               .get("readyReplicas") == 2, timeout=60)
+    faulty = f"{contract.stage_name(name, 1)}-0"
+    leader = pods[f"{contract.stage_name(name, 0)}-0"]["metadata"]["uid"]
+    group_1 = {n: p["metadata"]["uid"] for n, p in pods.items() if n.endswith("-1")}
+    url = router_url(name, namespace)
+    with Requests(url, sim_fleet.model) as load:
+        eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+        first = len(load.codes)
+        kubectl("annotate", "pod", faulty, "-n", namespace,
+                f"{contract.ANNOTATION_SIMULATED_GPU_STATE}=" + json.dumps({"xids": [{"gpu": 0, "xid": 79}]}))
+        at = time.monotonic()
+        eventually("the faulty pod not Ready", lambda: not pod_ready(get("pod", faulty, namespace) or {}),
+                   timeout=60)
+        unready = time.monotonic() - at
 
-            def served() -> bool:
-                found = _groups(name, namespace)
-                status = (isvc(name, namespace) or {}).get("status") or {}
-                restarted = found.get(f"{contract.stage_name(name, 0)}-0", {}).get("metadata", {}).get("uid")
-                return bool(len(found) == 4 and restarted not in (None, leader) and status.get("readyReplicas") == 2
-                            and all(pod_ready(p) for p in found.values()) and _router_engines(url) == 2)
-            eventually("group 0 restarted and serving again", served, timeout=180, every=1.0)
-            took = time.monotonic() - at
-            sent = len(load.codes)
-            eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
-        during = load.codes[first:]
-        failed = [code for code in during if code != 200]
-        after = _groups(name, namespace)
-        untouched = all(after[n]["metadata"]["uid"] == uid for n, uid in group_1.items())
-        restarts = [e["message"] for e in items("events", namespace) if e.get("reason") == "GroupRestarted"]
-        print(f"\nXID 79 on the GPU of stage 1 of group 0: the pod left readiness {unready:.1f}s after, the group "
-              f"served again {took:.1f}s after; {len(during)} requests through the router meanwhile, {len(failed)} "
-              f"failed; group 1 untouched: {untouched}; GroupRestarted: {restarts}")
-        assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
-        assert untouched, "group 1 was restarted too"
-        assert any("group 0" in m and f"pod {faulty} stopped being Ready" in m for m in restarts), restarts
-        assert not (get("pod", faulty, namespace) or {}).get("metadata", {}).get("annotations", {}).get(
-            contract.ANNOTATION_SIMULATED_GPU_STATE), "the replacement pod starts without the fault"
+        def served() -> bool:
+            found = _groups(name, namespace)
+            status = (isvc(name, namespace) or {}).get("status") or {}
+            restarted = found.get(f"{contract.stage_name(name, 0)}-0", {}).get("metadata", {}).get("uid")
+            return bool(len(found) == 4 and restarted not in (None, leader) and status.get("readyReplicas") == 2
+                        and all(pod_ready(p) for p in found.values()) and _router_engines(url) == 2)
+        eventually("group 0 restarted and serving again", served, timeout=180, every=1.0)
+        took = time.monotonic() - at
+        sent = len(load.codes)
+        eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
+    during = load.codes[first:]
+    failed = [code for code in during if code != 200]
+    after = _groups(name, namespace)
+    untouched = all(after[n]["metadata"]["uid"] == uid for n, uid in group_1.items())
+    restarts = [e["message"] for e in items("events", namespace) if e.get("reason") == "GroupRestarted"]
+    print(f"\nXID 79 on the GPU of stage 1 of group 0: the pod left readiness {unready:.1f}s after, the group "
+          f"served again {took:.1f}s after; {len(during)} requests through the router meanwhile, {len(failed)} "
+          f"failed; group 1 untouched: {untouched}; GroupRestarted: {restarts}")
+    assert not failed, f"{len(failed)} of {len(during)} requests failed: {failed[:10]}"
+    assert untouched, "group 1 was restarted too"
+    assert any("group 0" in m and f"pod {faulty} stopped being Ready" in m for m in restarts), restarts
+    assert not (get("pod", faulty, namespace) or {}).get("metadata", {}).get("annotations", {}).get(
+        contract.ANNOTATION_SIMULATED_GPU_STATE), "the replacement pod starts without the fault"
+
+
+@dataclass
+class _Stream:
+    """One streamed chat completion through the Service, read in a thread until it ends or is told to stop."""
+
+    chunks: int = 0
+    after_kill: int = 0          # chunks read after the router was killed
+    outcome: str = "open"        # "finished", "stopped", or the exception that ended it
+
+
+def _router_in_flight(pod_ip: str) -> float:
+    with urllib.request.urlopen(f"http://{pod_ip}:{contract.ROUTER_PORT}{contract.METRICS_PATH}", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(s.value for s in promtext.select(text, contract.ROUTER_METRIC_IN_FLIGHT))
+
+
+def test_a_router_replica_sigkilled_with_streams_open(sim_fleet: SimFleet) -> None:
+    """Two router replicas behind the InferenceService's Service, whose ClusterIP kube-proxy routes
+    (e2e/kubeproxy.py), and clients through that ClusterIP as pods reach it: the official openai SDK with its
+    defaults (2 retries of a failed connection). Streams are opened until both routers hold some; one router's
+    process is SIGKILLed (the OOM killer, a crash). New requests keep being answered through the other replica (a
+    connection kube-proxy still sent to the dead pod before its endpoint left is refused, and the SDK sends it
+    again); the streams the killed router held end with the error the SDK raises for a cut connection, those on
+    the other replica flow on; the killed router's container restarts and serves again."""
+    import openai
+
+    name, namespace = sim_fleet.name, sim_fleet.namespace
+    selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
+    routers = eventually("two Ready router pods", lambda: (found := items("pods", namespace, selector))
+                         and len(found) == 2 and all(pod_ready(p) for p in found) and found, timeout=120)
+    vip = (get("service", name, namespace) or {}).get("spec", {}).get("clusterIP")
+    assert vip and vip != "None", f"the Service {name} has no ClusterIP"
+    model = sim_fleet.model
+    client = openai.OpenAI(base_url=f"http://{vip}/v1", api_key="e2e-no-key", timeout=60.0)   # SDK defaults
+    eventually("an answer through the ClusterIP", lambda: client.chat.completions.create(
+        model=model, max_tokens=2, messages=[{"role": "user", "content": "hi"}]).choices, timeout=60)
+
+    killed_at: list[float] = []
+    stop = threading.Event()
+    streams: list[_Stream] = []
+
+    def read(stream: _Stream) -> None:
+        try:
+            with client.chat.completions.create(model=model, max_tokens=4000, stream=True, messages=[
+                    {"role": "user", "content": "Tell me a long story."}]) as answer:
+                for _chunk in answer:
+                    stream.chunks += 1
+                    stream.after_kill += 1 if killed_at else 0
+                    if stop.is_set():
+                        stream.outcome = "stopped"
+                        return
+            stream.outcome = "finished"
+        except Exception as exc:  # noqa: BLE001 - what the client sees is the finding
+            stream.outcome = f"{type(exc).__module__}.{type(exc).__name__}"
+
+    readers: list[threading.Thread] = []
+    ips = [p["status"]["podIP"] for p in routers]
+
+    def spread() -> bool:
+        """Another stream, until both routers hold some (kube-proxy picks an endpoint at random)."""
+        if all(_router_in_flight(ip) >= 1 for ip in ips) and len(streams) >= 4:
+            return True
+        streams.append(_Stream())
+        readers.append(threading.Thread(target=read, args=(streams[-1],), daemon=True))
+        readers[-1].start()
+        return False
+    eventually("streams open on both routers", spread, timeout=60, every=0.5)
+    eventually("every stream under way", lambda: all(s.chunks > 0 for s in streams), timeout=60)
+    held = {ip: round(_router_in_flight(ip)) for ip in ips}
+    victim = max(routers, key=lambda p: held[p["status"]["podIP"]])
+
+    answered: list[float] = []
+    failed: list[str] = []
+
+    def steady() -> None:
+        while not stop.is_set() and len(answered) + len(failed) < 2000:
+            try:
+                client.chat.completions.create(model=model, max_tokens=4,
+                                               messages=[{"role": "user", "content": "Hello"}])
+                answered.append(time.monotonic())
+            except openai.APIError as exc:   # the SDK's own, a connection it gave up on included
+                failed.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.05)
+    steady_thread = threading.Thread(target=steady, daemon=True)
+    steady_thread.start()
+    try:
+        eventually("requests answered before the kill", lambda: len(answered) >= 3, timeout=30)
+        pid = ((_runner_pod(namespace, victim["metadata"]["name"]) or {}).get("containers") or [{}])[0].get("pid")
+        assert pid, f"the pod runner reports no process for {victim['metadata']['name']}"
+        os.kill(int(pid), signal.SIGKILL)
+        killed_at.append(time.monotonic())
+        before_kill = len(answered)
+        eventually("the killed router's container restarted and Ready again",
+                   lambda: (p := get("pod", victim["metadata"]["name"], namespace)) and pod_ready(p)
+                   and max(c.get("restartCount", 0) for c in p["status"].get("containerStatuses") or []) >= 1,
+                   timeout=90, every=0.5)
+        back = time.monotonic() - killed_at[0]
+        eventually("more requests after it is back", lambda: len(answered) >= before_kill + 20, timeout=60)
     finally:
-        delete_namespace_later(namespace)
+        stop.set()
+        steady_thread.join(timeout=90)
+        for reader in readers:
+            reader.join(timeout=90)
+    broken = [s for s in streams if s.outcome not in ("stopped", "finished")]
+    flowing = [s for s in streams if s.outcome in ("stopped", "finished") and s.after_kill > 0]
+    print(f"\none of 2 routers SIGKILLed with {held[victim['status']['podIP']]} of {len(streams)} streams open on "
+          f"it: {len(answered) - before_kill} requests answered after the kill, {len(failed)} failed; its "
+          f"container restarted and was Ready {back:.1f}s after; streams cut: {len(broken)} "
+          f"({sorted({s.outcome for s in broken})}), flowing on through the other replica: {len(flowing)}")
+    assert not failed, f"{len(failed)} requests failed through the Service: {failed[:5]}"
+    assert len(broken) == held[victim["status"]["podIP"]], [s.outcome for s in streams]
+    assert len(flowing) == len(streams) - len(broken), [(s.outcome, s.after_kill) for s in streams]
+    # A cut stream is an error the SDK raises mid-iteration (the connection ended before the stream's end):
+    # the client should send the request again (docs/routing.md, "A router dies").
+    assert all(s.outcome in ("httpx.RemoteProtocolError", "openai.APIConnectionError") for s in broken), \
+        [s.outcome for s in broken]
