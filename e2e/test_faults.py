@@ -379,11 +379,13 @@ def _groups(name: str, namespace: str) -> dict[str, dict[str, Any]]:
 
 @dataclass
 class PipelineFleet:
-    """Two groups of pipeline 2 on six one-GPU nodes of their own (four pods and two spares), which the node cases
-    share: each faults the node under stage 1 of one group, and the next finds the fleet whole again."""
+    """Two groups of pipeline 2 on six GPU nodes of their own, one engine pod a node (four pods and two spares),
+    which the node cases share: each faults the node under stage 1 of one group, and the next finds the fleet whole
+    again. The engines are simulators, so the pod runner runs them and requests flow through the router."""
 
     name: str
     namespace: str
+    model: str
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)
     lowest: int = 2                                     # the fewest ready groups watch() saw
     seen: set[str] = field(default_factory=set)         # Degraded and Progressing conditions it saw True
@@ -431,6 +433,26 @@ class PipelineFleet:
     def restart_events(self) -> list[str]:
         return [e["message"] for e in items("events", self.namespace) if e.get("reason") == "GroupRestarted"]
 
+    @contextmanager
+    def traffic(self) -> Iterator[Traffic]:
+        """Steady requests through the router from before the block to a few after it; `during` the block's."""
+        with Requests(router_url(self.name, self.namespace), self.model) as load:
+            eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+            found = Traffic(load, len(load.codes))
+            yield found
+            sent = len(load.codes)
+            eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
+
+
+@dataclass
+class Traffic:
+    load: Requests
+    first: int
+
+    @property
+    def during(self) -> list[int | str]:
+        return self.load.codes[self.first:]
+
 
 @pytest.fixture(scope="module")
 def gpu_fleet() -> Iterator[PipelineFleet]:
@@ -441,29 +463,25 @@ def gpu_fleet() -> Iterator[PipelineFleet]:
     try:
         eventually("the fault's nodes Ready", lambda: all(condition_status(get("node", n, None), "Ready") == "True"
                                                           for n in nodes), timeout=60)
-        name, _doc = deploy("llama-3.1-8b-l4.yaml", namespace, replicas=2, autoscaling=None,
-                            accelerator={"type": NODE_LOSS_GPU}, parallelism={"tensor": 1, "pipeline": 2})
-        yield PipelineFleet(name, namespace)
+        # Simulator pods ask for no GPU: pinned to the fault's nodes (and tolerating their GPU taint), each asks
+        # for most of a node's CPUs so that no two share one, as one-GPU engine pods would not.
+        name, doc = deploy("simulator-cpu.yaml", namespace, replicas=2, autoscaling=None,
+                           parallelism={"tensor": 1, "pipeline": 2}, router={"replicas": 1},
+                           engine={"kind": "simulator", "startupTimeoutSeconds": 300,
+                                   "resources": {"requests": {"cpu": "40", "memory": "1Gi"}}},
+                           accelerator={"type": NODE_LOSS_GPU, "nodeSelector": {NODE_FAULT_LABEL: ""},
+                                        "tolerations": [{"key": contract.GPU_TAINT_KEY, "operator": "Exists",
+                                                         "effect": "NoSchedule"}]})
+        yield PipelineFleet(name, namespace, doc["spec"]["model"]["servedName"])
     finally:
         delete_namespace_later(namespace)
         wait_deleted()
         kubectl("delete", "nodes", "-l", NODE_FAULT_LABEL, "--wait=false", check=False)
 
 
-def test_a_gpu_node_not_ready_under_a_pipeline_group(gpu_fleet: PipelineFleet) -> None:
-    """A GPU node holding stage 1 of group 0 stops being Ready (its kubelet reports the container runtime down;
-    KWOK's chaos stage): Degraded names the node and its kubelet's words at once, the group stops counting as
-    ready, and once the node has been NotReady for the operator's --node-not-ready-seconds (15 in the e2e chart
-    values) the group is restarted as a whole on Ready nodes (the node controller's not-ready taint keeps the
-    scheduler off it). Group 1 is left alone and the service stays Ready on it throughout."""
-    fleet = gpu_fleet
-    fleet.settle()
-    down = fleet.pod(1, 0)["spec"]["nodeName"]
-    message = "container runtime network not ready: NetworkReady=false"
-    kubectl("annotate", "node", down, f"{KWOK_NOT_READY}/reason=KubeletNotReady",
-            f"{KWOK_NOT_READY}/message={message}", "--overwrite")
-    kubectl("label", "node", down, f"{KWOK_NOT_READY}=true")
-    at = time.monotonic()
+def _node_not_ready(fleet: PipelineFleet, down: str, at: float) -> tuple[float, float, str, bool]:
+    """(seconds until Degraded named the node, until group 0 served again off it, Degraded's message, whether
+    Degraded cleared after)."""
     probe = fleet.watch()
 
     def said() -> str | None:
@@ -480,11 +498,33 @@ def test_a_gpu_node_not_ready_under_a_pipeline_group(gpu_fleet: PipelineFleet) -
     settled = eventually("Degraded clear", lambda: (c := [x for x in probe()["status"].get("conditions") or []
                                                           if x["type"] == "Degraded"]) and c[0]["status"] == "False",
                          timeout=60)
+    return noticed, took, degraded, bool(settled)
+
+
+def test_a_gpu_node_not_ready_under_a_pipeline_group(gpu_fleet: PipelineFleet) -> None:
+    """A GPU node holding stage 1 of group 0 stops being Ready (its kubelet reports the container runtime down;
+    KWOK's chaos stage): Degraded names the node and its kubelet's words at once, the group stops counting as
+    ready, and once the node has been NotReady for the operator's --node-not-ready-seconds (15 in the e2e chart
+    values) the group is restarted as a whole on Ready nodes (the node controller's not-ready taint keeps the
+    scheduler off it). Group 1 is left alone, the service stays Ready on it throughout, and no request through the
+    router fails."""
+    fleet = gpu_fleet
+    fleet.settle()
+    down = fleet.pod(1, 0)["spec"]["nodeName"]
+    message = "container runtime network not ready: NetworkReady=false"
+    with fleet.traffic() as load:
+        kubectl("annotate", "node", down, f"{KWOK_NOT_READY}/reason=KubeletNotReady",
+                f"{KWOK_NOT_READY}/message={message}", "--overwrite")
+        kubectl("label", "node", down, f"{KWOK_NOT_READY}=true")
+        at = time.monotonic()
+        noticed, took, degraded, settled = _node_not_ready(fleet, down, at)
+    failed = [code for code in load.during if code != 200]
     restarted, untouched = fleet.restart_events(), fleet.untouched(1)
     print(f"\na GPU node under stage 1 of group 0 NotReady: Degraded said so {noticed:.1f}s after; the group "
-          f"served again off the node {took:.1f}s after (15 s of grace included); ready groups never below "
-          f"{fleet.lowest}; group 1 untouched: {untouched}; GroupRestarted: {restarted}; Degraded meanwhile: "
-          f"{degraded!r}")
+          f"served again off the node {took:.1f}s after (15 s of grace included); {len(load.during)} requests "
+          f"through the router meanwhile, {len(failed)} failed; ready groups never below {fleet.lowest}; group 1 "
+          f"untouched: {untouched}; GroupRestarted: {restarted}; Degraded meanwhile: {degraded!r}")
+    assert not failed, f"{len(failed)} of {len(load.during)} requests failed: {failed[:10]}"
     assert f"node {down} is not Ready (Ready=False, KubeletNotReady: {message})" in degraded, degraded
     assert f"pod {contract.stage_name(fleet.name, 1)}-0" in degraded, degraded
     assert settled and fleet.lowest == 1, "group 0 must stop counting as ready while its node is down, and " \
@@ -496,23 +536,27 @@ def test_a_gpu_node_not_ready_under_a_pipeline_group(gpu_fleet: PipelineFleet) -
 def test_a_gpu_node_lost_under_a_pipeline_group(gpu_fleet: PipelineFleet) -> None:
     """A GPU node holding stage 1 of group 1 is deleted, as a cloud provider's node controller deletes a VM that
     died: the pod garbage collector removes its pod, the StatefulSet makes it anew on the spare node, and the
-    operator restarts that group as a whole (vLLM cannot take a lost stage back). Group 0 is left alone and the
-    service stays Ready on it throughout."""
+    operator restarts that group as a whole (vLLM cannot take a lost stage back). Group 0 is left alone, the
+    service stays Ready on it throughout, and no request through the router fails."""
     fleet = gpu_fleet
     fleet.settle()
     lost = fleet.pod(1, 1)["spec"]["nodeName"]
-    kubectl("delete", "node", lost, "--wait=false")
-    at = time.monotonic()
-    probe = fleet.watch()
-    eventually("group 1 restarted and serving again on the spare node",
-               lambda: fleet.restarted(1, **(seen := probe()), lost=lost) and seen, timeout=180, every=1.0)
-    took = time.monotonic() - at
+    with fleet.traffic() as load:
+        kubectl("delete", "node", lost, "--wait=false")
+        at = time.monotonic()
+        probe = fleet.watch()
+        eventually("group 1 restarted and serving again on the spare node",
+                   lambda: fleet.restarted(1, **(seen := probe()), lost=lost) and seen, timeout=180, every=1.0)
+        took = time.monotonic() - at
+    failed = [code for code in load.during if code != 200]
     restarted = [m for m in fleet.restart_events() if "group 1" in m]
     untouched = fleet.untouched(0)
     print(f"\na GPU node under stage 1 of group 1 deleted: the group served again on the spare node {took:.1f}s "
-          f"after (the pod garbage collector's 40 s quarantine included); ready groups never below "
+          f"after (the pod garbage collector's 40 s quarantine included); {len(load.during)} requests through the "
+          f"router meanwhile, {len(failed)} failed; ready groups never below "
           f"{fleet.lowest}; group 0 untouched: {untouched}; GroupRestarted: {restarted}; conditions meanwhile: "
           f"{sorted(fleet.seen)}")
+    assert not failed, f"{len(failed)} of {len(load.during)} requests failed: {failed[:10]}"
     assert fleet.lowest >= 1, "the other group stopped serving"
     assert untouched, "group 0 was restarted too"
     assert restarted, "no GroupRestarted event for group 1"

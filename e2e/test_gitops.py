@@ -241,12 +241,16 @@ def test_02_an_image_commit_rolls_out_with_the_kustomization_in_progress_and_no_
         states: list[str | None] = []
 
         def rolled() -> dict[str, Any] | None:
+            # One read of the Kustomization for both what is recorded and the verdict: a second read could see it
+            # turn Ready where the recorded states never show it.
             found = _kustomization()
+            ready = (condition(found, "Ready") or {}).get("status")
             if found.get("status", {}).get("lastAttemptedRevision") == _revision(flow.sha):
-                states.append((condition(found, "Ready") or {}).get("status"))
+                states.append(ready)
             pods = engine_pods(flow.name, flow.namespace)
             done = pods and all(p["spec"]["containers"][0]["image"] == NEXT_IMAGE for p in pods)
-            return _applied(flow.sha) if done else None
+            applied = found.get("status", {}).get("lastAppliedRevision") == _revision(flow.sha) and ready == "True"
+            return found if done and applied else None
         eventually("the rollout done and the Kustomization Ready at the commit", rolled, timeout=TIMEOUT)
         sent = len(load.codes)
         eventually("a few more requests after the rollout", lambda: len(load.codes) >= sent + 3, timeout=60)
