@@ -20,7 +20,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from worker_helpers import free_port
+from worker_helpers import free_port, http_get
 
 from tensorfleet import contract, promtext
 from tensorfleet.worker import cli, metrics
@@ -428,14 +428,6 @@ class _FakeEngine:
         self.server.server_close()
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
 def _launcher(tmp_path: Path, **role: Any) -> Any:
     from tensorfleet.worker.launcher import Launcher, Options
     from tensorfleet.worker.role import Role
@@ -458,36 +450,36 @@ def test_the_leaders_health_needs_its_gpus_and_its_engine(monkeypatch: pytest.Mo
                            health=launcher.pod_health)
     url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
     try:
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and body.startswith("launcher: starting")
         launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 200, body
         assert f"engine: http://127.0.0.1:{engine.port}/health answered 200" in body
         assert body.splitlines()[-1] == "healthy: 2 of 2 GPU(s) ok; tensor parallel needs 2"
         # vLLM up but a GPU unhealthy: the leader leaves the Service.
         devices[1].temperature = 95
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and body.splitlines()[-1] == "unhealthy: GPU 1 is hot: 95 C >= 87 C"
         devices[1].temperature = 45
         # GPUs fine but vLLM not: not ready either.
         engine.status = 503
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and "answered 503" in body.splitlines()[-1]
         engine.close()
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and "did not answer" in body.splitlines()[-1]
         # A fatal XID the launcher saw.
         engine = _FakeEngine()
         launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
-        assert _get(url)[0] == 200
+        assert http_get(url)[0] == 200
         launcher.state.add_xid(0, 79)
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and "GPU 0 reported XID 79 (fatal" in body
         # The gauges are still served beside it; other paths are not.
-        code, text = _get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")
+        code, text = http_get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")
         assert code == 200 and promtext.value(text, contract.GPU_METRIC_VISIBLE) == 2
-        assert _get(f"http://127.0.0.1:{port}/nothing")[0] == 404
+        assert http_get(f"http://127.0.0.1:{port}/nothing")[0] == 404
     finally:
         server.shutdown()
         engine.close()
@@ -563,7 +555,7 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
     url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
     try:
         launcher._cpu_side()
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and body.startswith("launcher: starting")
         launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
         code, body = _until_ready(url)
@@ -572,19 +564,19 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
         assert "CPU mode" in body and body.splitlines()[-1] == "healthy"
         # vLLM not ready (loading, or broken): not ready either.
         engine.status = 503
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and "answered 503" in body.splitlines()[-1]
         engine.close()
-        code, body = _get(url)
+        code, body = http_get(url)
         assert code == 503 and "did not answer" in body.splitlines()[-1]
         # The launcher gone: its phase no longer counts.
         engine = _FakeEngine()
         launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
-        assert _get(url)[0] == 200
+        assert http_get(url)[0] == 200
         launcher.state.phase(statefile.PHASE_STOPPING)
-        assert _get(url)[0] == 503
+        assert http_get(url)[0] == 503
         # No GPU gauges are served (nothing for a PodMonitor to find); /health alone.
-        assert _get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")[0] == 404
+        assert http_get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")[0] == 404
     finally:
         launcher._stop_background.set()
         if launcher._metrics_server is not None:
@@ -597,10 +589,10 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
 def _until_ready(url: str, bound: float = 10.0) -> tuple[int, str]:
     """The pod's /health once it answers 200 (the warm-up runs on a thread of its own)."""
     deadline = time.monotonic() + bound
-    code, body = _get(url)
+    code, body = http_get(url)
     while code != 200 and time.monotonic() < deadline:
         time.sleep(0.02)
-        code, body = _get(url)
+        code, body = http_get(url)
     assert code == 200, body
     return code, body
 

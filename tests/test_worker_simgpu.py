@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from worker_helpers import free_port
+from worker_helpers import free_port, http_get, wait_until
 
 from tensorfleet import contract, promtext
 from tensorfleet.worker import gpu as gpus
@@ -99,22 +97,6 @@ class _Engine:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def _get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-
-
-def _until(probe: Any, what: str, timeout: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := probe()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert found, what
-    return found
-
-
 def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: Path) -> None:
     """The launcher of a simulator leader on L4s: Ready while its two simulated GPUs and its engine are; a hot GPU
     takes it out and back; an XID 79 takes it out for good, the annotation's removal notwithstanding."""
@@ -130,23 +112,24 @@ def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: 
     url = f"http://127.0.0.1:{role.gpu_metrics_port}"
     try:
         launcher.state.phase(statefile.PHASE_RUNNING, "engine `python -m tensorfleet.sim`")
-        code, body = _get(url + contract.HEALTH_PATH)
+        code, body = http_get(url + contract.HEALTH_PATH)
         assert code == 200 and body.splitlines()[-1] == "healthy: 2 of 2 GPU(s) ok; tensor parallel needs 2", body
-        code, text = _get(url + contract.METRICS_PATH)
+        code, text = http_get(url + contract.METRICS_PATH)
         assert code == 200 and promtext.value(text, contract.GPU_METRIC_VISIBLE) == 2
         assert promtext.value(text, contract.GPU_METRIC_ALL_HEALTHY) == 1
         state.write_text(json.dumps({"gpus": [{"index": 1, "temperature_c": 96}]}))
-        code, body = _get(url + contract.HEALTH_PATH)
+        code, body = http_get(url + contract.HEALTH_PATH)
         assert code == 503 and body.splitlines()[-1] == "unhealthy: GPU 1 is hot: 96 C >= 85 C", body
         state.write_text("")
-        assert _get(url + contract.HEALTH_PATH)[0] == 200
+        assert http_get(url + contract.HEALTH_PATH)[0] == 200
         state.write_text(json.dumps({"xids": [{"gpu": 0, "xid": 79}]}))
-        _until(lambda: _get(url + contract.HEALTH_PATH)[0] == 503, "XID 79 fails the pod's health")
+        assert wait_until(lambda: http_get(url + contract.HEALTH_PATH)[0] == 503, timeout=5), \
+            "XID 79 fails the pod's health"
         state.write_text("")
         time.sleep(1.2)   # a feed period: the XID was taken once, and stays
-        code, body = _get(url + contract.HEALTH_PATH)
+        code, body = http_get(url + contract.HEALTH_PATH)
         assert code == 503 and "GPU 0 reported XID 79 (fatal" in body, body
-        assert promtext.value(_get(url + contract.METRICS_PATH)[1], contract.GPU_METRIC_ALL_HEALTHY) == 0
+        assert promtext.value(http_get(url + contract.METRICS_PATH)[1], contract.GPU_METRIC_ALL_HEALTHY) == 0
     finally:
         launcher._stop_background.set()
         launcher._metrics_server.shutdown()
