@@ -1434,6 +1434,11 @@ class PodWorker(threading.Thread):
             self.wake.wait(1)
             self.wake.clear()
         self.ip = self.pod["status"]["podIP"]
+        # The conditions as the API holds them (KWOK's start stage wrote them with the IP, at the pod's creation
+        # time), so that one keeps its lastTransitionTime until its status changes: the kubelet's status manager
+        # takes the API's status as the old one, and has written Ready False before it starts a container.
+        self.conditions = {c["type"]: dict(c) for c in self.pod["status"].get("conditions") or []
+                           if c.get("type") and c.get("lastTransitionTime")}
         if self._deleting():
             return not self.stopping.is_set() and self._delete_pod()
         self.directory.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 from conftest import existing, sim_doc
 
-from tensorfleet.controller.diagnose import NODE_NOT_READY, SEVERITY, UNSCHEDULABLE, diagnose, diagnose_all
+from tensorfleet.controller.diagnose import (
+    CRASH_LOOP,
+    NODE_NOT_READY,
+    READINESS_LOST,
+    SEVERITY,
+    UNSCHEDULABLE,
+    diagnose,
+    diagnose_all,
+    rank,
+)
 from tensorfleet.controller.nodes import NotReadyNodes
 from tensorfleet.controller.observe import observe
 from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
@@ -137,3 +146,119 @@ async def test_the_operator_says_which_node_and_restarts_the_stranded_group_afte
         # The new pods are on no node yet: nothing is stranded, the service serves on both groups again.
         await eventually(lambda: (c.isvc("demo") or {}).get("status", {}).get("readyReplicas") == 2
                          and (c.condition("demo", "Degraded") or {}).get("status") == "False", message="recovered")
+
+
+# --- nodes deleted under engine pods ---------------------------------------------------------------------------
+def test_a_deleted_node_is_kept_as_gone_until_a_node_of_its_name_registers_again() -> None:
+    nodes = NotReadyNodes()
+    assert nodes.observed(node("gpu-1", "True"), SINCE, deleted=True), "a Ready node deleted: its pods are orphans"
+    gone = nodes.under([pod("a", 0, 0, "gpu-1")])["gpu-1"]
+    assert gone.gone and gone.since == SINCE and gone.detail == f"node gpu-1 was deleted (seen at {SINCE})"
+    assert not nodes.observed(node("gpu-1", "True"), "2026-12-01T11:05:00Z", deleted=True)
+    assert nodes.under([pod("a", 0, 0, "gpu-1")])["gpu-1"].since == SINCE, "a repeated deletion keeps the time"
+    assert nodes.observed(node("gpu-1", "False"), "2026-12-01T11:06:00Z"), "registered again, not Ready yet"
+    again = nodes.under([pod("a", 0, 0, "gpu-1")])["gpu-1"]
+    assert not again.gone and again.since == "2026-12-01T11:06:00Z"
+    assert nodes.observed(node("gpu-1", "True"), "2026-12-01T11:07:00Z") and nodes.under([pod("a", 0, 0, "gpu-1")]) == {}
+
+
+def test_deleted_nodes_remembered_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("tensorfleet.controller.nodes.GONE_KEPT", 3)
+    nodes = NotReadyNodes()
+    nodes.observed(node("sick", "False"), SINCE)
+    for i in range(5):
+        nodes.observed(node(f"gpu-{i}", "True"), SINCE, deleted=True)
+    held = nodes.under([pod("x", 0, 0, n) for n in ("sick", *(f"gpu-{i}" for i in range(5)))])
+    assert sorted(held) == ["gpu-2", "gpu-3", "gpu-4", "sick"], "a node not Ready is never forgotten for room"
+
+
+def _on_deleted_node(pipeline: int, *, graceless: bool = False) -> Any:
+    nodes = NotReadyNodes()
+    nodes.observed(node("gpu-1", "True"), SINCE, deleted=True)
+    pods = [pod(f"m-stage-{s}-{g}", s, g, "gpu-1" if (s, g) == (pipeline - 1, 0) else f"gpu-{9 - s - g}")
+            for g in range(2) for s in range(pipeline)]
+    if graceless:
+        pods[pipeline - 1]["metadata"].update(deletionTimestamp=SINCE, deletionGracePeriodSeconds=0)
+    return observe(pipeline, 2, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60,
+                   now=datetime.datetime.fromisoformat(SINCE))
+
+
+def test_a_group_with_a_stage_on_a_deleted_node_is_restarted_at_once_and_that_pod_is_an_orphan() -> None:
+    obs = _on_deleted_node(2)
+    assert obs.ready_replicas == 1
+    assert obs.groups_to_restart() == {0: f"stage 1 pod m-stage-1-0: node gpu-1 was deleted (seen at {SINCE})"}
+    assert obs.node_wait() is None, "no grace is waited for a node that is gone"
+    assert [(i, p["metadata"]["name"]) for i, p, _ in obs.orphans()] == [(0, "m-stage-1-0")]
+    single = _on_deleted_node(1)
+    assert single.groups_to_restart() == {} and single.ready_replicas == 1
+    assert [(i, p["metadata"]["name"]) for i, p, _ in single.orphans()] == [(0, "m-stage-0-0")]
+    assert _on_deleted_node(1, graceless=True).orphans() == [], "already being deleted with no grace"
+
+
+# --- a leader that stops being Ready after it served -------------------------------------------------------------
+def _leader_group(ready: str, changed: str, *, leader_node: str = "gpu-8", not_ready: tuple[str, ...] = ()) -> Any:
+    nodes = NotReadyNodes()
+    for name in not_ready:
+        nodes.observed(node(name, "False"), SINCE)
+    pods = [pod("m-stage-0-0", 0, 0, leader_node), pod("m-stage-1-0", 1, 0, "gpu-7")]
+    pods[0]["status"]["conditions"] = [{"type": "Ready", "status": ready, "lastTransitionTime": changed}]
+    pods[0]["status"]["containerStatuses"] = [
+        {"name": "engine", "ready": ready == "True", "restartCount": 0,
+         "state": {"running": {"startedAt": "2026-12-01T09:59:05Z"}}}]
+    return observe(2, 1, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60,
+                   now=datetime.datetime.fromisoformat(SINCE))
+
+
+def test_a_leader_whose_ready_went_false_after_it_started_breaks_its_group_and_one_still_starting_does_not() -> None:
+    lost = _leader_group("False", FORMED)
+    assert lost.groups_to_restart() == {0: "stage 0 pod m-stage-0-0 stopped being Ready after it had served"}
+    # The kubelet writes Ready False before it starts the containers: unchanged since, the leader never served.
+    assert _leader_group("False", "2026-12-01T09:59:01Z").groups_to_restart() == {}
+    assert _leader_group("True", FORMED).groups_to_restart() == {}
+    # On a node that is not Ready, the node's grace decides, not the pod's readiness.
+    assert _leader_group("False", FORMED, leader_node="gpu-1", not_ready=("gpu-1",)).groups_to_restart() == {}
+
+
+def test_a_worker_on_a_node_not_ready_is_left_to_the_node_grace_even_when_its_ready_went_false() -> None:
+    nodes = NotReadyNodes()
+    nodes.observed(node("gpu-1", "False"), SINCE)
+    pods = [pod("m-stage-0-0", 0, 0, "gpu-8"), pod("m-stage-1-0", 1, 0, "gpu-1")]
+    # The node lifecycle controller marks the pods of a node that stopped being Ready not Ready.
+    pods[1]["status"]["conditions"] = [{"type": "Ready", "status": "False", "lastTransitionTime": SINCE}]
+    early = observe(2, 1, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60,
+                    now=datetime.datetime.fromisoformat("2026-12-01T11:00:10Z"))
+    assert early.groups_to_restart() == {} and early.node_wait() == pytest.approx(50.0)
+    fine = observe(2, 1, pods, {}, None, now=datetime.datetime.fromisoformat("2026-12-01T11:00:10Z"))
+    assert fine.groups_to_restart() == {0: "stage 1 pod m-stage-1-0 stopped being Ready"}, \
+        "on a Ready node, a worker that stopped being Ready breaks its group at once"
+
+
+@pytest.mark.asyncio
+async def test_the_operator_deletes_at_once_an_engine_pod_whose_node_was_deleted() -> None:
+    async with cluster() as c, c.workloads(), running_operator(c):
+        await c.create(sim_doc(replicas=1))
+        await eventually(lambda: (c.isvc("demo") or {}).get("status", {}).get("readyReplicas") == 1, message="ready")
+        await c.upsert("v1", "nodes", node("gpu-0", "True"))
+        engine = existing(c, "v1", "pods", "demo-stage-0-0")
+        engine["spec"]["nodeName"] = "gpu-0"
+        await c.upsert("v1", "pods", engine)
+        before = engine["metadata"]["uid"]
+        await c.remove("v1", "nodes", None, "gpu-0")
+        # Nothing else deletes it here (no pod garbage collector): the operator does, and the StatefulSet makes it anew.
+        await eventually(lambda: (p := c.get("v1", "pods", "demo-stage-0-0")) is not None
+                         and p["metadata"]["uid"] != before, message="the orphan replaced", timeout=20)
+        said = [e["message"] for e in c.events("demo") if e["reason"] == "OrphanDeleted"]
+        assert said and "deleted pod demo-stage-0-0 at once: node gpu-0 was deleted" in said[0], said
+
+
+def test_an_engine_that_lost_readiness_after_it_served_is_diagnosed_so_and_one_still_loading_is_not() -> None:
+    """A single-node engine whose GPU failed: nothing restarts it (no group), so Degraded must say why it left."""
+    lost = _leader_group("False", FORMED).groups[0].pods[0]
+    found = diagnose(lost)
+    assert found is not None and found.reason == READINESS_LOST
+    assert found.line.startswith(f"pod m-stage-0-0: ReadinessLost: not Ready since {FORMED}, after it had served")
+    assert "kubectl describe pod m-stage-0-0" in found.line
+    assert diagnose(_leader_group("False", "2026-12-01T09:59:01Z").groups[0].pods[0]) is None, "still loading"
+    assert diagnose(_leader_group("True", FORMED).groups[0].pods[0]) is None
+    # The least of the causes: anything that stops a pod before it could serve comes first.
+    assert rank(READINESS_LOST) > rank(CRASH_LOOP) and rank(READINESS_LOST) == len(SEVERITY) - 1

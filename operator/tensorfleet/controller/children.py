@@ -92,8 +92,9 @@ class ChildHandler:
     async def changed(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any]) -> None:
         """Hook after an existing child was changed to `obj`: the kind's own events. None by default."""
 
-    async def delete(self, ctx: Context, kind: Kind, live: dict[str, Any]) -> None:
+    async def delete(self, ctx: Context, kind: Kind, live: dict[str, Any], *, grace_seconds: int | None = None) -> None:
         """Delete `live` (exactly that object: its uid is a precondition) and remember it in the cache."""
         meta = live["metadata"]
-        answer = await ctx.kube.delete(kind, meta["namespace"], meta["name"], uid=meta.get("uid"))
+        answer = await ctx.kube.delete(kind, meta["namespace"], meta["name"], uid=meta.get("uid"),
+                                       grace_seconds=grace_seconds)
         ctx.cache.deleted(kind, live, answer)

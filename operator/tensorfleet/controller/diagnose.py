@@ -13,12 +13,13 @@ Where each cause's words come from (as kubelet and kube-scheduler 1.36 write the
 | reason | read from | detail |
 |---|---|---|
 | `Unschedulable` | `status.conditions[PodScheduled]` False, reason Unschedulable | the scheduler's message, without its `preemption:` sentence |
-| `NodeNotReady` | the Node named by `spec.nodeName`: its `Ready` condition not True | the node, since when the operator has seen it so, and the kubelet's (or the node controller's) reason and message |
+| `NodeNotReady` | the Node named by `spec.nodeName`: its `Ready` condition not True, or the Node deleted | the node, since when the operator has seen it so, and the kubelet's (or the node controller's) reason and message, or that it was deleted |
 | `InvalidImageName`, `ErrImagePull`, `ImagePullBackOff` | `containerStatuses[].state.waiting` | the kubelet's message (in 1.36 it names the image and the registry's answer, during back-off too); the image is prefixed when the message does not name it |
 | `CreateContainerConfigError` | `state.waiting` | the kubelet's message: `secret "hf-token" not found`, `couldn't find key token in Secret llm/hf-token` |
 | `CreateContainerError`, `RunContainerError` | `state.waiting` | the kubelet's message |
 | `OOMKilled` | `state.waiting` CrashLoopBackOff and `lastState.terminated.reason` OOMKilled | exit code and the container's memory limit |
 | `CrashLoopBackOff` | `state.waiting` CrashLoopBackOff | `lastState.terminated`: exit code (and signal), reason, the last line of its termination message; the back-off message itself changes with every restart and says nothing of the cause |
+| `ReadinessLost` | `Ready` False, changed after the containers last started: the pod had served | when, and that its readiness probe (the launcher's `/health`: GPUs and engine) fails |
 | `Evicted`, ... | `status.phase` Failed | `status.reason` and `status.message` |
 
 "Worst" is the earliest point in a pod's life a cause stops it (`SEVERITY`):
@@ -47,6 +48,7 @@ NODE_NOT_READY = "NodeNotReady"
 OOM_KILLED = "OOMKilled"
 CRASH_LOOP = "CrashLoopBackOff"
 POD_FAILED = "PodFailed"
+READINESS_LOST = "ReadinessLost"
 
 # Container waiting reasons that will not fix themselves.
 STUCK_REASONS = frozenset({
@@ -60,7 +62,7 @@ SEVERITY: tuple[tuple[str, ...], ...] = (
     (UNSCHEDULABLE,), (NODE_NOT_READY,),
     ("InvalidImageName",), ("ErrImagePull", "ImagePullBackOff"),
     ("CreateContainerConfigError",), ("CreateContainerError",), ("RunContainerError",),
-    (OOM_KILLED,), (CRASH_LOOP,),
+    (OOM_KILLED,), (CRASH_LOOP,), (READINESS_LOST,),
 )
 _RANK = {reason: rank for rank, tied in enumerate(SEVERITY) for reason in tied}
 
@@ -120,17 +122,20 @@ class Diagnosis:
 
 @dataclass(frozen=True)
 class NodeState:
-    """A Node that is not Ready, as the operator last saw it. `since` is when the operator first saw it so
-    (RFC 3339), not the condition's lastTransitionTime, which not every kubelet stand-in keeps."""
+    """A Node that is not Ready, or deleted, as the operator last saw it. `since` is when the operator first
+    saw it so (RFC 3339), not the condition's lastTransitionTime, which not every kubelet stand-in keeps."""
 
     name: str
     status: str          # the Ready condition's status: False or Unknown ("" when the node has none)
     reason: str
     message: str
     since: str
+    gone: bool = False   # the Node was deleted: its pods are orphans no kubelet will ever stop or report
 
     @property
     def detail(self) -> str:
+        if self.gone:
+            return f"node {self.name} was deleted (seen at {self.since})"
         said = ": ".join(part for part in (self.reason, one_line(self.message, 120)) if part)
         return f"node {self.name} is not Ready (Ready={self.status or 'missing'}{f', {said}' if said else ''}) " \
                f"since {self.since}"
@@ -218,7 +223,32 @@ def diagnose(pod: dict[str, Any], nodes: Mapping[str, NodeState] | None = None) 
         if cause is not None:
             found.append(Diagnosis(name, cause[0], cause[1], container.get("name"),
                                    int(container.get("restartCount") or 0)))
+    if not found and readiness_lost(pod):
+        since = (pod_condition(pod, "Ready") or {}).get("lastTransitionTime")
+        return Diagnosis(name, READINESS_LOST, f"not Ready since {since}, after it had served: its readiness probe "
+                         "(the launcher's /health, which names the GPU or engine check that failed) fails; "
+                         f"`kubectl describe pod {name}` shows the probe's failures")
     return worst(found)
+
+
+def pod_condition(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    """The pod's condition of TYPE_, or None."""
+    return next((c for c in pod.get("status", {}).get("conditions") or [] if c.get("type") == type_), None)
+
+
+def readiness_lost(pod: dict[str, Any]) -> bool:
+    """Whether POD was Ready since its containers last started and no longer is.
+
+    A Ready condition moves only when its status changes, and the kubelet
+    writes it False before it starts the containers; so a False one that
+    changed after the latest container start can only have been True in
+    between. Timestamps are whole seconds: an engine Ready and lost within
+    the second it started is missed, which no model load allows."""
+    ready = pod_condition(pod, "Ready")
+    started = [str(running["startedAt"]) for c in pod.get("status", {}).get("containerStatuses") or []
+               if (running := (c.get("state") or {}).get("running")) and running.get("startedAt")]
+    return bool(ready is not None and ready.get("status") != "True" and started
+                and (ready.get("lastTransitionTime") or "") > max(started))
 
 
 def ranked(diagnoses: Iterable[Diagnosis]) -> list[Diagnosis]:

@@ -7,6 +7,9 @@ through `observe.Observation.nodes`: a pod on such a node is diagnosed
 `NodeNotReady` (Degraded says which node and why), its group does not count as
 ready, and a multi-node group is restarted once the node has been seen not
 Ready for the operator's `--node-not-ready-seconds` (README, "How it behaves").
+A deleted node is kept too, as gone: no kubelet will ever stop or report its
+pods, so the operator deletes them at once with no grace period rather than
+waiting out the pod garbage collector's quarantine, and restarts their group.
 """
 
 from __future__ import annotations
@@ -16,9 +19,13 @@ from typing import Any
 
 from tensorfleet.controller.diagnose import NodeState
 
+# Deleted nodes remembered at most (the oldest forgotten first): the pod garbage collector removes what
+# their pods leave behind 40 s later anyway, so only a burst of deletions could reach this.
+GONE_KEPT = 1024
+
 
 class NotReadyNodes:
-    """Nodes whose Ready condition is not True, by name, as the watch last showed them."""
+    """Nodes whose Ready condition is not True, and nodes deleted, by name, as the watch last showed them."""
 
     def __init__(self) -> None:
         self._nodes: dict[str, NodeState] = {}
@@ -26,19 +33,28 @@ class NotReadyNodes:
     def observed(self, node: Mapping[str, Any], now: str, *, deleted: bool = False) -> bool:
         """Take a Node from a watch event (NOW: the time, RFC 3339); whether what a reconcile sees changed.
 
-        A node without a Ready condition yet (registering) is not tracked: no pod runs on it."""
+        A node without a Ready condition yet (registering) is not tracked: no pod runs on it. A node deleted
+        is kept as gone until a node of its name registers again: pods still bound to it are orphans."""
         name = (node.get("metadata") or {}).get("name") or ""
+        if deleted:
+            before = self._nodes.pop(name, None)
+            self._nodes[name] = NodeState(name, "", "", "", before.since if before and before.gone else now, gone=True)
+            gone = [n for n, state in self._nodes.items() if state.gone]
+            for oldest in gone[:max(0, len(gone) - GONE_KEPT)]:
+                del self._nodes[oldest]
+            return before is None or not before.gone
         ready = next((c for c in (node.get("status") or {}).get("conditions") or [] if c.get("type") == "Ready"),
                      None)
-        if deleted or ready is None or ready.get("status") == "True":
+        if ready is None or ready.get("status") == "True":
             return self._nodes.pop(name, None) is not None
         before = self._nodes.get(name)
         state = NodeState(name, str(ready.get("status") or ""), str(ready.get("reason") or ""),
-                          str(ready.get("message") or ""), before.since if before is not None else now)
+                          str(ready.get("message") or ""), before.since if before is not None and not before.gone
+                          else now)
         self._nodes[name] = state
         return state != before
 
     def under(self, pods: Iterable[Mapping[str, Any]]) -> dict[str, NodeState]:
-        """The nodes of PODS that are not Ready."""
+        """The nodes of PODS that are not Ready or gone."""
         return {node: self._nodes[node] for pod in pods
                 if (node := (pod.get("spec") or {}).get("nodeName") or "") in self._nodes}

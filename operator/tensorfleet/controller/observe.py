@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.controller.diagnose import NodeState, diagnose
+from tensorfleet.controller.diagnose import READINESS_LOST, NodeState, diagnose, pod_condition, readiness_lost
 from tensorfleet.controller.idle import parse_time
 
 REVISION_LABEL = "controller-revision-hash"
@@ -118,7 +118,11 @@ class Group:
         a member created after the leader turned Ready is a replacement (the
         one it replaced was deleted or evicted), and a member whose Ready went
         False after that has failed (its readiness includes GPU health). A
-        member stuck in a crash loop is left alone (restarting its group again
+        leader that is not Ready has failed when its Ready went False after
+        its containers started (see `diagnose.readiness_lost`): it had served. A
+        member on a node that is not Ready is the node grace's to judge
+        (Observation._node_lost), not this. A member stuck in a crash loop
+        is left alone (restarting its group again
         cannot help, and Degraded says why), as is a group already going away
         (its leader goes first). A member being deleted while the leader it
         joined still serves (evicted, drained, its node gone) breaks the group
@@ -126,7 +130,8 @@ class Group:
         stopping worker keeps running until its leader has drained and stopped,
         which otherwise happens only when its grace period runs out.
         """
-        if pipeline < 2 or any(pod_problem(pod) for pod in self.pods.values()):
+        if pipeline < 2 or any((found := diagnose(pod)) is not None and found.reason != READINESS_LOST
+                               for pod in self.pods.values()):
             return None
         leader = self.pods.get(0)
         formed = _ready_since(leader) if leader is not None and pod_ready(leader) else None
@@ -143,7 +148,10 @@ class Group:
                             default=0)
             if restarted:
                 return f"stage {stage} pod {pod['metadata']['name']} restarted (restartCount {restarted})"
+        on_bad_node = {stage for stage, *_ in self.stranded()}   # the node's grace decides (Observation._node_lost)
         if formed is None:
+            if leader is not None and 0 not in on_bad_node and readiness_lost(leader):
+                return f"stage 0 pod {leader['metadata']['name']} stopped being Ready after it had served"
             return None
         for stage, member in sorted(self.pods.items()):
             if stage == 0:
@@ -151,19 +159,16 @@ class Group:
             created = member.get("metadata", {}).get("creationTimestamp") or ""
             if created > formed:
                 return f"stage {stage} pod {member['metadata']['name']} was replaced after the group formed"
-            ready = _condition(member, "Ready")
-            if ready is not None and ready.get("status") != "True" and (ready.get("lastTransitionTime") or "") > formed:
+            ready = pod_condition(member, "Ready")
+            if ready is not None and ready.get("status") != "True" and stage not in on_bad_node \
+                    and (ready.get("lastTransitionTime") or "") > formed:
                 return f"stage {stage} pod {member['metadata']['name']} stopped being Ready"
         return None
 
 
-def _condition(pod: dict[str, Any], type_: str) -> dict[str, Any] | None:
-    return next((c for c in pod.get("status", {}).get("conditions") or [] if c.get("type") == type_), None)
-
-
 def _ready_since(pod: dict[str, Any]) -> str | None:
     """When the pod turned Ready (RFC 3339, which sorts as text), or None when unknown."""
-    ready = _condition(pod, "Ready")
+    ready = pod_condition(pod, "Ready")
     return (ready or {}).get("lastTransitionTime") or None
 
 
@@ -234,8 +239,8 @@ class Observation:
         the taint manager's toleration (300 s by default) runs out. After
         `node_grace_s`, so that a node's blip costs no model load, the group
         is restarted: the scheduler places the new pods on Ready nodes. A
-        group already going away, and a single-node engine (Kubernetes'
-        eviction moves it), are left alone."""
+        deleted node is not waited for. A group already going away, and a
+        single-node engine (Kubernetes' eviction moves it), are left alone."""
         if self.pipeline < 2 or group.terminating() or self.now is None:
             return []
         now = self.now
@@ -244,6 +249,8 @@ class Observation:
 
     def _node_lost(self, group: Group) -> str | None:
         for stage, pod, node, waited in self._stranded_for(group):
+            if node.gone:
+                return f"stage {stage} pod {pod['metadata']['name']}: {node.detail}"
             if waited >= self.node_grace_s:
                 return (f"stage {stage} pod {pod['metadata']['name']}: {node.detail}, longer than the "
                         f"{self.node_grace_s:g} s the operator waits for it (--node-not-ready-seconds)")
@@ -252,8 +259,21 @@ class Observation:
     def node_wait(self) -> float | None:
         """Seconds until a multi-node group's member has been on a not-Ready node for `node_grace_s`, or None."""
         left = [self.node_grace_s - waited for group in self.current()
-                for *_, waited in self._stranded_for(group) if waited < self.node_grace_s]
+                for _, _, node, waited in self._stranded_for(group) if not node.gone and waited < self.node_grace_s]
         return max(0.5, min(left)) if left else None
+
+    def orphans(self) -> list[tuple[int, dict[str, Any], NodeState]]:
+        """(group, pod, node) of every pod, surge groups' included, on a node that was deleted and that is not
+        already being deleted with no grace period.
+
+        No kubelet will ever stop such a pod or report it, so its graceful
+        deletion would never end, and its StatefulSet cannot make it anew
+        before the pod garbage collector force-deletes it, 40 s after it
+        noticed the node gone (a quarantine against its own cache lagging a
+        node just registered). The operator saw the deletion in its own watch."""
+        return [(group.index, pod, node) for group in self.groups.values() for _, pod in sorted(group.pods.items())
+                if (node := group.nodes.get(pod.get("spec", {}).get("nodeName") or "")) is not None and node.gone
+                and pod.get("metadata", {}).get("deletionGracePeriodSeconds") != 0]
 
 
 def observe(pipeline: int, desired: int, pods: list[dict[str, Any]], statefulsets: dict[int, dict[str, Any]],

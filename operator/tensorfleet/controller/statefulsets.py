@@ -134,12 +134,21 @@ async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
     # adopted) is left alone this time: only a controlled pod is ever deleted.
     settled = {i for i, g in obs.groups.items() if all(controller_of(p) is not None for p in g.pods.values())}
     restart = {i: why for i, why in obs.groups_to_restart().items() if i in settled}
+    orphans = obs.orphans()
     for index, reason in sorted(restart.items()):
-        await _delete_group(ctx, pods, obs, index)
+        await _delete_group(ctx, pods, obs, index, frozenset(p["metadata"]["uid"] for _, p, _ in orphans))
         log.info("restarting group %d of %s/%s: %s", index, ctx.namespace, ctx.name, reason)
         await ctx.events.warning(ctx.owner, "GroupRestarted",
                                  f"restarting group {index} (all {obs.pipeline} stages): {reason}; "
                                  "vLLM cannot take a lost pipeline stage back")
+    for index, pod, node in orphans:
+        if index in restart:
+            continue
+        await pods.delete(ctx, POD, pod, grace_seconds=0)
+        log.info("deleted orphan pod %s/%s: %s", ctx.namespace, pod["metadata"]["name"], node.detail)
+        await ctx.events.warning(ctx.owner, "OrphanDeleted",
+                                 f"deleted pod {pod['metadata']['name']} at once: {node.detail}, so no kubelet will "
+                                 "ever stop it; its StatefulSet makes it anew on a node that exists")
     for index in replacements(obs, mode):
         if index in restart or index not in settled:
             continue
@@ -153,7 +162,9 @@ async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
         )
 
 
-async def _delete_group(ctx: Context, pods: ChildHandler, obs: Observation, index: int) -> None:
-    """Delete every pod of group `index`, the leader first so routers drop its endpoint before anything else."""
+async def _delete_group(ctx: Context, pods: ChildHandler, obs: Observation, index: int,
+                        orphans: frozenset[str] = frozenset()) -> None:
+    """Delete every pod of group `index`, the leader first so routers drop its endpoint before anything else;
+    those of ORPHANS (uids of pods on deleted nodes) with no grace period, since no kubelet would end theirs."""
     for _, pod in sorted(obs.groups[index].pods.items()):
-        await pods.delete(ctx, POD, pod)
+        await pods.delete(ctx, POD, pod, grace_seconds=0 if pod["metadata"].get("uid") in orphans else None)

@@ -213,16 +213,19 @@ class Kube:
         return await self._request("PUT", kind.path(namespace, obj["metadata"]["name"]), kind, body=obj)
 
     async def delete(self, kind: Kind, namespace: str | None, name: str, *, propagation: str = "Background",
-                     uid: str | None = None) -> dict[str, Any] | None:
+                     uid: str | None = None, grace_seconds: int | None = None) -> dict[str, Any] | None:
         """Delete; None when it was already gone, else the server's answer.
 
         The answer is the object itself while finalizers or a grace period hold
         it (with its deletionTimestamp), or a Status once it is gone.
-        `uid` guards against deleting a successor of the same name.
+        `uid` guards against deleting a successor of the same name;
+        `grace_seconds` overrides a pod's terminationGracePeriodSeconds (0: at once).
         """
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation}
         if uid:
             body["preconditions"] = {"uid": uid}
+        if grace_seconds is not None:
+            body["gracePeriodSeconds"] = grace_seconds
         try:
             answer = await self._request("DELETE", kind.path(namespace, name), kind, body=body)
             return answer if isinstance(answer, dict) else {}
