@@ -14,7 +14,7 @@ from kube import apply, condition, engine_pods, eventually, example, items, node
 from test_pods import _runner
 
 from tensorfleet import contract
-from tensorfleet.catalog.gpus import find_gpu
+from tensorfleet.gpus import find_gpu
 
 
 def _pools(name: str, namespace: str) -> dict[str, list[dict[str, Any]]]:

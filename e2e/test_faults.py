@@ -52,8 +52,8 @@ from test_pods import _runner_pod
 from test_rollout import _deploy, _rolled, _set_image, _under_way
 
 from tensorfleet import contract, promtext
-from tensorfleet.catalog.gpus import find_gpu
 from tensorfleet.controller.observe import pod_ready
+from tensorfleet.gpus import find_gpu
 
 OUTAGE_S = 20.0
 CONVERGE_S = 60.0  # a scale written after the outage is served within this

@@ -10,7 +10,7 @@ import pytest
 from kube import apply, condition, engine_pods, eventually, example, isvc, kubectl, nodes, wait_ready
 
 from tensorfleet import contract
-from tensorfleet.catalog.gpus import find_gpu
+from tensorfleet.gpus import find_gpu
 
 
 def _product(node: dict[str, Any]) -> str | None:

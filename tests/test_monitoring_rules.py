@@ -27,7 +27,8 @@ from tensorfleet import contract, promtext
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import make_plan
 from tensorfleet.render import render as render_isvc
-from tensorfleet.testing.loopback import MODEL, eventually, free_port, sim_process, spawn_router, wait_healthy
+from tensorfleet.testing.loopback import MODEL, free_port, sim_process, spawn_router, wait_healthy
+from tensorfleet.testing.wait import eventually
 
 NAMESPACE, NAME = "ml", "llama"
 _SELECTOR = re.compile(r"(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)?\{(?P<matchers>[^{}]*)\}")

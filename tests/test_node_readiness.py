@@ -21,7 +21,8 @@ from tensorfleet.controller.diagnose import (
 )
 from tensorfleet.controller.nodes import NotReadyNodes
 from tensorfleet.controller.observe import observe
-from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import Cluster, cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 FORMED = "2026-12-01T10:00:00Z"
 SINCE = "2026-12-01T11:00:00Z"

@@ -14,7 +14,8 @@ from tensorfleet.controller.operator import Operator, OperatorConfig
 from tensorfleet.kube.connection import Connection
 from tensorfleet.testing.kube_emulator import Faults
 from tensorfleet.testing.loopback import free_port
-from tensorfleet.testing.operator_harness import cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

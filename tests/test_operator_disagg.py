@@ -6,7 +6,8 @@ import pytest
 from conftest import existing, existing_isvc, sim_doc
 
 from tensorfleet import contract
-from tensorfleet.testing.operator_harness import cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

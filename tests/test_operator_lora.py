@@ -10,7 +10,8 @@ from conftest import existing, existing_isvc, sim_doc
 
 from tensorfleet.api.models import AdapterSpec
 from tensorfleet.controller.adapters import Engine, EngineResult
-from tensorfleet.testing.operator_harness import cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

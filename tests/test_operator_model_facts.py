@@ -26,7 +26,8 @@ from tensorfleet.controller import webhook
 from tensorfleet.controller.modelfacts import REFRESH_ANNOTATION, ModelFactsConfig, pin
 from tensorfleet.controller.operator import Operator
 from tensorfleet.planner import make_plan
-from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import Cluster, cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,7 +15,8 @@ from conftest import existing, existing_isvc, present, sim_doc
 from tensorfleet import contract
 from tensorfleet.controller.webhook import review
 from tensorfleet.testing.kube_emulator import rfc3339_now
-from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import Cluster, cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

@@ -14,7 +14,8 @@ import yaml
 from conftest import existing, isvc_doc
 
 from tensorfleet.testing import loopback
-from tensorfleet.testing.operator_harness import cluster, eventually
+from tensorfleet.testing.operator_harness import cluster
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

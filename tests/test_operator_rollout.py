@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from conftest import ReadyGate, existing, existing_isvc, rollout_completed, sim_doc
 
-from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import Cluster, cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 STS = ("apps/v1", "statefulsets")

@@ -17,7 +17,8 @@ from tensorfleet.controller.idle import parse_time
 from tensorfleet.kube.connection import Connection
 from tensorfleet.render.autoscaling import DEFAULT_SCALE_DOWN, IDLE_SCALE_DOWN
 from tensorfleet.router.demand import DemandLease
-from tensorfleet.testing.operator_harness import Cluster, cluster, eventually, running_operator
+from tensorfleet.testing.operator_harness import Cluster, cluster, running_operator
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

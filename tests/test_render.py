@@ -1013,7 +1013,7 @@ def _schedulable(terms: list[dict[str, Any]], labels: dict[str, str]) -> bool:
     return any(all(labels.get(e["key"]) in e["values"] for e in term["matchExpressions"]) for term in terms)
 
 
-# Node labels as each provider sets them, without GFD (sources cited in catalog/gpus.py).
+# Node labels as each provider sets them, without GFD (sources cited in gpus.py).
 NODES = {
     "gfd-h100": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
     "gfd-legacy-a100": {"nvidia.com/gpu.product": "A100-SXM4-80GB"},

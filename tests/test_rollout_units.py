@@ -10,7 +10,7 @@ from tensorfleet.controller.children import Context
 from tensorfleet.controller.observe import observe
 from tensorfleet.controller.rollout import STEADY, Mode, decide, replacements
 from tensorfleet.controller.statefulsets import roll_groups
-from tensorfleet.controller.status import _progress
+from tensorfleet.controller.status import progress
 
 OLD, NEW = "rev-old", "rev-new"
 
@@ -56,7 +56,7 @@ def test_nothing_is_replaced_while_a_statefulset_has_not_seen_its_new_template()
     assert replacements(obs, Mode(surge=0, in_place=True)) == []
     assert decide(obs, RolloutSpec(), running_surge=0, previous_reason=None) == STEADY
     all_ready = observe(1, 2, [pod(0, 0), pod(0, 1)], {0: behind}, None)
-    assert _progress(all_ready, STEADY)[:2] == ("True", "WaitingForStatefulSet")
+    assert progress(all_ready, STEADY)[:2] == ("True", "WaitingForStatefulSet")
     # Once it has, the old pods are outdated and the idle one goes at once.
     caught_up = {"metadata": {"uid": "sts-0", "generation": 2}, "status": {"updateRevision": NEW, "observedGeneration": 2}}
     obs = observe(1, 2, [pod(0, 0), pod(0, 1, ready=False)], {0: caught_up}, None)

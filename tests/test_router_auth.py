@@ -29,7 +29,6 @@ from tensorfleet.router.tenants import MAX_KEY_BYTES, KeyRing, KeysError, Limits
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
-    eventually,
     fake_engine,
     metric_value,
     post_chat,
@@ -37,6 +36,7 @@ from tensorfleet.testing.loopback import (
     sim,
     sse_events,
 )
+from tensorfleet.testing.wait import eventually
 
 KEYS = {"team-a": "sk-team-a-6f0c2b1e9d8a4c7f", "team-b": "sk-team-b-0a9e8d7c6b5a4f3e"}
 CLIENT = aiohttp.ClientTimeout(total=20)  # only ever reached when a test fails

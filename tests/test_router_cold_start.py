@@ -25,7 +25,6 @@ from tensorfleet.router.strategies import RequestInfo, RoundRobin
 from tensorfleet.testing.loopback import (
     Reply,
     chat,
-    eventually,
     free_port,
     metric_value,
     post_chat,
@@ -33,6 +32,7 @@ from tensorfleet.testing.loopback import (
     sim,
     sim_process,
 )
+from tensorfleet.testing.wait import eventually
 
 QUEUE_TIMEOUT = 30.0
 CLIENT = aiohttp.ClientTimeout(total=3)

@@ -19,13 +19,13 @@ from tensorfleet.testing.loopback import (
     RunningRouter,
     RunningSim,
     chat,
-    eventually,
     free_port,
     metric_value,
     router,
     sim,
     sse_events,
 )
+from tensorfleet.testing.wait import eventually
 
 SYSTEM = "You answer questions about GPU clusters, briefly and exactly. " * 6
 

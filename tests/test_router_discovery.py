@@ -10,7 +10,7 @@ import pytest
 from tensorfleet import contract
 from tensorfleet.kube.connection import Connection
 from tensorfleet.router.discovery import EndpointSliceWatcher, slice_urls
-from tensorfleet.testing.loopback import eventually
+from tensorfleet.testing.wait import eventually
 
 RESOURCE = "discovery.k8s.io/v1/endpointslices"
 NAMESPACE = "serving"

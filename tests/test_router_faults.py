@@ -18,7 +18,6 @@ from tensorfleet.testing.loopback import (
     MODEL,
     chat,
     engine_error,
-    eventually,
     fake_engine,
     free_port,
     metric_value,
@@ -28,6 +27,7 @@ from tensorfleet.testing.loopback import (
     sim_process,
     sse_events,
 )
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

@@ -24,7 +24,6 @@ from tensorfleet.testing.loopback import (
     MODEL,
     chat,
     engine_error,
-    eventually,
     fake_engine,
     free_port,
     metric_value,
@@ -37,6 +36,7 @@ from tensorfleet.testing.loopback import (
     sse_events,
     wait_healthy,
 )
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

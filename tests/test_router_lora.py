@@ -16,7 +16,8 @@ from tensorfleet.httpapi import start_site
 from tensorfleet.sim.lora import LOAD_PATH, LoraConfig
 from tensorfleet.sim.profile import make_profile
 from tensorfleet.sim.server import SimConfig, SimServer
-from tensorfleet.testing.loopback import MODEL, eventually, metric_value, router, sse_events
+from tensorfleet.testing.loopback import MODEL, metric_value, router, sse_events
+from tensorfleet.testing.wait import eventually
 
 # An adapter's home engine is a rendezvous hash over the engines' URLs, whose ports are random here: with 24
 # adapters on 4 engines, the chance that their homes cover fewer than 3 engines is about 4e-7 (with 8 it was 2%).

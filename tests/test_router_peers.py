@@ -15,7 +15,8 @@ from aiohttp import web
 from tensorfleet import contract
 from tensorfleet.router import peers as peers_module
 from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
-from tensorfleet.testing.loopback import MODEL, eventually, fake_engine, free_port, metric_value, router, sim
+from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router, sim
+from tensorfleet.testing.wait import eventually
 
 CONVERSATIONS = 12   # all on one of 4 engines by chance, without the peers' placements: (1/4)^12, about 6e-8
 

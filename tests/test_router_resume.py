@@ -25,7 +25,6 @@ from tensorfleet.sim.tokenizer import count_tokens
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
-    eventually,
     fake_engine,
     metric_value,
     router,
@@ -33,6 +32,7 @@ from tensorfleet.testing.loopback import (
     sim_process,
     sse_events,
 )
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

@@ -17,9 +17,9 @@ import pytest
 from tensorfleet import contract
 from tensorfleet.controller.idle import parse_time
 from tensorfleet.kube.connection import Connection
-from tensorfleet.testing.loopback import chat, eventually, post_chat, router, sim
+from tensorfleet.testing.loopback import chat, post_chat, router, sim
 from tensorfleet.testing.operator_harness import Cluster, cluster
-from tensorfleet.testing.operator_harness import eventually as until
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -56,7 +56,7 @@ async def test_a_request_at_zero_wakes_the_fleet_and_is_answered_once_an_engine_
         answer = asyncio.create_task(post_chat(client, r.url, chat("wake up", max_tokens=2)))
         await eventually(lambda: r.router.dispatcher.pending == 1)
         # The router renewed the Lease at once (the operator wakes the fleet on that write).
-        renewed = parse_time(await until(lambda: ((c.get(*LEASES, LEASE) or {}).get("spec") or {}).get("renewTime")))
+        renewed = parse_time(await eventually(lambda: ((c.get(*LEASES, LEASE) or {}).get("spec") or {}).get("renewTime")))
         assert renewed is not None and renewed.timestamp() >= before - 1
         # Longer than --queue-timeout: a cold start from zero waits --cold-start-timeout.
         await asyncio.sleep(1.5)

@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from tensorfleet import contract
-from tensorfleet.testing.loopback import MODEL, RunningSim, chat, eventually, metric_value, router, sim, sse_events
+from tensorfleet.testing.loopback import MODEL, RunningSim, chat, metric_value, router, sim, sse_events
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 

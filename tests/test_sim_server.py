@@ -16,7 +16,6 @@ from tensorfleet.sim.tokenizer import count_tokens
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
-    eventually,
     free_port,
     metric_value,
     sim,
@@ -24,6 +23,7 @@ from tensorfleet.testing.loopback import (
     sse_events,
     wait_healthy,
 )
+from tensorfleet.testing.wait import eventually
 
 DOCUMENTED_METRICS = (
     contract.VLLM_METRIC_RUNNING, contract.VLLM_METRIC_WAITING, contract.VLLM_METRIC_KV_CACHE_USAGE,

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from tensorfleet import contract, promtext, vllm_defaults
-from tensorfleet.catalog.gpus import GPUS
+from tensorfleet.gpus import GPUS
 from tensorfleet.router.backends import parse_engine_metrics
 from tensorfleet.testing import realvllm
 

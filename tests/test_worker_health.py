@@ -20,7 +20,7 @@ from typing import Any
 
 import pynvml
 import pytest
-from worker_helpers import free_port, http_get
+from worker_helpers import FakeEngine, free_port, http_get
 
 from tensorfleet import contract, promtext
 from tensorfleet.worker import cli, metrics
@@ -383,51 +383,6 @@ def test_accelerator_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 
 # --- the pod's /health (the GPU pods' readiness probe) -------------------------------
 
-class _FakeEngine:
-    """vLLM's /health on loopback, answering whatever `status` says, and /v1/completions answering
-    `generate_status` once `generate` is set (it records each request's body)."""
-
-    def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        self.status = 200
-        self.generate_status = 200
-        self.generate = threading.Event()
-        self.generate.set()
-        self.generations: list[dict[str, Any]] = []
-        engine = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(engine.status if self.path == contract.HEALTH_PATH else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path != "/v1/completions":
-                    self.send_response(404)
-                else:
-                    engine.generations.append(body)
-                    engine.generate.wait(30)
-                    self.send_response(engine.generate_status)
-                payload = b'{"choices": []}'
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def _launcher(tmp_path: Path, **role: Any) -> Any:
     from tensorfleet.worker.launcher import Launcher, Options
     from tensorfleet.worker.role import Role
@@ -443,7 +398,7 @@ def _launcher(tmp_path: Path, **role: Any) -> Any:
 def test_the_leaders_health_needs_its_gpus_and_its_engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     devices = [FakeGpu(), FakeGpu()]
     install_fake_nvml(monkeypatch, devices)
-    engine = _FakeEngine()
+    engine = FakeEngine()
     launcher, logs = _launcher(tmp_path, engine_port=engine.port, stage_index=0)
     port = launcher.role.gpu_metrics_port
     server = metrics.serve(port, metrics.GpuCollector(gpus.Thresholds(min_gpus=2)), addr="127.0.0.1",
@@ -470,7 +425,7 @@ def test_the_leaders_health_needs_its_gpus_and_its_engine(monkeypatch: pytest.Mo
         code, body = http_get(url)
         assert code == 503 and "did not answer" in body.splitlines()[-1]
         # A fatal XID the launcher saw.
-        engine = _FakeEngine()
+        engine = FakeEngine()
         launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
         assert http_get(url)[0] == 200
         launcher.state.add_xid(0, 79)
@@ -504,7 +459,7 @@ def test_a_worker_stage_health_needs_its_gpus_and_ray_not_an_engine(monkeypatch:
 
 def test_no_nvml_is_not_ready(tmp_path: Path) -> None:
     """This machine has no driver: a GPU pod that cannot read its GPUs is not ready."""
-    engine = _FakeEngine()
+    engine = FakeEngine()
     try:
         launcher, _ = _launcher(tmp_path, engine_port=engine.port)
         launcher.state.phase(statefile.PHASE_RUNNING)
@@ -547,7 +502,7 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
     """A CPU engine pod's readiness: the launcher runs its engine and vLLM's /health answers 200. No NVML, no
     XID watcher, no GPU gauges; the launcher serves /health on its port all the same."""
     _no_gpu_calls(monkeypatch)
-    engine = _FakeEngine()
+    engine = FakeEngine()
     launcher, logs = _launcher(tmp_path, engine_port=engine.port, tensor_parallel_size=1,
                                accelerator=contract.CPU_ACCELERATOR)
     assert launcher.role.cpu
@@ -570,7 +525,7 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
         code, body = http_get(url)
         assert code == 503 and "did not answer" in body.splitlines()[-1]
         # The launcher gone: its phase no longer counts.
-        engine = _FakeEngine()
+        engine = FakeEngine()
         launcher.role = launcher.role.model_copy(update={"engine_port": engine.port})
         assert http_get(url)[0] == 200
         launcher.state.phase(statefile.PHASE_STOPPING)
@@ -607,7 +562,7 @@ def _until_healthy(launcher: Any, bound: float = 10.0) -> tuple[bool, list[str]]
     return healthy, lines
 
 
-def _cpu_launcher(tmp_path: Path, engine: _FakeEngine) -> Any:
+def _cpu_launcher(tmp_path: Path, engine: FakeEngine) -> Any:
     launcher, logs = _launcher(tmp_path, engine_port=engine.port, tensor_parallel_size=1,
                                accelerator=contract.CPU_ACCELERATOR, served_model_name="served-name")
     launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
@@ -618,7 +573,7 @@ def test_a_cpu_engine_turns_ready_only_once_warmed_up(monkeypatch: pytest.Monkey
     """vLLM's CPU backend compiles on its first generations (20-35 s on 2 cores): the pod stays out of its
     Service, saying so, until one sampled and one greedy generation of the served model have answered."""
     _no_gpu_calls(monkeypatch)
-    engine = _FakeEngine()
+    engine = FakeEngine()
     engine.generate.clear()   # the first generation "compiles" until released
     try:
         launcher, logs = _cpu_launcher(tmp_path, engine)
@@ -642,7 +597,7 @@ def test_a_cpu_engine_turns_ready_only_once_warmed_up(monkeypatch: pytest.Monkey
     assert sorted(g["temperature"] for g in engine.generations) == [0.0, 1.0]
     assert any(line.startswith("engine warmed up in ") for line in logs), logs
     # Warmed up once: an engine that restarts its /health later is judged on /health alone.
-    engine_again = _FakeEngine()
+    engine_again = FakeEngine()
     try:
         launcher.role = launcher.role.model_copy(update={"engine_port": engine_again.port})
         assert launcher.pod_health()[0] and not engine_again.generations
@@ -653,7 +608,7 @@ def test_a_cpu_engine_turns_ready_only_once_warmed_up(monkeypatch: pytest.Monkey
 def test_a_failed_warm_up_does_not_keep_a_cpu_engine_out(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A warm-up the engine refuses (a model that cannot generate, say) is logged and the pod turns Ready."""
     _no_gpu_calls(monkeypatch)
-    engine = _FakeEngine()
+    engine = FakeEngine()
     engine.generate_status = 400
     try:
         launcher, logs = _cpu_launcher(tmp_path, engine)
@@ -674,7 +629,7 @@ def test_gpu_pods_do_not_warm_up(tmp_path: Path) -> None:
 def test_a_gpu_pod_without_nvml_stays_unhealthy_whatever_its_engine_says(tmp_path: Path) -> None:
     """CPU mode comes from the plan (TF_ACCELERATOR), never from NVML failing: a GPU pod on this machine (no
     driver) with vLLM answering 200 and its launcher running is not ready."""
-    engine = _FakeEngine()
+    engine = FakeEngine()
     try:
         launcher, _ = _launcher(tmp_path, engine_port=engine.port, accelerator="H100-80GB")
         assert not launcher.role.cpu

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import pytest
-from worker_helpers import free_port, http_get, wait_until
+from worker_helpers import FakeEngine, free_port, http_get, wait_until
 
 from tensorfleet import contract, promtext
 from tensorfleet.worker import gpu as gpus
@@ -79,28 +77,10 @@ def test_xids_are_fed_once_each_in_order(tmp_path: Path) -> None:
     assert seen == [(1, 13), (0, 79)]
 
 
-class _Engine:
-    """The simulator's /health, answering 200."""
-
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200 if self.path == contract.HEALTH_PATH else 404)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: Path) -> None:
     """The launcher of a simulator leader on L4s: Ready while its two simulated GPUs and its engine are; a hot GPU
     takes it out and back; an XID 79 takes it out for good, the annotation's removal notwithstanding."""
-    engine, state = _Engine(), tmp_path / "simulated-gpu-state"
+    engine, state = FakeEngine(), tmp_path / "simulated-gpu-state"
     role = Role.model_validate({"model": "m", "served_model_name": "m", "engine_kind": "simulator",
                                 "accelerator": "L4", "tensor_parallel_size": 2, "stage_index": 0,
                                 "engine_port": engine.port, "gpu_metrics_port": free_port(),
@@ -136,3 +116,18 @@ def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: 
         engine.server.shutdown()
     assert any("2 simulated NVIDIA L4 GPU(s)" in line for line in logs), logs
     assert "simulated GPU 0 reported XID 79" in logs
+
+
+def test_the_gpu_checks_load_no_crd_model_and_no_planner() -> None:
+    """The launcher's GPU checks (NVML's and the simulated ones) need the GPU table only: it is a leaf module, so
+    they import neither pydantic's CRD models nor the catalog's model facts."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, tensorfleet.worker.gpu, tensorfleet.worker.simgpu\n"
+             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorfleet', 'pydantic'))))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                            timeout=60).stdout.split()
+    assert "tensorfleet.gpus" in loaded
+    assert not [m for m in loaded if m.startswith(("tensorfleet.api", "tensorfleet.catalog", "tensorfleet.planner",
+                                                   "pydantic"))], loaded

@@ -10,10 +10,12 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +266,46 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 def calls(path: Path, cmd: str) -> Iterator[dict[str, Any]]:
     return (entry for entry in read_log(path) if entry["cmd"] == cmd)
+
+
+class FakeEngine:
+    """vLLM's /health on loopback, answering whatever `status` says, and /v1/completions answering
+    `generate_status` once `generate` is set (it records each request's body)."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.generate_status = 200
+        self.generate = threading.Event()
+        self.generate.set()
+        self.generations: list[dict[str, Any]] = []
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(engine.status if self.path == contract.HEALTH_PATH else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/completions":
+                    self.send_response(404)
+                else:
+                    engine.generations.append(body)
+                    engine.generate.wait(30)
+                    self.send_response(engine.generate_status)
+                payload = b'{"choices": []}'
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -88,7 +88,7 @@ ROLE_WORKER: Final = "worker"
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL: Final = "nvidia.com/gpu.product"
 # The node labels managed Kubernetes puts on GPU nodes without GPU feature
-# discovery; catalog/gpus.py has each GPU type's values and their sources.
+# discovery; gpus.py has each GPU type's values and their sources.
 GKE_ACCELERATOR_LABEL: Final = "cloud.google.com/gke-accelerator"
 KARPENTER_GPU_NAME_LABEL: Final = "karpenter.k8s.aws/instance-gpu-name"
 KARPENTER_GPU_MEMORY_LABEL: Final = "karpenter.k8s.aws/instance-gpu-memory"  # MiB per GPU

@@ -8,9 +8,9 @@ it from a config.json (pure: the files are fetched by `tensorfleet.modelinfo`),
 from tensorfleet.catalog import sizes
 from tensorfleet.catalog.facts import ModelFacts, ModelSource
 from tensorfleet.catalog.formats import WeightFormat
-from tensorfleet.catalog.gpus import CPU, GPUS, GPUType, accelerator_names, find_gpu, gpu_names, is_cpu
 from tensorfleet.catalog.modelconfig import ModelConfigError, parse_model_config
 from tensorfleet.catalog.models import MODELS, ModelEntry, catalog_facts, find_model, normalise
+from tensorfleet.gpus import CPU, GPUS, GPUType, accelerator_names, find_gpu, gpu_names, is_cpu
 
 __all__ = [
     "CPU", "GPUS", "MODELS", "GPUType", "ModelConfigError", "ModelEntry", "ModelFacts", "ModelSource", "WeightFormat",

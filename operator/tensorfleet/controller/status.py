@@ -60,7 +60,8 @@ def plan_message(plan: Plan) -> str:
             f"{plan.max_concurrent_sequences} sequences of {plan.max_model_len:,} tokens")
 
 
-def _progress(obs: Observation, rollout: Mode, idle_since: str | None = None) -> tuple[ConditionStatus, str, str]:
+def progress(obs: Observation, rollout: Mode, idle_since: str | None = None) -> tuple[ConditionStatus, str, str]:
+    """The Progressing condition's (status, reason, message)."""
     desired = obs.desired
     if rollout.blocked:
         return "True", SURGE_UNSCHEDULABLE, f"{obs.updated_replicas} of {desired} groups updated; {rollout.blocked}"
@@ -258,7 +259,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
     cause = _cause(obs, plan, _diagnoses(obs))
     for type_, (status, reason, message) in (
-        (PROGRESSING, _progress(obs, rollout, idle_since)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
+        (PROGRESSING, progress(obs, rollout, idle_since)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
     ):
         conditions = set_condition(conditions, type_, status, reason, message, generation, now)
     return _wire(InferenceServiceStatus(

@@ -1,6 +1,6 @@
 """Capacity planning: does a model fit, on which layout, and how much KV cache is left."""
 
-from tensorfleet.planner.disagg import make_plan
+from tensorfleet.planner.entry import make_plan
 from tensorfleet.planner.lora import LoraPlan
 from tensorfleet.planner.plan import Plan, valid_tensor_sizes
 

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation: two pools of one model, planned apart and checked to exchange KV.
 
-`make_plan` is the planner's entry point. Without spec.prefill it plans the
-one pool (`plan.plan_pool`). With it, the spec's own parallelism and
+`plan_disaggregated` plans a spec with spec.prefill (`entry.make_plan`, the
+planner's entry point, sends it here): the spec's own parallelism and
 accelerator describe the decode pool and spec.prefill the prefill pool; each
 is planned as a pool of its own (its GPU type, its tensor size), and the
 decode Plan carries the prefill one (`Plan.prefill`) and the connector
@@ -35,15 +35,12 @@ KV_TRANSFER_FLAG = BY_FIELD["kv_transfer_config"].vllm_flag
 _RENAMED = (("spec.parallelism", f"{PREFILL}.parallelism"), ("spec.accelerator", f"{PREFILL}.accelerator"))
 
 
-def make_plan(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
-    """Plan the InferenceService: its one pool, or with spec.prefill its decode pool carrying the prefill pool's
-    plan. Raises SpecError naming the field."""
+def plan_disaggregated(spec: InferenceServiceSpec, facts: ModelFacts | None = None) -> Plan:
+    """Plan a spec with spec.prefill: its decode pool carrying the prefill pool's plan. Raises SpecError naming
+    the field."""
     prefill = spec.prefill
     if prefill is None:
-        if spec.kv_transfer is not None:
-            raise SpecError("spec.kvTransfer", "applies only with spec.prefill (a prefill pool to move KV from); "
-                                               "add spec.prefill or remove spec.kvTransfer")
-        return plan_pool(spec, facts)
+        raise ValueError("plan_disaggregated plans a spec with spec.prefill; make_plan plans one without")
     if spec.adapters or spec.engine.lora is not None:
         raise SpecError("spec.adapters", "LoRA adapters are not served by disaggregated pools yet; remove "
                                          "spec.adapters and spec.engine.lora, or spec.prefill")

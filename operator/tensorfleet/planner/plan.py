@@ -1,6 +1,6 @@
 """Does a model fit on these GPUs, and how many requests can it hold?
 
-`plan_pool(spec, facts)` (through `disagg.make_plan`, the entry point) resolves the model and GPU facts, checks the parallel
+`plan_pool(spec, facts)` (through `entry.make_plan`, the entry point) resolves the model and GPU facts, checks the parallel
 layout against the rules vLLM enforces, sizes memory with `memory.py`, and
 either returns a Plan or raises SpecError naming the field and what would fit.
 

@@ -43,6 +43,7 @@ from tensorfleet.sim.engine import Engine
 from tensorfleet.sim.kvtransfer import TransferConfig
 from tensorfleet.sim.profile import Profile, make_profile
 from tensorfleet.sim.server import SimConfig, SimServer
+from tensorfleet.testing.wait import eventually
 
 MODEL = "test-model"
 # L4 + Llama-3.1-8B decode steps are ~70 ms simulated; x0.01 makes them 0.7 ms.
@@ -186,20 +187,6 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[tuple[float,
             for line in event.split(b"\n"):
                 if line.startswith(b"data: "):
                     yield time.monotonic(), line[6:].decode()
-
-
-async def eventually(predicate: Any, timeout: float = 5.0, interval: float = 0.01) -> None:
-    """Wait until predicate() (sync or async) is true, or fail."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await asyncio.sleep(interval)
 
 
 def metric_value(text: str, name: str, **labels: str) -> float | None:

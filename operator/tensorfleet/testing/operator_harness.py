@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -121,18 +120,6 @@ class Cluster:
                 if (obj["metadata"].get("labels") or {}).get(contract.LABEL_INSTANCE) == name:
                     out[(kind.kind, obj["metadata"]["name"])] = obj
         return out
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 20.0, message: str = "") -> Any:
-    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {message or check}")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

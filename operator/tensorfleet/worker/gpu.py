@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.catalog import find_gpu
+from tensorfleet.gpus import find_gpu
 
 # XIDs that mean the GPU (not the application) is broken and the pod must
 # move: 48 double-bit ECC, 64 row-remap/page-retirement failure, 74 NVLink,

@@ -29,7 +29,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from tensorfleet.catalog import find_gpu
+from tensorfleet.gpus import find_gpu
 from tensorfleet.worker import gpu as gpus
 
 # An idle GPU: what NVML shows of one with nothing running.
