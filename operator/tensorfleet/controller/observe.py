@@ -119,11 +119,11 @@ class Group:
         one it replaced was deleted or evicted), and a member whose Ready went
         False after that has failed (its readiness includes GPU health). A
         leader that is not Ready has failed when its Ready went False after
-        its containers started (see `diagnose.readiness_lost`): it had served. A
+        its containers started (`diagnose.readiness_lost`): it had served. A
         member on a node that is not Ready is the node grace's to judge
-        (Observation._node_lost), not this. A member stuck in a crash loop
-        is left alone (restarting its group again
-        cannot help, and Degraded says why), as is a group already going away
+        (`Observation._node_lost`), not this. A member stuck in a crash loop
+        is left alone (restarting its group again cannot help, and Degraded
+        says why), as is a group already going away
         (its leader goes first). A member being deleted while the leader it
         joined still serves (evicted, drained, its node gone) breaks the group
         too, and restarting it at once is what ends that member's wait: a

@@ -142,7 +142,7 @@ async def roll_groups(ctx: Context, obs: Observation, mode: Mode) -> None:
                                  f"restarting group {index} (all {obs.pipeline} stages): {reason}; "
                                  "vLLM cannot take a lost pipeline stage back")
     for index, pod, node in orphans:
-        if index in restart:
+        if index in restart or controller_of(pod) is None:
             continue
         await pods.delete(ctx, POD, pod, grace_seconds=0)
         log.info("deleted orphan pod %s/%s: %s", ctx.namespace, pod["metadata"]["name"], node.detail)
