@@ -232,6 +232,31 @@ async def test_a_group_whose_worker_is_being_deleted_restarts_at_once() -> None:
         assert "pod demo-stage-1-0 is being deleted" in restarted[0]["message"], restarted
 
 
+async def test_the_stand_in_kubelet_readies_a_leader_only_after_its_workers() -> None:
+    """The emulator's kubelet must not let a leader serve before its workers exist, as a vLLM leader cannot (it
+    waits for every stage in its Ray cluster): a worker created after its leader turned Ready reads as a
+    replacement, and the operator would restart a group that only started."""
+    from tensorfleet.api import load_inference_service
+    from tensorfleet.planner import make_plan
+    from tensorfleet.render import render
+
+    isvc = load_inference_service(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=1))
+    stages = {obj["metadata"]["name"]: obj for obj in render(isvc, make_plan(isvc.spec), namespace="default")
+              if obj["kind"] == "StatefulSet"}
+    async with cluster() as c, c.workloads():
+        await c.upsert("apps/v1", "statefulsets", stages["demo-stage-0"])
+        await eventually(lambda: c.get("v1", "pods", "demo-stage-0-0"), message="the leader pod")
+        await asyncio.sleep(0.5)   # ten syncs of the stand-in: a worker-less leader stays unready
+        assert not _is_ready(existing(c, "v1", "pods", "demo-stage-0-0"))
+        await c.upsert("apps/v1", "statefulsets", stages["demo-stage-1"])
+        await eventually(lambda: _is_ready(c.get("v1", "pods", "demo-stage-0-0") or {}), message="the leader Ready")
+        assert _is_ready(existing(c, "v1", "pods", "demo-stage-1-0"))
+
+
+def _is_ready(pod: dict[str, Any]) -> bool:
+    return any(x["type"] == "Ready" and x["status"] == "True" for x in pod.get("status", {}).get("conditions") or [])
+
+
 async def test_groups_that_start_normally_are_never_restarted() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await _two_ready_groups(c)

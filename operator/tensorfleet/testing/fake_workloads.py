@@ -5,7 +5,9 @@ reaction to pods (readiness, rollout, scaling) can be tested. Pods appear
 for every StatefulSet ordinal with the template's labels plus
 `controller-revision-hash` and `apps.kubernetes.io/pod-index`; RollingUpdate
 StatefulSets replace outdated pods themselves, OnDelete ones leave that to
-the operator; pods turn Ready when `ready(pod)` says so.
+the operator; pods turn Ready when `ready(pod)` says so, and the leader of a
+multi-stage group not before its workers are (a vLLM leader serves only after
+every stage joined its Ray cluster).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class FakeWorkloads:
         self.interval = interval
         self._task: asyncio.Task[None] | None = None
         self._addresses = 0  # pod IPs handed out
+        self._workers_ready: Callable[[dict[str, Any]], bool] = lambda pod: True
 
     async def __aenter__(self) -> Self:
         self._task = asyncio.create_task(self._loop())
@@ -49,6 +52,7 @@ class FakeWorkloads:
         for pod in self.emulator.all("v1", "pods"):
             meta = pod["metadata"]
             pods_by_owner.setdefault((meta["namespace"], meta["name"].rsplit("-", 1)[0]), {})[meta["name"]] = pod
+        self._workers_ready = _workers_ready(self.emulator.all("v1", "pods"))
         for sts in self.emulator.all("apps/v1", "statefulsets"):
             key = (sts["metadata"]["namespace"], sts["metadata"]["name"])
             await self._sync_statefulset(sts, pods_by_owner.get(key, {}))
@@ -102,7 +106,8 @@ class FakeWorkloads:
         if not any(r.get("controller") for r in refs):  # orphaned by a recreated StatefulSet
             pod["metadata"]["ownerReferences"] = [*refs, self._owner(sts)]
             changed = True
-        want = self.ready(pod)
+        # A leader turns Ready only once its workers are; one that serves stays so (its engine runs on).
+        want = self.ready(pod) and (_ready(pod) or self._workers_ready(pod))
         if _ready(pod) != want:
             # As the kubelet does: lastTransitionTime moves when the status does.
             pod["status"] = {**pod.get("status", {}), "phase": "Running" if want else "Pending",
@@ -125,3 +130,26 @@ class FakeWorkloads:
 
 def _ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in pod.get("status", {}).get("conditions", []))
+
+
+def _workers_ready(pods: list[dict[str, Any]]) -> Callable[[dict[str, Any]], bool]:
+    """Whether a pod may turn Ready as far as its group goes: a leader (stage 0) once the pod of every other stage
+    of its group (its TF_PIPELINE_PARALLEL_SIZE) exists and is Ready, as the last sync saw them; any other pod at
+    once."""
+    ready: set[tuple[str, str, str, str]] = set()
+    for pod in pods:
+        labels = pod["metadata"].get("labels") or {}
+        if contract.LABEL_STAGE in labels and _ready(pod):
+            ready.add((pod["metadata"]["namespace"], labels.get(contract.LABEL_INFERENCE_SERVICE, ""),
+                       labels.get(contract.LABEL_POD_INDEX, ""), labels[contract.LABEL_STAGE]))
+
+    def workers_ready(pod: dict[str, Any]) -> bool:
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get(contract.LABEL_STAGE) != "0":
+            return True
+        env = {e.get("name"): e.get("value") for c in pod["spec"].get("containers") or [] for e in c.get("env") or []}
+        stages = int(env.get(contract.ENV_PIPELINE_PARALLEL) or 1)
+        key = (pod["metadata"]["namespace"], labels.get(contract.LABEL_INFERENCE_SERVICE, ""),
+               labels.get(contract.LABEL_POD_INDEX, ""))
+        return all((*key, str(stage)) in ready for stage in range(1, stages))
+    return workers_ready
