@@ -16,8 +16,6 @@ from __future__ import annotations
 import copy
 import signal
 import subprocess
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ import kubernetes_validate
 import pytest
 from conftest import isvc_doc
 from pod_security import pod_templates, violations
-from worker_helpers import WORKER, base_env, example_docs, free_port, install_fakes, pod_env, wait_until
+from worker_helpers import WORKER, base_env, example_docs, free_port, http_get, install_fakes, pod_env, wait_until
 
 from tensorfleet import contract, vllm_defaults
 from tensorfleet.api import load_inference_service
@@ -280,11 +278,9 @@ def test_the_launcher_reads_cpu_mode_from_the_plan() -> None:
 
 
 def _get(url: str) -> tuple[int, str]:
+    """`http_get`, with a connection refused (or timed out) as status 0."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as answer:
-            return answer.status, answer.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
+        return http_get(url)
     except OSError as exc:
         return 0, str(exc)
 

@@ -80,13 +80,18 @@ def test_a_pod_on_a_node_that_is_not_ready_is_diagnosed_with_the_node_and_its_wo
                                         nodes.under([pod("x", 1, 0, "gpu-1")]))] == ["stranded"]
 
 
-def _observe(pipeline: int, at: str, *, terminating: bool = False) -> Any:
+def _observe(pipeline: int, at: str, *, terminating: bool = False, deleted: bool = False,
+             graceless: bool = False) -> Any:
+    """Two groups of PIPELINE stages at AT, the last stage of group 0 on node gpu-1: not Ready since SINCE, or
+    DELETED then; TERMINATING: group 0's leader being deleted; GRACELESS: the pod on gpu-1 deleted with no grace."""
     nodes = NotReadyNodes()
-    nodes.observed(node("gpu-1", "False"), SINCE)
+    nodes.observed(node("gpu-1", "True" if deleted else "False"), SINCE, deleted=deleted)
     pods = [pod(f"m-stage-{s}-{g}", s, g, "gpu-1" if (s, g) == (pipeline - 1, 0) else f"gpu-{9 - s - g}")
             for g in range(2) for s in range(pipeline)]
     if terminating:
         pods[0]["metadata"]["deletionTimestamp"] = at
+    if graceless:
+        pods[pipeline - 1]["metadata"].update(deletionTimestamp=SINCE, deletionGracePeriodSeconds=0)
     now = datetime.datetime.fromisoformat(at)
     return observe(pipeline, 2, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60, now=now)
 
@@ -173,27 +178,16 @@ def test_deleted_nodes_remembered_are_bounded_oldest_first(monkeypatch: pytest.M
     assert sorted(held) == ["gpu-2", "gpu-3", "gpu-4", "sick"], "a node not Ready is never forgotten for room"
 
 
-def _on_deleted_node(pipeline: int, *, graceless: bool = False) -> Any:
-    nodes = NotReadyNodes()
-    nodes.observed(node("gpu-1", "True"), SINCE, deleted=True)
-    pods = [pod(f"m-stage-{s}-{g}", s, g, "gpu-1" if (s, g) == (pipeline - 1, 0) else f"gpu-{9 - s - g}")
-            for g in range(2) for s in range(pipeline)]
-    if graceless:
-        pods[pipeline - 1]["metadata"].update(deletionTimestamp=SINCE, deletionGracePeriodSeconds=0)
-    return observe(pipeline, 2, pods, {}, None, nodes=nodes.under(pods), node_grace_s=60,
-                   now=datetime.datetime.fromisoformat(SINCE))
-
-
 def test_a_group_with_a_stage_on_a_deleted_node_is_restarted_at_once_and_that_pod_is_an_orphan() -> None:
-    obs = _on_deleted_node(2)
+    obs = _observe(2, SINCE, deleted=True)
     assert obs.ready_replicas == 1
     assert obs.groups_to_restart() == {0: f"stage 1 pod m-stage-1-0: node gpu-1 was deleted (seen at {SINCE})"}
     assert obs.node_wait() is None, "no grace is waited for a node that is gone"
     assert [(i, p["metadata"]["name"]) for i, p, _ in obs.orphans()] == [(0, "m-stage-1-0")]
-    single = _on_deleted_node(1)
+    single = _observe(1, SINCE, deleted=True)
     assert single.groups_to_restart() == {} and single.ready_replicas == 1
     assert [(i, p["metadata"]["name"]) for i, p, _ in single.orphans()] == [(0, "m-stage-0-0")]
-    assert _on_deleted_node(1, graceless=True).orphans() == [], "already being deleted with no grace"
+    assert _observe(1, SINCE, deleted=True, graceless=True).orphans() == [], "already being deleted with no grace"
 
 
 # --- a leader that stops being Ready after it served -------------------------------------------------------------
