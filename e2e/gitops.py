@@ -4,13 +4,11 @@
 `e2e/cluster up --gitops` calls `start` after the operator is up (`down` calls `stop`, `status` shows it).
 Everything runs as a local process on 127.0.0.1, built from Go modules like the control plane:
 
-- Flux's source-controller and kustomize-controller (recipes e2e/build/flux-source and
-  e2e/build/flux-kustomize, v1.9.x: v1.10 needs Go 1.27), run with the cluster's admin kubeconfig,
-  RUNTIME_NAMESPACE flux-system, leader election off, source-controller's artifact server on a loopback
-  port it advertises to kustomize-controller. helm-controller is not built: the Go module proxy here
-  answers `403 Forbidden: This module version is not available` for github.com/fluxcd/helm-controller
-  (every version); the chart through Flux is not tested yet (docs/gitops.md says why).
-  Their CRDs come from the same modules' config/crd/bases (source's and kustomize's, applied server-side).
+- Flux's source-controller, kustomize-controller (recipes e2e/build/flux-source and e2e/build/flux-kustomize,
+  v1.9.x: v1.10 needs Go 1.27) and helm-controller (e2e/build/flux-helm, v1.6.4, the same Flux release),
+  run with the cluster's admin kubeconfig, RUNTIME_NAMESPACE flux-system, leader election off,
+  source-controller's artifact server on a loopback port it advertises to the other two.
+  Their CRDs come from the same modules' config/crd/bases, applied server-side.
 - A Git server (e2e/gitserver.py: git's own `git http-backend` over HTTP, fetch and push) serving the
   bare repository REPO_NAME under the state folder, made at `up` with one commit holding APPS_PATH.
 - A GitRepository `flux-system/tensorfleet` on that repository's main branch and a Kustomization
@@ -50,6 +48,7 @@ STATE_FILE = "gitops.json"
 CONTROLLERS = (
     ("flux-source", "github.com/fluxcd/source-controller", "source-controller"),
     ("flux-kustomize", "github.com/fluxcd/kustomize-controller", "kustomize-controller"),
+    ("flux-helm", "github.com/fluxcd/helm-controller", "helm-controller"),
 )
 PROCESSES = ("git", *(binary for _recipe, _module, binary in CONTROLLERS))  # in start order
 GIT_AUTHOR = {"GIT_AUTHOR_NAME": "tensorfleet-e2e", "GIT_AUTHOR_EMAIL": "e2e@tensorfleet.dev",
@@ -78,7 +77,7 @@ def free_port() -> int:
 
 
 def install_crds(kube: monitoring.Kube) -> list[str]:
-    """Flux's source and kustomize CRDs (the modules' config/crd/bases), server-side applied; their names."""
+    """Flux's CRDs (the controllers' modules' config/crd/bases), server-side applied; their names."""
     files = [file for recipe, module, _ in CONTROLLERS
              for file in sorted((monitoring.module_dir(BUILD / recipe, module) / "config" / "crd" / "bases")
                                 .glob("*.yaml"))]

@@ -13,8 +13,11 @@ team's history. docs/gitops.md says what is proven and how to repeat it by hand.
 
 from __future__ import annotations
 
+import base64
+import gzip
 import json
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -27,7 +30,9 @@ import pytest
 import yaml
 from kube import (
     NEXT_IMAGE,
+    RELEASE,
     ROOT,
+    SYSTEM_NAMESPACE,
     TIMEOUT,
     Requests,
     cluster_status,
@@ -51,10 +56,14 @@ from tensorfleet import contract, promtext
 FLUX_NAMESPACE = "flux-system"
 KUSTOMIZATION = "kustomization.kustomize.toolkit.fluxcd.io"
 GIT_REPOSITORY = "gitrepository.source.toolkit.fluxcd.io"
+HELM_RELEASE = "helmrelease.helm.toolkit.fluxcd.io"
 APPS = "tensorfleet-apps"
 SOURCE = "tensorfleet"
 INTERVAL_S = 10  # the Kustomization's and the GitRepository's (e2e/gitops.py)
-CHART_README = ROOT / "charts" / "tensorfleet" / "README.md"
+CHART = ROOT / "charts" / "tensorfleet"
+CHART_README = CHART / "README.md"
+CHART_IN_GIT = "charts/tensorfleet"  # beside the apps folder, not in it: the Kustomization must not apply templates
+CRD = f"customresourcedefinitions/{contract.PLURAL}.{contract.GROUP}"
 AUTHOR = ["-c", "user.name=tensorfleet-e2e", "-c", "user.email=e2e@tensorfleet.dev"]
 
 
@@ -103,7 +112,8 @@ def _kustomization() -> dict[str, Any]:
 
 
 def _reconcile_now() -> None:
-    """What `flux reconcile kustomization --with-source` does: ask both for a reconciliation now."""
+    """What `flux reconcile kustomization --with-source` does: ask both for a reconciliation now. (A HelmChart
+    built from the GitRepository follows its new artifact, and a HelmRelease its HelmChart's, on their own.)"""
     stamp = datetime.now(UTC).isoformat()
     for kind, name in ((GIT_REPOSITORY, SOURCE), (KUSTOMIZATION, APPS)):
         kubectl("annotate", "--overwrite", kind, name, "-n", FLUX_NAMESPACE, f"reconcile.fluxcd.io/requestedAt={stamp}")
@@ -162,6 +172,23 @@ def _argo_script(tmp: Path) -> Path:
     script = tmp / "health.lua"
     script.write_text(value)
     return script
+
+
+def _unfittable(doc: dict[str, Any]) -> dict[str, Any]:
+    """DOC serving a model that does not fit its GPUs (405B parameters on L4s)."""
+    bad = json.loads(json.dumps(doc))
+    bad["spec"]["model"] = {"name": "meta-llama/Llama-3.1-405B-Instruct", "servedName": "llama-405b"}
+    bad["spec"]["accelerator"] = {"type": "L4"}
+    bad["spec"]["engine"].pop("kind", None)
+    return bad
+
+
+def _webhook_refusal(doc: dict[str, Any]) -> str:
+    """The webhook's own one-line reason for refusing DOC, as `kubectl apply` shows it."""
+    said = kubectl_result("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(doc)).stderr.strip()
+    reason = said.split("denied the request: ", 1)[-1]
+    assert "denied the request" in said and "\n" not in reason, said
+    return reason
 
 
 # --- the flow: one team's history in one folder ---------------------------------------------------------------
@@ -267,14 +294,8 @@ def test_02_an_image_commit_rolls_out_with_the_kustomization_in_progress_and_no_
 def test_03_a_commit_the_webhook_refuses_fails_the_kustomization_with_its_reason_and_a_revert_heals(
         flow: Flow) -> None:
     good, generation = flow.doc, (isvc(flow.name, flow.namespace) or {})["metadata"]["generation"]
-    bad = json.loads(json.dumps(good))
-    bad["spec"]["model"] = {"name": "meta-llama/Llama-3.1-405B-Instruct", "servedName": "llama-405b"}
-    bad["spec"]["accelerator"] = {"type": "L4"}
-    bad["spec"]["engine"].pop("kind", None)
-    # The webhook's own words for this spec, as `kubectl apply` shows them.
-    said = kubectl_result("apply", "--dry-run=server", "-f", "-", stdin=yaml.safe_dump(bad)).stderr.strip()
-    reason = said.split("denied the request: ", 1)[-1]
-    assert "denied the request" in said and "\n" not in reason, said
+    bad = _unfittable(good)
+    reason = _webhook_refusal(bad)
     sha = flow.repo.commit({f"{flow.namespace}/{flow.name}.yaml": bad}, f"{flow.namespace}: a model that cannot fit")
     _reconcile_now()
     refused = eventually("the Kustomization Ready=False at the refused commit", lambda: _refused(sha), timeout=TIMEOUT)
@@ -347,6 +368,203 @@ def test_05_removing_a_file_prunes_that_service_and_all_it_owns_and_nothing_else
     eventually(f"everything {name} owned collected", gone, timeout=TIMEOUT)
     assert wait_ready(kept, flow.namespace), "the other service stays"
     assert get("configmap", "not-in-git", flow.namespace) is not None, "what Flux did not apply stays"
+
+
+# --- the chart itself through Flux: a HelmRelease takes over the running release and upgrades it --------------
+
+
+def _release(name: str = RELEASE, namespace: str = SYSTEM_NAMESPACE) -> dict[str, Any]:
+    """Release NAME's newest record as Helm stores it (a Secret per revision: base64 of gzipped JSON)."""
+    found = items("secrets", namespace, f"owner=helm,name={name}")
+    assert found, f"no Helm release {name} in {namespace}"
+    newest = max(found, key=lambda s: int(s["metadata"]["labels"]["version"]))
+    return dict(json.loads(gzip.decompress(base64.b64decode(base64.b64decode(newest["data"]["release"])))))
+
+
+def _chart_version() -> str:
+    found = re.search(r"^version:\s*(\S+)", (CHART / "Chart.yaml").read_text(), flags=re.MULTILINE)
+    assert found, "charts/tensorfleet/Chart.yaml has no version"
+    return found.group(1).strip("'\"")
+
+
+def _put_chart(repo: Repo, version: str, *, column: bool) -> None:
+    """This repository's chart into the Git repository's CHART_IN_GIT, as VERSION; with COLUMN, its CRD gains a
+    printer column (a CRD change as a new release of the chart brings one)."""
+    target = repo.work / CHART_IN_GIT
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.copytree(CHART, target)
+    meta = target / "Chart.yaml"
+    meta.write_text(re.sub(r"^version:.*$", f"version: {version}", meta.read_text(), count=1, flags=re.MULTILINE))
+    if column:
+        (crd_file,) = (target / "crds").glob("*.yaml")
+        crd = yaml.safe_load(crd_file.read_text())
+        for version_ in crd["spec"]["versions"]:
+            version_.setdefault("additionalPrinterColumns", []).append(
+                {"name": "Generation", "type": "integer", "jsonPath": ".metadata.generation", "priority": 1})
+        crd_file.write_text(yaml.safe_dump(crd, sort_keys=False))
+
+
+def _helm_release(values: dict[str, Any], *, suspend: bool = False, name: str = RELEASE,
+                  namespace: str = SYSTEM_NAMESPACE) -> dict[str, Any]:
+    """The HelmRelease a platform team commits for the chart: release NAME in NAMESPACE (by default the running
+    one: Flux upgrades a release it did not make), the chart from the same Git repository, CRDs created and
+    replaced."""
+    spec: dict[str, Any] = {
+        "interval": f"{INTERVAL_S}s", "releaseName": name, "targetNamespace": namespace,
+        "storageNamespace": namespace, "timeout": "3m",
+        "chart": {"spec": {"chart": f"./{CHART_IN_GIT}", "interval": f"{INTERVAL_S}s",
+                           "sourceRef": {"kind": "GitRepository", "name": SOURCE}}},
+        "install": {"crds": "CreateReplace"}, "upgrade": {"crds": "CreateReplace"}, "values": values}
+    if suspend:
+        spec["suspend"] = True
+    return {"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
+            "metadata": {"name": name, "namespace": FLUX_NAMESPACE}, "spec": spec}
+
+
+def _released(chart_version: str, name: str = RELEASE) -> dict[str, Any] | None:
+    """The HelmRelease NAME once it is Ready with CHART_VERSION deployed."""
+    found = get(HELM_RELEASE, name, FLUX_NAMESPACE)
+    if not found or (condition(found, "Ready") or {}).get("status") != "True":
+        return None
+    status = found.get("status", {})
+    latest = (status.get("history") or [{}])[0]
+    current = status.get("observedGeneration") == found["metadata"]["generation"]
+    return found if current and latest.get("chartVersion") == chart_version and latest.get("status") == "deployed" \
+        else None
+
+
+def _columns() -> list[str]:
+    crd = json.loads(kubectl("get", CRD, "-o", "json"))
+    return [c["name"] for v in crd["spec"]["versions"] for c in v.get("additionalPrinterColumns") or []]
+
+
+def _ca_bundle() -> str:
+    hook = json.loads(kubectl("get", "validatingwebhookconfigurations", "-o", "json",
+                              "-l", f"app.kubernetes.io/instance={RELEASE}"))["items"]
+    assert len(hook) == 1, [h["metadata"]["name"] for h in hook]
+    return str(hook[0]["webhooks"][0]["clientConfig"].get("caBundle", ""))
+
+
+def test_06_a_helmrelease_takes_over_the_chart_upgrades_it_crd_included_and_hands_it_back(flow: Flow) -> None:
+    """The chart `e2e/cluster up` installed with `helm install`, taken over by a HelmRelease committed with the
+    chart (helm-controller upgrades a release it did not make), upgraded by a commit whose CRD changed (upgrade.crds
+    CreateReplace), with the flow's service serving through it all, then handed back: suspended, then removed from
+    Git, which leaves the release installed."""
+    values = _release()["config"]  # what `helm install` was given: the release's user-supplied values
+    start = _release()["version"]
+    obj = isvc(flow.name, flow.namespace)
+    assert obj is not None and (condition(obj, "Ready") or {}).get("status") == "True"
+    uid, generation, bundle = obj["metadata"]["uid"], obj["metadata"]["generation"], _ca_bundle()
+    base = _chart_version()
+    file = f"{FLUX_NAMESPACE}/{RELEASE}-chart.yaml"
+    handed_back = False
+    try:
+        # 1. Taken over: the chart as it is, at the running release's name and namespace.
+        _put_chart(flow.repo, base, column=False)
+        sha = flow.repo.commit({file: _helm_release(values)}, "the chart by Flux")
+        _reconcile_now()
+        started = time.monotonic()
+        eventually("the Kustomization Ready with the HelmRelease", lambda: _applied(sha), timeout=TIMEOUT)
+        eventually(f"the HelmRelease Ready with chart {base}", lambda: _released(base), timeout=TIMEOUT)
+        took = {"taken over": time.monotonic() - started}
+        taken = _release()
+        assert (taken["version"], taken["info"]["status"]) == (start + 1, "deployed"), taken["info"]
+        assert "Generation" not in _columns()
+        # 2. A new chart release whose CRD changed, with requests through the flow's service all along.
+        upgraded = f"{base}-e2e.1"
+        with Requests(router_url(flow.name, flow.namespace), flow.doc["spec"]["model"]["servedName"]) as load:
+            eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
+            first = len(load.codes)
+            _put_chart(flow.repo, upgraded, column=True)
+            flow.repo.commit({}, f"the chart {upgraded}: a CRD printer column")
+            _reconcile_now()
+            started = time.monotonic()
+            eventually(f"the HelmRelease Ready with chart {upgraded}", lambda: _released(upgraded), timeout=TIMEOUT)
+            took["upgraded"] = time.monotonic() - started
+            sent = len(load.codes)
+            eventually("a few more requests after the upgrade", lambda: len(load.codes) >= sent + 3, timeout=60)
+        during = load.codes[first:]
+        assert during and all(code == 200 for code in during), f"requests during the upgrade: {during}"
+        assert "Generation" in _columns(), "upgrade.crds CreateReplace did not upgrade the CRD"
+        record = _release()
+        assert (record["version"], record["chart"]["metadata"]["version"]) == (start + 2, upgraded)
+        # The InferenceService survived the CRD's replacement untouched; Helm kept the webhook's CA (its lookup of
+        # the Secret, which helm-controller runs against the cluster); the webhook still refuses.
+        obj = isvc(flow.name, flow.namespace)
+        assert obj is not None and (obj["metadata"]["uid"], obj["metadata"]["generation"]) == (uid, generation)
+        assert (condition(obj, "Ready") or {}).get("status") == "True"
+        assert _ca_bundle() == bundle, "the upgrade made a new webhook CA"
+        _webhook_refusal(_unfittable(flow.doc))
+        # 3. Back to this repository's chart (its CRD again), then handed back: suspended first, so that removing
+        # the HelmRelease leaves the release installed (helm-controller uninstalls only what is not suspended).
+        restored = f"{base}-e2e.2"
+        _put_chart(flow.repo, restored, column=False)
+        flow.repo.commit({}, f"the chart {restored}: this repository's CRD")
+        _reconcile_now()
+        eventually(f"the HelmRelease Ready with chart {restored}", lambda: _released(restored), timeout=TIMEOUT)
+        assert "Generation" not in _columns()
+        sha = flow.repo.commit({file: _helm_release(values, suspend=True)}, "the chart: suspended")
+        _reconcile_now()
+        eventually("the Kustomization Ready with the HelmRelease suspended", lambda: _applied(sha), timeout=TIMEOUT)
+        handed_back = True
+    finally:
+        if not handed_back and get(HELM_RELEASE, RELEASE, FLUX_NAMESPACE) is not None:
+            # Whatever failed above, the release must outlive the HelmRelease: later suites run on it.
+            kubectl("patch", HELM_RELEASE, RELEASE, "-n", FLUX_NAMESPACE, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+        shutil.rmtree(flow.repo.work / CHART_IN_GIT, ignore_errors=True)
+        sha = flow.repo.commit({file: None}, "the chart: back to helm")
+        _reconcile_now()
+        eventually("the Kustomization Ready without the HelmRelease", lambda: _applied(sha), timeout=TIMEOUT)
+        eventually("the HelmRelease gone", lambda: get(HELM_RELEASE, RELEASE, FLUX_NAMESPACE) is None, timeout=TIMEOUT)
+    kept = _release()
+    assert (kept["version"], kept["info"]["status"]) == (start + 3, "deployed"), kept["info"]
+    assert wait_ready(flow.name, flow.namespace)
+    _webhook_refusal(_unfittable(flow.doc))
+    print(f"\nthe HelmRelease took the release over {took['taken over']:.1f}s after the push and upgraded it (CRD "
+          f"included) {took['upgraded']:.1f}s after the next; {len(during)} requests meanwhile, none failed")
+
+
+def test_07_a_helmrelease_installs_a_namespaced_copy_and_its_removal_uninstalls_it_but_no_crd_or_service(
+        flow: Flow) -> None:
+    """A second, namespaced install of the chart (watchNamespaces, webhook off: one webhook per cluster) made by
+    helm-controller's install action and judged healthy by its wait; removing its HelmRelease from Git uninstalls
+    every object it made, and leaves the CRD (Helm never deletes crds/) and every InferenceService."""
+    namespace, name = new_namespace("gitops-chart"), f"{RELEASE}-team"
+    values = {"watchNamespaces": [namespace], "webhook": {"enabled": False}, "operator": {"replicas": 0}}
+    file = f"{FLUX_NAMESPACE}/{name}-chart.yaml"
+    crd_uid = json.loads(kubectl("get", CRD, "-o", "json"))["metadata"]["uid"]
+    main_release = _release()["version"]
+    base = _chart_version()
+    try:
+        _put_chart(flow.repo, base, column=False)
+        sha = flow.repo.commit({file: _helm_release(values, name=name, namespace=namespace)}, f"the chart as {name}")
+        _reconcile_now()
+        eventually("the Kustomization Ready with the HelmRelease", lambda: _applied(sha), timeout=TIMEOUT)
+        eventually(f"the HelmRelease {name} Ready", lambda: _released(base, name), timeout=TIMEOUT)
+        installed = _release(name, namespace)
+        assert (installed["version"], installed["info"]["status"]) == (1, "deployed"), installed["info"]
+        made = _objects_of(name, namespace)
+        assert {"Deployment", "ServiceAccount", "ClusterRole"} <= {kind for kind, _ in made}, made
+    finally:
+        shutil.rmtree(flow.repo.work / CHART_IN_GIT, ignore_errors=True)
+        sha = flow.repo.commit({file: None}, f"the chart as {name}: removed")
+        _reconcile_now()
+        eventually("the Kustomization Ready without the HelmRelease", lambda: _applied(sha), timeout=TIMEOUT)
+        eventually("the HelmRelease gone", lambda: get(HELM_RELEASE, name, FLUX_NAMESPACE) is None, timeout=TIMEOUT)
+    eventually(f"every object of {name} uninstalled", lambda: not _objects_of(name, namespace), timeout=TIMEOUT)
+    assert not items("secrets", namespace, f"owner=helm,name={name}"), "the release's records stay"
+    assert json.loads(kubectl("get", CRD, "-o", "json"))["metadata"]["uid"] == crd_uid, "the CRD was replaced anew"
+    assert wait_ready(flow.name, flow.namespace)
+    assert _release()["version"] == main_release, "the other release was touched"
+    delete_namespace_later(namespace)
+
+
+def _objects_of(release: str, namespace: str) -> list[tuple[str, str]]:
+    """(kind, name) of what release RELEASE made: its objects in NAMESPACE and its cluster-scoped ones."""
+    selector = f"app.kubernetes.io/instance={release}"
+    found = [*items("deployments,services,serviceaccounts,configmaps,secrets,roles,rolebindings", namespace, selector),
+             *items("clusterroles,clusterrolebindings", None, selector)]
+    return [(o["kind"], o["metadata"]["name"]) for o in found]
 
 
 # --- kstatus and Argo CD's health check on real objects in each state ------------------------------------------
