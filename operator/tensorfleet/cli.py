@@ -106,6 +106,7 @@ def plan_summary(isvc: InferenceService, plan: Plan) -> dict[str, Any]:
         "namespace": isvc.namespace,
         "model": plan.model,
         **plan.to_status().model_dump(by_alias=True),
+        "allocation": None if plan.cpu else isvc.spec.accelerator.allocation,
         "autoLayout": plan.auto_layout,
         "dtype": plan.dtype,
         "engineDtype": plan.engine_dtype,
@@ -180,17 +181,27 @@ def _prefill_rows(isvc: InferenceService, plan: Plan) -> list[tuple[str, str]]:
     ]
 
 
-def _device_rows(plan: Plan) -> list[tuple[str, str]]:
-    """What one replica runs on: GPUs of a type, or on CPU the engine container's memory request."""
+def _device_rows(isvc: InferenceService, plan: Plan) -> list[tuple[str, str]]:
+    """What one replica runs on: GPUs of a type, and how its pods get them; or on CPU the engine container's
+    memory request."""
     if plan.cpu:
         return [
             ("accelerator", f"{plan.accelerator} (vLLM's CPU backend; {_gib(plan.gpu_memory_bytes)} memory request)"),
             ("layout", "tensor 1 x pipeline 1: one engine pod per replica, no GPU"),
         ]
+    if isvc.spec.accelerator.allocation == contract.ALLOCATION_DEVICE_CLASS:
+        allocation = (f"a ResourceClaim per pod: {plan.tensor} device(s) of the operator's DeviceClass (default "
+                      f"{contract.DEFAULT_GPU_DEVICE_CLASS}) that are a {plan.accelerator} by productName and memory "
+                      "(Dynamic Resource Allocation)")
+    else:
+        allocation = (f"{plan.tensor} {contract.GPU_RESOURCE} per pod (the device plugin), on nodes labelled "
+                      f"{plan.accelerator}" + ("" if isvc.spec.accelerator.node_affinity == "auto" else
+                                               " (not required: nodeAffinity none)"))
     return [
         ("accelerator", f"{plan.accelerator} ({plan.gpu_memory_bytes // MiB} MiB, {_gib(cuda_total_bytes(plan.gpu_memory_bytes))} usable by CUDA)"),
         ("layout", f"tensor {plan.tensor} x pipeline {plan.pipeline} = {plan.gpus_per_replica} GPU(s) per replica"
                    + (" (chosen by the planner)" if plan.auto_layout else "")),
+        ("GPUs from", allocation),
     ]
 
 
@@ -228,7 +239,7 @@ def plan_table(isvc: InferenceService, plan: Plan) -> str:
     per = "per pod" if plan.cpu else "per GPU"
     rows = [
         ("model", plan.model),
-        *_device_rows(plan),
+        *_device_rows(isvc, plan),
         ("precision", (f"weights {plan.weight_format}, activations {plan.dtype} (--dtype {plan.engine_dtype}), "
                        f"KV cache {plan.kv_cache_dtype}")),
         ("model facts", plan.model_source + (f" (config.json at {plan.model_revision[:12]})" if plan.model_revision else "")),
@@ -412,7 +423,7 @@ def _cmd_render(args: argparse.Namespace) -> int:
         raise UsageError(STANDALONE_REMOVED)
     objects: list[dict[str, Any]] = []
     for _, isvc, plan in _load(args.file):
-        objects += render(isvc, plan, namespace=args.namespace)
+        objects += render(isvc, plan, namespace=args.namespace, gpu_device_class=args.gpu_device_class)
     sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, explicit_start=True))
     return 0
 
@@ -495,6 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--file", required=True, help="InferenceService YAML file, or - for stdin")
     render.add_argument("-n", "--namespace", help="namespace of the objects (default: metadata.namespace, else default)")
     # Removed; kept so that a script passing it gets the reason, not argparse's "unrecognized arguments".
+    render.add_argument("--gpu-device-class", default=contract.DEFAULT_GPU_DEVICE_CLASS, metavar="NAME",
+                        help="the DeviceClass GPU claims name under spec.accelerator.allocation deviceClass, as the "
+                             f"operator's --gpu-device-class (default {contract.DEFAULT_GPU_DEVICE_CLASS})")
     render.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
     render.set_defaults(func=_cmd_render)
 

@@ -94,6 +94,19 @@ KARPENTER_GPU_NAME_LABEL: Final = "karpenter.k8s.aws/instance-gpu-name"
 KARPENTER_GPU_MEMORY_LABEL: Final = "karpenter.k8s.aws/instance-gpu-memory"  # MiB per GPU
 INSTANCE_TYPE_LABEL: Final = "node.kubernetes.io/instance-type"
 GPU_TAINT_KEY: Final = "nvidia.com/gpu"
+# spec.accelerator.allocation: how engine pods get their GPUs. extendedResource: a count of GPU_RESOURCE (the
+# device plugin) on a node of the GPU type; deviceClass: a ResourceClaim per pod (Dynamic Resource Allocation,
+# resource.k8s.io/v1) for devices of a DeviceClass whose attributes match the GPU type (docs/dra.md).
+ALLOCATION_EXTENDED_RESOURCE: Final = "extendedResource"
+ALLOCATION_DEVICE_CLASS: Final = "deviceClass"
+# NVIDIA's DRA driver for GPUs: its driver name, which is also the domain of the attributes and capacities it
+# publishes per device (productName, architecture, ..., memory), and the DeviceClass its chart installs for whole
+# GPUs (the operator's --gpu-device-class, chart value dra.deviceClassName, may name another).
+NVIDIA_DRA_DRIVER: Final = "gpu.nvidia.com"
+DEFAULT_GPU_DEVICE_CLASS: Final = "gpu.nvidia.com"
+# The claim in an engine pod (pod.spec.resourceClaims[].name, the container's resources.claims) and the request
+# in its template (devices.requests[].name).
+GPU_CLAIM: Final = "gpus"
 # spec.accelerator.type of vLLM on its CPU backend: no GPU requested, selected or tolerated; the pod's
 # memory request sizes the plan, and the launcher's /health needs no NVML (passed on as ENV_ACCELERATOR).
 CPU_ACCELERATOR: Final = "CPU"
@@ -425,6 +438,12 @@ def engine_service_name(name: str) -> str:
 
 def router_name(name: str) -> str:
     return f"{name}-router"
+
+
+def gpu_claim_template_name(name: str, digest: str, pool: str | None = None) -> str:
+    """`NAME[-prefill]-gpus-DIGEST`: the ResourceClaimTemplate of a pool's engine pods. Its spec is immutable, so a
+    new one (DIGEST: of its spec) replaces it when the GPUs asked for change."""
+    return f"{name}{'-' + pool if pool == POOL_PREFILL else ''}-{GPU_CLAIM}-{digest}"
 
 
 def hpa_name(name: str) -> str:

@@ -29,6 +29,13 @@ one nodeSelectorTerm each, any of which may hold):
   NDm_A100_v4, NCads_H100_v5, ND_H100_v5, ND_H200_v5). Only sizes with whole
   GPUs are listed (NVadsA10_v5 below NV36ads shares a GPU).
 
+Under Dynamic Resource Allocation (`spec.accelerator.allocation: deviceClass`) no node
+label is read: NVIDIA's DRA driver publishes each GPU in a ResourceSlice with the
+attribute `productName` (the NVML device name, as `nvml_names` holds) and the
+capacity `memory` (NVML's total, bytes), both in the domain `gpu.nvidia.com`
+(k8s-dra-driver-gpu, cmd/gpu-kubelet-plugin/deviceinfo.go, `GpuInfo.GetDevice`).
+`dra_selector` is the CEL that picks this type's GPUs by both.
+
 Besides the GPUs, `spec.accelerator.type: CPU` (`CPU`, `is_cpu`) runs vLLM on its
 CPU backend: not a GPUType, since its memory is the pod's own
 (spec.engine.resources.requests.memory, which the planner sizes weights and KV
@@ -90,6 +97,14 @@ class GPUType:
         if self.azure_vm_sizes:
             terms.append(_term((contract.INSTANCE_TYPE_LABEL, self.azure_vm_sizes)))
         return terms
+
+    def dra_selector(self) -> str:
+        """CEL for a DRA device request: a GPU of this type (any variant's NVML name) with at least the memory the
+        plan assumed (the driver's `memory` capacity is NVML's total, as `memory_mib` is)."""
+        domain = contract.NVIDIA_DRA_DRIVER
+        names = ", ".join(f"'{name}'" for name in self.nvml_names)
+        return (f"device.driver == '{domain}' && device.attributes['{domain}'].productName in [{names}] && "
+                f"device.capacity['{domain}'].memory.compareTo(quantity('{self.memory_mib}Mi')) >= 0")
 
 
 def _term(*expressions: tuple[str, tuple[str, ...]]) -> dict[str, Any]:

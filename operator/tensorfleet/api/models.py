@@ -336,6 +336,18 @@ class AcceleratorSpec(ApiModel):
         default=None, ge=1, le=16,
         description="GPUs on each node of this type; bounds parallelism.tensor. Default: the catalog's usual count (8 for data-centre GPUs).",
     )
+    allocation: Literal["extendedResource", "deviceClass"] = Field(
+        default="extendedResource",
+        description=(
+            f"How engine pods get their GPUs. `extendedResource`: parallelism.tensor of {contract.GPU_RESOURCE} "
+            "(the NVIDIA device plugin) on a node labelled with this GPU type (nodeAffinity). `deviceClass`: "
+            "Dynamic Resource Allocation (Kubernetes 1.34+, resource.k8s.io/v1): a ResourceClaimTemplate asking "
+            "parallelism.tensor devices of the operator's DeviceClass (chart value dra.deviceClassName, default "
+            f"{contract.DEFAULT_GPU_DEVICE_CLASS}) whose productName and memory, as NVIDIA's DRA driver publishes "
+            "them, are this GPU type's; the scheduler allocates them, so nodeAffinity is not used. Default: "
+            "extendedResource."
+        ),
+    )
     node_selector: dict[str, str] = Field(
         default_factory=dict, description="Extra node labels engine pods require, merged with the GPU product affinity."
     )

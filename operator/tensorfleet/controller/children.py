@@ -92,6 +92,11 @@ class ChildHandler:
     async def changed(self, ctx: Context, kind: Kind, obj: dict[str, Any], live: dict[str, Any]) -> None:
         """Hook after an existing child was changed to `obj`: the kind's own events. None by default."""
 
+    def in_use(self, ctx: Context, live: dict[str, Any], children: dict[Kind, dict[str, dict[str, Any]]]) -> bool:
+        """Whether `live`, which the spec no longer wants, must outlive this reconcile (CHILDREN: the owner's
+        children as this reconcile found them). Never, by default: it is pruned."""
+        return False
+
     async def delete(self, ctx: Context, kind: Kind, live: dict[str, Any], *, grace_seconds: int | None = None) -> None:
         """Delete `live` (exactly that object: its uid is a precondition) and remember it in the cache."""
         meta = live["metadata"]

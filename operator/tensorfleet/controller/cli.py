@@ -43,6 +43,10 @@ def register(commands: Any) -> None:
     tuning.add_argument("--control-plane-image", default=os.environ.get(contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE) or None,
                         help=f"default router and simulator image (env {contract.ENV_DEFAULT_CONTROL_PLANE_IMAGE}; "
                              "default: the control-plane image of this release)")
+    tuning.add_argument("--gpu-device-class", default=contract.DEFAULT_GPU_DEVICE_CLASS, metavar="NAME",
+                        help="the DeviceClass engine pods' GPU claims name under spec.accelerator.allocation "
+                             f"deviceClass (Dynamic Resource Allocation; default {contract.DEFAULT_GPU_DEVICE_CLASS}, "
+                             "the one NVIDIA's DRA driver installs)")
     facts = run.add_argument_group("model facts (controller/modelfacts.py)")
     facts.add_argument("--no-hub", action="store_true",
                        help="plan from the built-in catalog (and spec.model.architecture) only; never read a model's "
@@ -172,6 +176,7 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
         images=Images(worker=args.worker_image or Images.worker,
                       control_plane=args.control_plane_image or Images.control_plane,
                       cpu_worker=args.cpu_worker_image or Images.cpu_worker),
+        gpu_device_class=args.gpu_device_class,
         model_facts=ModelFactsConfig(hub=not args.no_hub, timeout_seconds=args.hub_timeout_seconds,
                                      admission_timeout_seconds=min(2.0, args.hub_timeout_seconds)),
     )

@@ -33,7 +33,7 @@ from tensorfleet.kube.client import ApiError, Kube
 from tensorfleet.kube.connection import Connection
 from tensorfleet.kube.events import EventRecorder
 from tensorfleet.kube.lease import LeaderElector, LostLease
-from tensorfleet.kube.resources import CHILD_KINDS, INFERENCE_SERVICE, NODE, POD, Kind
+from tensorfleet.kube.resources import CHILD_KINDS, INFERENCE_SERVICE, NODE, POD, RESOURCE_SLICE, Kind
 from tensorfleet.render import Images
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class OperatorConfig:
     api_timeout_seconds: float = 30.0
     webhook: WebhookConfig | None = None
     images: Images = field(default_factory=Images)
+    # The DeviceClass of GPU claims (spec.accelerator.allocation deviceClass).
+    gpu_device_class: str = contract.DEFAULT_GPU_DEVICE_CLASS
     # Image prefixes InferenceServices may name (empty: any), enforced by webhook and reconciler alike.
     allowed_registries: tuple[str, ...] = ()
     # How model facts are read (the Hub, bounds, retries), at reconcile and admission alike.
@@ -108,7 +110,8 @@ class Operator:
                                      images=config.images, allowed_registries=config.allowed_registries,
                                      model_facts=config.model_facts,
                                      operator_namespace=os.environ.get(contract.ENV_OPERATOR_POD_NAMESPACE) or None,
-                                     node_not_ready_seconds=config.node_not_ready_seconds)
+                                     node_not_ready_seconds=config.node_not_ready_seconds,
+                                     gpu_device_class=config.gpu_device_class)
         self.queue: WorkQueue[Key] | None = None
         self.stop_flag = asyncio.Event()
         self.ready_flag = asyncio.Event()
@@ -167,6 +170,14 @@ class Operator:
             if reconciler.nodes.observed(event["object"], reconciler.now(), deleted=event.get("type") == "DELETED"):
                 for owner in cache.owners_on_node(POD, name):
                     queue.add(owner, debounce)
+
+        @kopf.on.event(RESOURCE_SLICE.group, RESOURCE_SLICE.version, RESOURCE_SLICE.plural, registry=registry,
+                       id="resourceslices")
+        async def slice_changed(event: kopf.RawEvent, **_: object) -> None:
+            """A ResourceSlice changed: what the nodes offer through DRA, read at the next reconcile. (On a cluster
+            without resource.k8s.io/v1, kopf finds no such resource and never calls this.)"""
+            metrics.WATCH_EVENTS.labels(kind=RESOURCE_SLICE.kind, type=str(event.get("type"))).inc()
+            reconciler.devices.observed(event["object"], deleted=event.get("type") == "DELETED")
 
         return registry
 

@@ -27,9 +27,11 @@ from typing import Any
 from tensorfleet import contract
 from tensorfleet.api import InferenceService, SpecError, load_inference_service
 from tensorfleet.api.errors import one_line
-from tensorfleet.catalog import is_cpu
+from tensorfleet.catalog import find_gpu, is_cpu
 from tensorfleet.controller import adapters, metrics
 from tensorfleet.controller.children import ChildHandler, Context, controlled_by, controller_of, uses, whose
+from tensorfleet.controller.claimtemplates import ClaimTemplateHandler
+from tensorfleet.controller.devices import Devices, Offer
 from tensorfleet.controller.diff import contains
 from tensorfleet.controller.idle import NOT_IDLE, SCALED_TO_ZERO, Idle, parse_time
 from tensorfleet.controller.idle import decide as decide_idle
@@ -72,6 +74,7 @@ from tensorfleet.kube.resources import (
     INFERENCE_SERVICE,
     LEASE,
     POD,
+    RESOURCE_CLAIM_TEMPLATE,
     STATEFUL_SET,
     Kind,
     kind_of,
@@ -91,7 +94,8 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, str]  # (namespace, name)
 # Per child kind, how it is applied; kinds not listed need only server-side apply.
-CHILD_HANDLERS: dict[Kind, ChildHandler] = {STATEFUL_SET: StatefulSetHandler()}
+CHILD_HANDLERS: dict[Kind, ChildHandler] = {STATEFUL_SET: StatefulSetHandler(),
+                                             RESOURCE_CLAIM_TEMPLATE: ClaimTemplateHandler()}
 _DEFAULT_HANDLER = ChildHandler()
 
 
@@ -108,6 +112,14 @@ def spec_warnings(isvc: InferenceService) -> list[str]:
         return [(f"spec.accelerator.nodeAffinity is none: engine pods are not held to {accelerator.type} nodes "
                  f"(spec.accelerator.nodeSelector pins {pinned}); on another GPU type the plan does not hold")]
     return []
+
+
+def device_warnings(plan: Plan, offer: Offer | None) -> list[str]:
+    """A spec whose engine pods claim more GPUs than any node offers through DRA. Said only once the driver's
+    ResourceSlices are seen: the watch may not have listed them yet, and Degraded names a missing driver once
+    pods wait."""
+    short = offer.short_of(plan.tensor) if offer is not None and offer.driver_seen else None
+    return [f"{short}; engine pods stay Pending until one does"] if short else []
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
@@ -135,11 +147,15 @@ class Reconciler:
     def __init__(self, kube: Kube, events: EventRecorder, cache: Cache, *, now: Callable[[], str] = utc_now,
                  images: Images = DEFAULT_IMAGES, allowed_registries: Sequence[str] = (),
                  model_facts: ModelFactsConfig = DEFAULT_MODEL_FACTS, operator_namespace: str | None = None,
-                 adapter_sync: adapters.Sync = adapters.sync, node_not_ready_seconds: float = 60.0) -> None:
+                 adapter_sync: adapters.Sync = adapters.sync, node_not_ready_seconds: float = 60.0,
+                 gpu_device_class: str = contract.DEFAULT_GPU_DEVICE_CLASS) -> None:
         self.kube = kube
+        self.gpu_device_class = gpu_device_class
         # The nodes that are not Ready (the operator's Node watch fills it), and how long a multi-node group
         # with a pod on one is left before it is restarted.
         self.nodes = NotReadyNodes()
+        # The GPUs NVIDIA's DRA driver offers per node (the operator's ResourceSlice watch fills it).
+        self.devices = Devices()
         self.node_not_ready_seconds = node_not_ready_seconds
         # Where the operator's pods run (the engines' NetworkPolicy admits them when they load LoRA adapters),
         # and how adapters reach the engines (controller/adapters.py; tests give their own).
@@ -203,7 +219,7 @@ class Reconciler:
                            meta.get("creationTimestamp"), parse_time(self.now()) or datetime.datetime.now(datetime.UTC))
         mode = self._rollout_mode(isvc, plan, status, children[STATEFUL_SET], meta["uid"], idle=zero.idle)
         desired = render(isvc, plan, images=self.images, surge=mode.surge, idle=zero.idle,
-                         operator_namespace=self.operator_namespace)
+                         operator_namespace=self.operator_namespace, gpu_device_class=self.gpu_device_class)
         annotate_wanted_groups(desired, desired_replicas(isvc.spec, idle=zero.idle))
         first_time = not status.get("observedGeneration")  # absent, or 0: the CRD's default before a first write
         # Going to zero or coming back changes the StatefulSets by the operator's own decision: not a revert.
@@ -238,8 +254,10 @@ class Reconciler:
         lora = await self._sync_adapters(isvc, pods)
         prefill = (_prefill_counts(live_after.get((STATEFUL_SET.kind, contract.prefill_stage_name(name, 0))))
                    if isvc.spec.prefill is not None else None)
+        offer = self._offer(isvc, plan)
         ready = await self._report(body, status, generation, plan, obs, mode, list(conflicts.values()),
-                                   spec_warnings(isvc), zero, facts, lora, prefill)
+                                   [*spec_warnings(isvc), *device_warnings(plan, offer)], zero, facts, lora, prefill,
+                                   offer)
         for reason, message in lora.warnings if lora is not None else ():
             await self.events.warning(body, reason, message)
         if zero.event is not None:
@@ -259,6 +277,13 @@ class Reconciler:
         engines = adapters.ready_engines(pods, pod_ready)
         results = await self.adapter_sync(engines, isvc.spec.adapters)
         return adapters.adapter_status(isvc.spec.adapters, results)
+
+    def _offer(self, isvc: InferenceService, plan: Plan) -> Offer | None:
+        """What the nodes offer of the planned GPU through DRA, when the engine pods claim their GPUs so."""
+        claims = (isvc.spec.engine.kind == "vllm" and not plan.cpu
+                  and isvc.spec.accelerator.allocation == contract.ALLOCATION_DEVICE_CLASS)
+        gpu = find_gpu(plan.accelerator) if claims else None
+        return self.devices.offer(gpu, self.gpu_device_class) if gpu is not None else None
 
     def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         """Engine pods from the cache that our StatefulSets control, or that no controller holds yet.
@@ -335,7 +360,7 @@ class Reconciler:
         uid = ctx.owner["metadata"]["uid"]
         for kind in CHILD_KINDS:
             for name, live in children[kind].items():
-                if (kind.kind, name) in wanted or is_terminating(live):
+                if (kind.kind, name) in wanted or is_terminating(live) or _handler(kind).in_use(ctx, live, children):
                     continue
                 owners = live["metadata"].get("ownerReferences") or []
                 if not any(ref.get("uid") == uid and ref.get("controller") for ref in owners):
@@ -347,14 +372,15 @@ class Reconciler:
     async def _report(self, body: dict[str, Any], status: dict[str, Any], generation: int | None, plan: Plan,
                       obs: Observation, mode: Mode, conflicts: list[str], warnings: list[str],
                       zero: Idle = NOT_IDLE, facts: Resolved = NOT_PINNED,
-                      lora: adapters.Outcome | None = None, prefill: tuple[int, int] | None = None) -> str:
+                      lora: adapters.Outcome | None = None, prefill: tuple[int, int] | None = None,
+                      offer: Offer | None = None) -> str:
         """Write the serving status when it changed; events for rollout completion and readiness. Returns Ready."""
         meta = body["metadata"]
         new = serving_status(status, name=meta["name"], namespace=meta["namespace"], generation=generation, plan=plan,
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
                              rollout=mode, conflicts=conflicts, warnings=[*filter(None, [facts.warning]), *warnings],
                              idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note,
-                             adapters=lora.status if lora is not None else None, prefill=prefill)
+                             adapters=lora.status if lora is not None else None, prefill=prefill, offer=offer)
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

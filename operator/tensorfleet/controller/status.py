@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorfleet.api.status import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
+from tensorfleet.controller.devices import Offer
 from tensorfleet.controller.diagnose import (
     OOM_KILLED,
     STUCK_REASONS,
@@ -119,13 +120,19 @@ def _readiness(obs: Observation, cause: tuple[str, str] | None,
     return "True", "Serving", groups
 
 
-def _shortfall(obs: Observation, plan: Plan) -> str | None:
-    """What the cluster lacks for the pods the scheduler cannot place, in GPUs of the planned type."""
+def _shortfall(obs: Observation, plan: Plan, offer: Offer | None) -> str | None:
+    """What the cluster lacks for the pods the scheduler cannot place, in GPUs of the planned type (OFFER: what
+    the nodes offer through DRA, when the pods claim their GPUs so)."""
     stuck = obs.unschedulable()
     if not stuck:
         return None
     gpus = sum(pod_gpus(pod) for pod in stuck)
     pods = f"{len(stuck)} engine pod{'s' if len(stuck) != 1 else ''} cannot be scheduled"
+    if offer is not None:
+        short = offer.short_of(plan.tensor)
+        return (f"{pods}: each claims {plan.tensor} {plan.accelerator} GPUs on one node through DeviceClass "
+                f"{offer.device_class}; " + (short or "a node offers that many, but other claims hold them")
+                + f"; add {plan.accelerator} nodes, lower spec.replicas, or choose another spec.accelerator.type")
     if not gpus:
         return pods
     return (f"{pods}: {gpus} {plan.accelerator} GPUs short (each pod needs {pod_gpus(stuck[0])} free "
@@ -144,14 +151,14 @@ def _diagnoses(obs: Observation) -> list[Diagnosis]:
     return diagnose_all([*pods, *(pod for pod in surge if not pod_unschedulable(pod))], obs.nodes)
 
 
-def _cause(obs: Observation, plan: Plan, found: list[Diagnosis]) -> tuple[str, str] | None:
+def _cause(obs: Observation, plan: Plan, found: list[Diagnosis], offer: Offer | None) -> tuple[str, str] | None:
     """(reason, one-line message) of the worst pod, and how many others need attention; None when none does."""
     if not found:
         return None
     worst, others = found[0], found[1:]
     message = worst.line
     if worst.reason == UNSCHEDULABLE:
-        shortfall = _shortfall(obs, plan)
+        shortfall = _shortfall(obs, plan, offer)
         if shortfall:
             message = f"{shortfall}. {message}"
     if others:
@@ -241,7 +248,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
                    conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
                    idle_since: str | None = None, model_facts: ModelFactsStatus | None = None,
                    facts_note: str | None = None, adapters: Sequence[dict[str, Any]] | None = None,
-                   prefill: tuple[int, int] | None = None) -> dict[str, Any]:
+                   prefill: tuple[int, int] | None = None, offer: Offer | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
@@ -252,12 +259,13 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     the facts pinned for the model (controller/modelfacts.py); None: none.
     `adapters`: status.adapters (controller/adapters.py); None without LoRA.
     `prefill`: (existing, ready) prefill engines, with spec.prefill; None without.
+    `offer`: what the nodes offer of the planned GPU through DRA, when the engine pods claim their GPUs so.
     """
     accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
     message = "; ".join([plan_message(plan), *([facts_note] if facts_note else []),
                          *(f"warning: {w}" for w in warnings)])
     conditions = set_condition(_conditions(previous), PLAN_VALID, "True", accepted, message, generation, now)
-    cause = _cause(obs, plan, _diagnoses(obs))
+    cause = _cause(obs, plan, _diagnoses(obs), offer)
     for type_, (status, reason, message) in (
         (PROGRESSING, progress(obs, rollout, idle_since)), (READY, _readiness(obs, cause, idle_since)), (DEGRADED, _degradation(cause, conflicts)),
     ):

@@ -60,6 +60,10 @@ STATEFUL_SET = Kind("apps", "v1", "statefulsets", "StatefulSet", _CHILD_VERBS)
 DEPLOYMENT = Kind("apps", "v1", "deployments", "Deployment", _CHILD_VERBS)
 HPA = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler", _CHILD_VERBS)
 PDB = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", _CHILD_VERBS)
+# Engine pods' GPU claims under spec.accelerator.allocation deviceClass (Kubernetes 1.34+; on older clusters
+# the watch finds no such resource and none is rendered unless a spec asks for one).
+RESOURCE_CLAIM_TEMPLATE = Kind("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate",
+                               _CHILD_VERBS)
 # Pods are read for group readiness and deleted to roll multi-node groups.
 POD = Kind("", "v1", "pods", "Pod", ("list", "watch", "delete"))
 EVENT = Kind("", "v1", "events", "Event", ("create",))
@@ -70,6 +74,8 @@ LEASE = Kind("coordination.k8s.io", "v1", "leases", "Lease", (*_CHILD_VERBS, "up
 ENDPOINT_SLICE = Kind("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice", ("get", "list", "watch"))
 # Only readiness is read off Nodes: a pipeline stage on a node that stopped being Ready holds its group.
 NODE = Kind("", "v1", "nodes", "Node", ("list", "watch"), namespaced=False)
+# What NVIDIA's DRA driver offers per node (controller/devices.py): read, for claims no node can satisfy.
+RESOURCE_SLICE = Kind("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", ("list", "watch"), namespaced=False)
 # kopf lists namespaces to expand namespace patterns and checks the CRD exists.
 NAMESPACE = Kind("", "v1", "namespaces", "Namespace", ("list", "watch"), namespaced=False)
 CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
@@ -77,9 +83,10 @@ CRD = Kind("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomRes
 
 # What render() produces, in apply order; pruned children are found among these.
 # NetworkPolicies go before the workloads so that no pod starts unisolated.
-CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, NETWORK_POLICY, PDB, STATEFUL_SET,
-                                 LEASE, DEPLOYMENT, HPA)
-ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, ENDPOINT_SLICE, NODE, NAMESPACE, CRD)
+CHILD_KINDS: tuple[Kind, ...] = (SERVICE_ACCOUNT, ROLE, ROLE_BINDING, SERVICE, NETWORK_POLICY, PDB,
+                                 RESOURCE_CLAIM_TEMPLATE, STATEFUL_SET, LEASE, DEPLOYMENT, HPA)
+ALL_KINDS: tuple[Kind, ...] = (INFERENCE_SERVICE, *CHILD_KINDS, POD, EVENT, ENDPOINT_SLICE, NODE, RESOURCE_SLICE,
+                               NAMESPACE, CRD)
 
 _BY_API_KIND = {(k.api_version, k.kind): k for k in ALL_KINDS}
 

@@ -313,6 +313,9 @@ def _check_cpu(spec: InferenceServiceSpec) -> None:
                                                      "it cannot span pods); set pipeline 1 and a larger memory request")
     if spec.accelerator.gpus_per_node is not None:
         raise SpecError("spec.accelerator.gpusPerNode", f"applies to GPU types; remove it {where}")
+    if spec.accelerator.allocation != contract.ALLOCATION_EXTENDED_RESOURCE:
+        raise SpecError("spec.accelerator.allocation", f"{spec.accelerator.allocation} allocates GPUs; {where} a pod "
+                                                       "asks for none: remove it")
     if spec.engine.kv_cache_dtype != "auto":
         raise SpecError("spec.engine.kvCacheDtype", f"{spec.engine.kv_cache_dtype}: vLLM's CPU backend refuses a quantized "
                                                     "KV cache beside chunked prefill and prefix caching (its defaults); "

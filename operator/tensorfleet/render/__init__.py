@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from tensorfleet import contract
 from tensorfleet.api.models import InferenceService
 from tensorfleet.planner import Plan
 from tensorfleet.render.autoscaling import demand_lease, hpa, pdb
+from tensorfleet.render.claims import gpu_claim_templates
 from tensorfleet.render.engine import desired_replicas, statefulsets
 from tensorfleet.render.meta import (
     DEFAULT_IMAGES,
@@ -50,6 +52,7 @@ def render(
     surge: int = 0,
     idle: bool = False,
     operator_namespace: str | None = None,
+    gpu_device_class: str = contract.DEFAULT_GPU_DEVICE_CLASS,
 ) -> list[dict[str, Any]]:
     """Every object the InferenceService owns, in the order to apply them.
 
@@ -63,6 +66,7 @@ def render(
     period; the operator's decision, controller/idle.py).
     operator_namespace: where the operator's pods run; with LoRA they load
     adapters into the engines, and the engines' NetworkPolicy admits them.
+    gpu_device_class: the DeviceClass GPU claims name (spec.accelerator.allocation deviceClass).
     """
     ctx = Context(
         isvc=isvc,
@@ -73,11 +77,13 @@ def render(
         surge=surge,
         idle=idle,
         operator_namespace=operator_namespace,
+        gpu_device_class=gpu_device_class,
     )
     # Dependencies first: identities and RBAC before the pods using them,
     # Services before the pods that resolve them, the NetworkPolicies and the
-    # PDB before the pods they protect (no pod starts unisolated), the HPA
-    # last since it scales what already exists.
+    # PDB before the pods they protect (no pod starts unisolated), the GPU
+    # claim templates before the pods naming them, the HPA last since it
+    # scales what already exists.
     objects: list[dict[str, Any]] = [
         service_account(ctx),
         role(ctx),
@@ -85,6 +91,7 @@ def render(
         *services(ctx),
         *network_policies(ctx),
         pdb(ctx),
+        *gpu_claim_templates(ctx),
         *statefulsets(ctx),
     ]
     lease = demand_lease(ctx)

@@ -53,8 +53,12 @@ from tensorfleet import contract
 from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
 from tensorfleet.catalog import find_gpu
 from tensorfleet.engine_settings import SETTINGS
+from tensorfleet.render.claims import claims_gpus, gpu_claim_template_name
 from tensorfleet.render.meta import (
     Context,
+    is_cpu,
+    is_gpu,
+    is_vllm,
     metadata,
     pod_labels,
     prefill_context,
@@ -91,21 +95,6 @@ def desired_replicas(spec: InferenceServiceSpec, *, idle: bool = False) -> int:
         wanted = spec.replicas if spec.replicas is not None else floor
         return min(max(wanted, floor), bounds.max_replicas)
     return spec.replicas if spec.replicas is not None else 1
-
-
-def is_vllm(ctx: Context) -> bool:
-    """A vLLM engine pod (on GPUs or CPU): the stock image, the launcher copied in by the init container."""
-    return ctx.spec.engine.kind == "vllm"
-
-
-def is_gpu(ctx: Context) -> bool:
-    """vLLM on GPUs: what requests, selects and tolerates GPUs, and serves their gauges."""
-    return is_vllm(ctx) and not ctx.plan.cpu
-
-
-def is_cpu(ctx: Context) -> bool:
-    """vLLM on its CPU backend (accelerator CPU)."""
-    return is_vllm(ctx) and ctx.plan.cpu
 
 
 def simulates_gpus(ctx: Context) -> bool:
@@ -213,7 +202,10 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         pod["initContainers"] = [_launcher_init_container(ctx)]
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
-    if is_gpu(ctx) and spec.accelerator.node_affinity == "auto":
+    if claims_gpus(ctx):
+        # The scheduler allocates devices of the planned type from the DeviceClass: no node label is read.
+        pod["resourceClaims"] = [{"name": contract.GPU_CLAIM, "resourceClaimTemplateName": gpu_claim_template_name(ctx)}]
+    elif is_gpu(ctx) and spec.accelerator.node_affinity == "auto":
         pod["affinity"] = _gpu_affinity(ctx)
     if spec.accelerator.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.accelerator.node_selector.items()))
@@ -463,6 +455,8 @@ def _user_resources(resources: ResourceRequirements | None) -> tuple[dict[str, s
 
 def _resources(ctx: Context) -> dict[str, Any]:
     requests, limits = _user_resources(ctx.spec.engine.resources)
+    if claims_gpus(ctx):
+        return {**resources_block(requests, limits), "claims": [{"name": contract.GPU_CLAIM}]}
     if is_gpu(ctx):
         # Extended resources must have requests == limits; the plan decides
         # the count, so the user's resources cannot override it.

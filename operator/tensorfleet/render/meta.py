@@ -43,6 +43,8 @@ class Context:
     idle: bool = False  # the fleet is at zero (minReplicas 0; the operator decides, see controller/idle.py)
     # Where the operator runs, whose pods load LoRA adapters into the engines (None: not known, any namespace).
     operator_namespace: str | None = None
+    # The DeviceClass engine pods' GPU claims name (spec.accelerator.allocation deviceClass; the operator's flag).
+    gpu_device_class: str = contract.DEFAULT_GPU_DEVICE_CLASS
     # With spec.prefill: which pool this context renders (contract.POOL_PREFILL or POOL_DECODE); None:
     # colocated engines. The prefill pool's context carries that pool's spec and plan (prefill_context).
     pool: str | None = None
@@ -58,6 +60,21 @@ class Context:
     @property
     def served_name(self) -> str:
         return self.spec.model.served_name or self.spec.model.name
+
+
+def is_vllm(ctx: Context) -> bool:
+    """A vLLM engine pod (on GPUs or CPU): the stock image, the launcher copied in by the init container."""
+    return ctx.spec.engine.kind == "vllm"
+
+
+def is_gpu(ctx: Context) -> bool:
+    """vLLM on GPUs: what requests, selects and tolerates GPUs, and serves their gauges."""
+    return is_vllm(ctx) and not ctx.plan.cpu
+
+
+def is_cpu(ctx: Context) -> bool:
+    """vLLM on its CPU backend (accelerator CPU)."""
+    return is_vllm(ctx) and ctx.plan.cpu
 
 
 def scales_to_zero(ctx: Context) -> bool:
