@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import dra  # e2e/dra.py: the fake driver's objects
 from kube import (
     TIMEOUT,
     apply,
@@ -142,3 +143,52 @@ def test_scaling_up_gets_new_claims(namespace: str) -> None:
     assert not held[0] & held[1], "no device given twice"
     assert wait_ready(name, namespace, timeout=TIMEOUT)["status"]["readyReplicas"] == 2
     _released(name, namespace)
+
+
+def test_kep_5004_gives_an_extended_resource_request_dra_devices_on_a_node_without_a_device_plugin(
+        namespace: str) -> None:
+    """KEP-5004 (DRAExtendedResource, beta in 1.36): with a DeviceClass naming `extendedResourceName:
+    nvidia.com/gpu`, the scheduler serves today's `nvidia.com/gpu` requests (allocation extendedResource) from DRA
+    devices on a node that advertises no nvidia.com/gpu, making the pod a claim itself; the GPU type is then held by
+    the node's labels only."""
+    node, klass = f"dra-only-{namespace}"[:63], f"gpu-extended.{namespace}"
+    labels = {"kubernetes.io/hostname": node, "kubernetes.io/os": "linux", "type": "kwok",
+              "nvidia.com/gpu.present": "true", "nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    capacity = {"cpu": "192", "memory": "2Ti", "pods": "110"}
+    apply({"apiVersion": "v1", "kind": "Node",
+           "metadata": {"name": node, "labels": labels, "annotations": {"kwok.x-k8s.io/node": "fake"}},
+           "spec": {"podCIDR": "10.244.200.0/24", "podCIDRs": ["10.244.200.0/24"],
+                    "taints": [{"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}]},
+           "status": {"capacity": capacity, "allocatable": capacity}})
+    try:
+        live = eventually(f"node {node} registered", lambda: get("node", node, None))
+        apply(dra.resource_slice(live, "NVIDIA H100 80GB HBM3", "hopper", 81559, 8))
+        extended = dra.device_class()
+        extended["metadata"]["name"] = klass
+        extended["spec"]["extendedResourceName"] = contract.GPU_RESOURCE
+        apply(extended)
+        stored = get("deviceclass", klass, None) or {}
+        assert stored.get("spec", {}).get("extendedResourceName") == contract.GPU_RESOURCE, \
+            "the API server dropped extendedResourceName: DRAExtendedResource is off"
+        doc = example("llama-3.1-70b-h100.yaml", namespace, replicas=1, parallelism={"tensor": 4, "pipeline": 1},
+                      accelerator={"type": "H100-80GB", "nodeSelector": {"kubernetes.io/hostname": node}})
+        name = doc["metadata"]["name"]
+        apply(doc)
+
+        def placed() -> tuple[dict[str, Any], dict[str, Any]] | None:
+            pods = engine_pods(name, namespace)
+            if len(pods) != 1 or pods[0]["status"].get("phase") != "Running":
+                return None
+            status = pods[0]["status"].get("extendedResourceClaimStatus") or {}
+            claim = get("resourceclaims", status.get("resourceClaimName", ""), namespace) if status else None
+            return (pods[0], claim) if claim and claim.get("status", {}).get("allocation") else None
+        pod, claim = eventually("the pod running on DRA devices", placed)
+        assert pod["spec"]["nodeName"] == node
+        assert pod["spec"]["containers"][0]["resources"]["limits"][contract.GPU_RESOURCE] == "4"
+        results = claim["status"]["allocation"]["devices"]["results"]
+        assert len(results) == 4 and {r["pool"] for r in results} == {node}
+        kubectl("delete", contract.PLURAL, name, "-n", namespace, "--wait=false")
+        eventually("the pod's claim released", lambda: not items("resourceclaims", namespace))
+    finally:
+        kubectl("delete", "deviceclass", klass, "--ignore-not-found", "--wait=false")
+        kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")

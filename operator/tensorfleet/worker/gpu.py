@@ -222,7 +222,7 @@ def evaluate(snapshot: Snapshot, thresholds: Thresholds, xids: Iterable[dict[str
         findings.append(Finding(
             UNHEALTHY,
             f"{visible} GPU(s) visible but tensor parallel needs {thresholds.min_gpus} "
-            "(check the pod's nvidia.com/gpu request and CUDA_VISIBLE_DEVICES)"))
+            "(check the pod's nvidia.com/gpu request or GPU claim, and CUDA_VISIBLE_DEVICES)"))
     return Report(snapshot, findings, thresholds)
 
 

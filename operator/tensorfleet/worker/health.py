@@ -184,7 +184,7 @@ def judge(
         snapshot = sampler()
     except gpus.NvmlUnavailable as exc:
         lines.append(f"cannot check GPU health: {exc}. This container has no NVIDIA driver or no GPU assigned "
-                     f"(engine pods request nvidia.com/gpu; run this where GPUs are visible)")
+                     f"(engine pods request nvidia.com/gpu or claim GPUs; run this where GPUs are visible)")
         doc.update(healthy=None, nvml=str(exc))
         return HealthResult(EXIT_NO_NVML, lines, doc)
 

@@ -116,7 +116,8 @@ def describe_missing(role: Role, status: ClusterStatus, resolver: Resolver = res
         return f"{head}; {status.error}"
     if status.nodes >= want_nodes:
         return (f"{head}; every node joined but GPUs are short: each stage needs {role.tensor_parallel_size} "
-                "GPU(s) visible to Ray (check the pods' nvidia.com/gpu requests and the device plugin)")
+                "GPU(s) visible to Ray (check the pods' nvidia.com/gpu requests and the device plugin, or their GPU "
+                "claims and the DRA driver)")
     down, up = [], []
     for stage, host in worker_hosts(role):
         addresses = resolver(host)
