@@ -192,3 +192,33 @@ def test_kep_5004_gives_an_extended_resource_request_dra_devices_on_a_node_witho
     finally:
         kubectl("delete", "deviceclass", klass, "--ignore-not-found", "--wait=false")
         kubectl("delete", "node", node, "--ignore-not-found", "--wait=false")
+
+
+def test_a_pipeline_group_stays_in_one_nvlink_domain(namespace: str) -> None:
+    """spec.parallelism.groupTopologyKey nvidia.com/gpu.clique: with the two H100 nodes in different cliques a TP 8 x
+    PP 2 group cannot be placed (its worker must join its leader's clique); once they share one, it is."""
+    key = "nvidia.com/gpu.clique"
+    h100 = ("gpu-h100-0", "gpu-h100-1")
+    try:
+        for index, node in enumerate(h100):
+            kubectl("label", "node", node, "--overwrite", f"{key}=e2e-domain.{index}")
+        doc = example("llama-3.1-405b-h100-multinode.yaml", namespace, replicas=1, accelerator=_h100(),
+                      parallelism={"tensor": 8, "pipeline": 2, "groupTopologyKey": key})
+        name = doc["metadata"]["name"]
+        apply(doc)
+
+        def split() -> dict[str, Any] | None:
+            found = condition(isvc(name, namespace), "Degraded")
+            return found if found and found["status"] == "True" and "affinity" in found["message"] else None
+        said = eventually("the worker held back from the other clique", split)
+        assert said["reason"] == "Unschedulable", said
+        placed = [p for p in engine_pods(name, namespace) if p["spec"].get("nodeName")]
+        assert len(placed) == 1 and placed[0]["metadata"]["labels"][contract.LABEL_STAGE] == "0", "only the leader"
+        kubectl("label", "node", h100[1], "--overwrite", f"{key}=e2e-domain.0")
+        pairs = _allocated(name, namespace, 2)
+        assert {pod["spec"]["nodeName"] for pod, _ in pairs} == set(h100)
+        wait_ready(name, namespace)
+        _released(name, namespace)
+    finally:
+        for node in h100:
+            kubectl("label", "node", node, f"{key}-")

@@ -14,6 +14,9 @@ QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
 DNS_1035_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 DNS_1123_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 ENV_NAME_PATTERN = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+# A label key: an optional DNS-subdomain prefix and `/`, then a name of up to 63 characters.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 # Longest NAME for which every generated name stays a valid label value: the
 # StatefulSet controller labels pods `NAME-stage-K-<10-char revision hash>`,

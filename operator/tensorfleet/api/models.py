@@ -23,6 +23,7 @@ from tensorfleet.api.base import (
     DNS_1035_PATTERN,
     DNS_1123_LABEL_PATTERN,
     ENV_NAME_PATTERN,
+    LABEL_KEY_PATTERN,
     MAX_NAME_LENGTH,
     ApiModel,
     Quantity,
@@ -310,6 +311,16 @@ class ParallelismSpec(ApiModel):
     pipeline: int | None = Field(
         default=None, ge=1, le=64,
         description="Pipeline-parallel size: pods (nodes) per model replica, joined with Ray. Omit to let the planner choose.",
+    )
+    group_topology_key: str | None = Field(
+        default=None, max_length=316, pattern=LABEL_KEY_PATTERN,
+        description=(
+            "A node label whose value every pod of one pipeline group shares: the stages of a group are placed "
+            "on nodes of one domain, e.g. one NVLink domain with nvidia.com/gpu.clique (GPU feature discovery's "
+            "label on multi-node NVLink systems such as GB200 NVL72). Each worker stage must land in its group "
+            "leader's domain (podAffinity with matchLabelKeys on the StatefulSet pod index; Kubernetes 1.31+). "
+            "Only for pipeline > 1. Default: none, stages go wherever their GPUs are."
+        ),
     )
 
 

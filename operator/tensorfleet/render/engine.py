@@ -207,6 +207,8 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         pod["resourceClaims"] = [{"name": contract.GPU_CLAIM, "resourceClaimTemplateName": gpu_claim_template_name(ctx)}]
     elif is_gpu(ctx) and spec.accelerator.node_affinity == "auto":
         pod["affinity"] = _gpu_affinity(ctx)
+    if spec.parallelism.group_topology_key and ctx.plan.pipeline > 1:
+        pod.setdefault("affinity", {})["podAffinity"] = _group_affinity(ctx, spec.parallelism.group_topology_key)
     if spec.accelerator.node_selector:
         pod["nodeSelector"] = dict(sorted(spec.accelerator.node_selector.items()))
     tolerations = _tolerations(ctx)
@@ -478,6 +480,17 @@ def _gpu_affinity(ctx: Context) -> dict[str, Any]:
             "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": gpu.node_selector_terms()},
         },
     }
+
+
+def _group_affinity(ctx: Context, key: str) -> dict[str, Any]:
+    """Every stage of a group in its leader's domain of node label KEY: the leader pods of this InferenceService
+    whose StatefulSet pod index is the pod's own (matchLabelKeys adds it; the leader matches itself, so the first
+    one placed chooses the domain)."""
+    return {"requiredDuringSchedulingIgnoredDuringExecution": [{
+        "labelSelector": {"matchLabels": stage_selector(ctx.name, 0)},
+        "matchLabelKeys": [contract.LABEL_POD_INDEX],
+        "topologyKey": key,
+    }]}
 
 
 def _tolerations(ctx: Context) -> list[dict[str, Any]]:
