@@ -19,8 +19,8 @@ e2e/kwok-stages.yaml keep KWOK away from the same pods):
 - the pods: every container runs IMAGE's repository (any tag or digest, so a rollout to
   another version runs as well) or a vLLM image (VLLM_IMAGE_PATTERN: vllm/vllm-openai
   and its -cpu twin on Docker Hub, vLLM's CPU release image on ECR; any tag or digest),
-  every init container IMAGE's repository, and no container asks for nvidia.com/gpu
-  (GPU engines stay KWOK's: there is no GPU here);
+  every init container IMAGE's repository, no container asks for nvidia.com/gpu and the
+  pod claims no device (GPU engines, by either allocation, stay KWOK's: there is no GPU here);
 - init containers first, in order, each run to completion (exit 0) before the next and
   before the containers, again after a failure with the kubelet's back-off unless the
   pod's restartPolicy is Never (then the pod fails), all again when the runner makes the
@@ -209,8 +209,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # for kwok (tests/test_kwok_stages.py keeps the two in step): every container runs the
 # control-plane image (any tag or digest of its repository: a rollout to another version runs
 # too) or a vLLM image, every init container the control-plane image, no container asks for a
-# GPU (vLLM's CPU build is what runs here; GPU engines stay KWOK's), not on the host's network,
-# no fault asked for.
+# GPU and the pod claims no device (vLLM's CPU build is what runs here; GPU engines, by
+# nvidia.com/gpu or by a DRA claim, stay KWOK's), not on the host's network, no fault asked for.
 STAGE_SELECTOR = (
     {"key": f'[.spec.containers[].image] | all(startswith("{IMAGE_PLACEHOLDER}:") or '
             f'startswith("{IMAGE_PLACEHOLDER}@") or test({json.dumps(VLLM_IMAGE_PATTERN)}))',
@@ -219,6 +219,7 @@ STAGE_SELECTOR = (
             f'startswith("{IMAGE_PLACEHOLDER}@"))', "operator": "In", "values": ["true"]},
     {"key": f'[(.spec.containers[], .spec.initContainers[]?) | .resources.limits["{GPU_RESOURCE}"], '
             f'.resources.requests["{GPU_RESOURCE}"]] | all(. == null)', "operator": "In", "values": ["true"]},
+    {"key": "[.spec.resourceClaims[]?] | length == 0", "operator": "In", "values": ["true"]},
     {"key": ".spec.hostNetwork", "operator": "NotIn", "values": ["true"]},
     {"key": f'.spec.containers[].env[]? | select(.name == "{FAULT_ENV}") | .value', "operator": "DoesNotExist"},
 )
@@ -255,7 +256,7 @@ def runs(pod: dict[str, Any], image: str) -> bool:
         return False
     if not all(str(c.get("image", "")).startswith(prefixes) for c in init):
         return False
-    if any(_asks_for_gpu(c) for c in [*containers, *init]):
+    if any(_asks_for_gpu(c) for c in [*containers, *init]) or spec.get("resourceClaims"):
         return False
     return not any(var.get("name") == FAULT_ENV for c in containers for var in c.get("env") or [])
 

@@ -82,6 +82,10 @@ def test_it_runs_vllm_engines_on_cpu_with_their_init_container_and_leaves_gpu_on
     asks = copy.deepcopy(engine)
     asks["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
     assert not podrunner.runs(asks, IMAGE), "a pod that asks for a GPU is KWOK's"
+    claims = copy.deepcopy(engine)
+    claims["spec"]["resourceClaims"] = [{"name": contract.GPU_CLAIM, "resourceClaimTemplateName": "cpu-gpus-0"}]
+    claims["spec"]["containers"][0]["resources"] = {"claims": [{"name": contract.GPU_CLAIM}]}
+    assert not podrunner.runs(claims, IMAGE), "a pod that claims GPUs through DRA is KWOK's too"
     other_init = copy.deepcopy(engine)
     other_init["spec"]["initContainers"][0]["image"] = "busybox:1"
     assert not podrunner.runs(other_init, IMAGE), "init containers run the control-plane image only"
