@@ -16,8 +16,6 @@ from tensorfleet import contract
 from tensorfleet.api.base import quantity_bytes
 from tensorfleet.gpus import GPUType
 
-MiB = 1024 * 1024
-
 
 @dataclass(frozen=True)
 class _Device:
@@ -86,7 +84,7 @@ class Devices:
             if piece.node is None or piece.generation != newest[piece.pool]:
                 continue
             matching = sum(1 for d in piece.devices if d.product in gpu.nvml_names
-                           and d.memory_bytes is not None and d.memory_bytes >= gpu.memory_mib * MiB)
+                           and d.memory_bytes is not None and d.memory_bytes >= gpu.memory_bytes)
             if matching:
                 counts[piece.node] = counts.get(piece.node, 0) + matching
         ranked = tuple(sorted(counts.items(), key=lambda item: (-item[1], item[0])))

@@ -83,6 +83,7 @@ from tensorfleet.planner import Plan, make_plan
 from tensorfleet.render import (
     DEFAULT_IMAGES,
     Images,
+    claims_gpus,
     desired_replicas,
     engine_selector,
     leader_selector,
@@ -280,9 +281,7 @@ class Reconciler:
 
     def _offer(self, isvc: InferenceService, plan: Plan) -> Offer | None:
         """What the nodes offer of the planned GPU through DRA, when the engine pods claim their GPUs so."""
-        claims = (isvc.spec.engine.kind == "vllm" and not plan.cpu
-                  and isvc.spec.accelerator.allocation == contract.ALLOCATION_DEVICE_CLASS)
-        gpu = find_gpu(plan.accelerator) if claims else None
+        gpu = find_gpu(plan.accelerator) if claims_gpus(isvc.spec, plan) else None
         return self.devices.offer(gpu, self.gpu_device_class) if gpu is not None else None
 
     def _engine_pods(self, namespace: str, name: str, sts: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from tensorfleet import contract
 from tensorfleet.api.models import InferenceService
 from tensorfleet.planner import Plan
 from tensorfleet.render.autoscaling import demand_lease, hpa, pdb
-from tensorfleet.render.claims import gpu_claim_templates
+from tensorfleet.render.claims import claims_gpus, gpu_claim_templates
 from tensorfleet.render.engine import desired_replicas, statefulsets
 from tensorfleet.render.meta import (
     DEFAULT_IMAGES,
@@ -32,6 +32,7 @@ from tensorfleet.render.services import services
 __all__ = [
     "DEFAULT_IMAGES",
     "Images",
+    "claims_gpus",
     "desired_replicas",
     "engine_selector",
     "leader_selector",

@@ -12,16 +12,18 @@ from dataclasses import replace
 from typing import Any
 
 from tensorfleet import contract
+from tensorfleet.api.models import InferenceServiceSpec
 from tensorfleet.catalog import find_gpu
-from tensorfleet.render.meta import Context, is_gpu, metadata, pod_labels, prefill_context
+from tensorfleet.planner import Plan
+from tensorfleet.render.meta import Context, metadata, pod_labels, prefill_context, uses_gpus
 
 API_VERSION = "resource.k8s.io/v1"
 DIGEST_LENGTH = 10
 
 
-def claims_gpus(ctx: Context) -> bool:
+def claims_gpus(spec: InferenceServiceSpec, plan: Plan) -> bool:
     """The pool's engine pods get their GPUs by a ResourceClaim rather than the device plugin's extended resource."""
-    return is_gpu(ctx) and ctx.spec.accelerator.allocation == contract.ALLOCATION_DEVICE_CLASS
+    return uses_gpus(spec, plan) and spec.accelerator.allocation == contract.ALLOCATION_DEVICE_CLASS
 
 
 def _claim_spec(ctx: Context) -> dict[str, Any]:
@@ -56,4 +58,4 @@ def gpu_claim_templates(ctx: Context) -> list[dict[str, Any]]:
     """The templates every pool's pods name: none with the extended resource (the default)."""
     prefill = prefill_context(ctx)
     pools = [ctx] if prefill is None else [replace(ctx, pool=contract.POOL_DECODE), prefill]
-    return [gpu_claim_template(pool) for pool in pools if claims_gpus(pool)]
+    return [gpu_claim_template(pool) for pool in pools if claims_gpus(pool.spec, pool.plan)]

@@ -202,7 +202,7 @@ def _pod_template(ctx: Context, stage: int) -> dict[str, Any]:
         pod["initContainers"] = [_launcher_init_container(ctx)]
     if spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": ref.name} for ref in spec.image_pull_secrets]
-    if claims_gpus(ctx):
+    if claims_gpus(ctx.spec, ctx.plan):
         # The scheduler allocates devices of the planned type from the DeviceClass: no node label is read.
         pod["resourceClaims"] = [{"name": contract.GPU_CLAIM, "resourceClaimTemplateName": gpu_claim_template_name(ctx)}]
     elif is_gpu(ctx) and spec.accelerator.node_affinity == "auto":
@@ -457,7 +457,7 @@ def _user_resources(resources: ResourceRequirements | None) -> tuple[dict[str, s
 
 def _resources(ctx: Context) -> dict[str, Any]:
     requests, limits = _user_resources(ctx.spec.engine.resources)
-    if claims_gpus(ctx):
+    if claims_gpus(ctx.spec, ctx.plan):
         return {**resources_block(requests, limits), "claims": [{"name": contract.GPU_CLAIM}]}
     if is_gpu(ctx):
         # Extended resources must have requests == limits; the plan decides

@@ -67,9 +67,14 @@ def is_vllm(ctx: Context) -> bool:
     return ctx.spec.engine.kind == "vllm"
 
 
-def is_gpu(ctx: Context) -> bool:
+def uses_gpus(spec: InferenceServiceSpec, plan: Plan) -> bool:
     """vLLM on GPUs: what requests, selects and tolerates GPUs, and serves their gauges."""
-    return is_vllm(ctx) and not ctx.plan.cpu
+    return spec.engine.kind == "vllm" and not plan.cpu
+
+
+def is_gpu(ctx: Context) -> bool:
+    """`uses_gpus` of the context's spec and plan."""
+    return uses_gpus(ctx.spec, ctx.plan)
 
 
 def is_cpu(ctx: Context) -> bool:
