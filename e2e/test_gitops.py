@@ -450,8 +450,8 @@ def test_06_a_helmrelease_takes_over_the_chart_upgrades_it_crd_included_and_hand
     chart (helm-controller upgrades a release it did not make), upgraded by a commit whose CRD changed (upgrade.crds
     CreateReplace), with the flow's service serving through it all, then handed back: suspended, then removed from
     Git, which leaves the release installed."""
-    values = _release()["config"]  # what `helm install` was given: the release's user-supplied values
-    start = _release()["version"]
+    installed = _release()
+    values, start = installed["config"], installed["version"]  # what `helm install` was given, and its revision
     obj = isvc(flow.name, flow.namespace)
     assert obj is not None and (condition(obj, "Ready") or {}).get("status") == "True"
     uid, generation, bundle = obj["metadata"]["uid"], obj["metadata"]["generation"], _ca_bundle()
