@@ -29,10 +29,22 @@ import time
 from typing import Any
 
 import aiohttp
-from common import MODEL, Proc, cluster, percentile, stream_chat, table, wait_healthy, write_results, wrk
+from common import (
+    HOST,
+    MODEL,
+    Proc,
+    cluster,
+    free_port,
+    percentile,
+    stream_chat,
+    table,
+    wait_healthy,
+    write_results,
+    wrk,
+)
 from workload import _words
 
-from tensorfleet import contract
+from tensorfleet import contract, engine_settings
 
 BODY: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello to the benchmark."}],
                         "max_tokens": 16}
@@ -68,6 +80,38 @@ def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> l
                              "errors": result.non_2xx + result.errors})
                 print(f"  {strategy:13} {name:12} {rows[-1]['cpu_ms_per_request']:.3f} ms CPU/request "
                       f"({result.rps:.0f} rps)", flush=True)
+    return rows
+
+
+def cpu_with_kv_events(seconds: float) -> list[dict[str, Any]]:
+    """The default strategy's CPU per request in front of two engines, placing by what it remembers sending (as
+    before) and by the engines' KV events (each request's token ids asked of an engine's /tokenize first)."""
+    rows: list[dict[str, Any]] = []
+    bodies = {"short chat": BODY, "conversation": conversation_body()}
+    with cluster("overhead-cpu-kv") as c:
+        ports = [(free_port(), free_port()) for _ in range(2)]
+        engines = [c.sim(f"engine-{i}", "--kv-events-config", engine_settings.kv_events_config(*pair),
+                         time_scale=0.0) for i, pair in enumerate(ports)]
+        asyncio.run(wait_healthy(*engines))
+        endpoints = [arg for engine, (pub, replay) in zip(engines, ports, strict=True)
+                     for arg in ("--kv-events-endpoint", f"{engine.url}=tcp://{HOST}:{pub},tcp://{HOST}:{replay}")]
+        for label, extra in (("remembered", []), ("KV events", ["--kv-events", *endpoints])):
+            router = c.router(engines, "--max-concurrency-per-backend", "256", *extra,
+                              strategy=contract.DEFAULT_ROUTER_STRATEGY)
+            asyncio.run(wait_healthy(router))
+            time.sleep(2.5)
+            for name, body in bodies.items():
+                text = json.dumps(body)
+                wrk(router.url, connections=16, seconds=2, body=text)  # warm
+                before = router.cpu_seconds()
+                result = wrk(router.url, connections=16, seconds=seconds, body=text)
+                cpu = router.cpu_seconds() - before
+                rows.append({"placement": label, "body": name, "requests": result.requests, "router_rps": result.rps,
+                             "cpu_ms_per_request": 1000 * cpu / max(result.requests, 1),
+                             "errors": result.non_2xx + result.errors})
+                print(f"  {label:10} {name:12} {rows[-1]['cpu_ms_per_request']:.3f} ms CPU/request "
+                      f"({result.rps:.0f} rps)", flush=True)
+            router.stop()
     return rows
 
 
@@ -135,9 +179,20 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="*", default=["least-pending", contract.DEFAULT_ROUTER_STRATEGY],
                         choices=contract.ROUTER_STRATEGIES, help="strategies whose CPU per request is measured")
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU per request by strategy")
+    parser.add_argument("--kv-only", action="store_true",
+                        help="only the default strategy's CPU per request with and without the engines' KV events")
     args = parser.parse_args()
     seconds = 3 if args.quick else 10
     levels = [1, 16, 64]
+    if args.kv_only:
+        print("router CPU per request, cache-aware in front of two engines, by what it places by:")
+        kv_rows = cpu_with_kv_events(seconds)
+        print(table(["placement", "body", "requests", "router rps", "CPU ms/request", "errors"],
+                    [[r["placement"], r["body"], r["requests"], r["router_rps"], r["cpu_ms_per_request"],
+                      r["errors"]] for r in kv_rows]))
+        path = write_results("overhead-kv", {"quick": args.quick, "cpu": kv_rows})
+        print(f"wrote {path}")
+        return
     if args.cpu_only:
         with cluster("overhead-engine") as c:
             engine = c.sim("engine", time_scale=0.0)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import threading
 import urllib.error
@@ -307,6 +308,26 @@ def test_the_routers_in_flight_count_per_engine_equals_the_engines_running_reque
         thread.join(timeout=START)
     assert [r[0] if isinstance(r, tuple) else r for r in results] == [1000] * streams, results
     assert eventually("both counts back to 0", lambda: both() == (0.0, 0.0) or None, timeout=30)
+
+
+def test_the_router_indexes_the_blocks_the_engine_reports_in_its_kv_events(fleet: Fleet) -> None:
+    (pod,) = eventually("one ready engine", lambda: _settled(fleet, 1), timeout=START)
+    router, engine = router_url(fleet.name, fleet.namespace), _engine_url(pod)
+
+    def router_says(name: str) -> float:
+        return _value(_samples(f"{router}/metrics"), name, **{contract.ROUTER_LABEL_BACKEND: engine})
+
+    before = router_says(contract.ROUTER_METRIC_KV_BLOCKS)
+    # A prompt of fresh token ids, several of vLLM's blocks long: the engine stores each whole block and says so
+    # on its KV-events port, which the router (told --kv-events by the operator) reads across the pods' network.
+    prompt = [random.Random(7).randrange(900) for _ in range(700)]
+    completion = _client(fleet).completions.create(model=SERVED, prompt=prompt, max_tokens=1, **GREEDY)
+    assert completion.usage.prompt_tokens == len(prompt)
+    grown = eventually("the router's index holds the prompt's blocks",
+                       lambda: (router_says(contract.ROUTER_METRIC_KV_BLOCKS) >= before + 1) or None, timeout=30)
+    assert grown
+    assert router_says(f"{contract.ROUTER_METRIC_KV_EVENTS}_total") > 0
+    assert router_says(f"{contract.ROUTER_METRIC_KV_RESYNCS}_total") == 0
 
 
 def _adapter_states(fleet: Fleet) -> dict[str, tuple[str, int]]:

@@ -146,13 +146,14 @@ def require_real_vllm(newest: bool = False) -> str:
 
 @pytest.fixture(scope="session")
 def real_vllm() -> Iterator[Any]:
-    """One real vLLM (CPU build, tiny model, runtime LoRA on) shared by the session's contract tests.
+    """One real vLLM (CPU build, tiny model, runtime LoRA on, publishing its KV events) shared by the session's
+    contract tests.
     Skipped where no real vLLM is installed, unless TF_REQUIRE_REAL_VLLM is set (CI): then it fails."""
     from tensorfleet.testing import realvllm
 
     require_real_vllm()
     with realvllm.engine(["--max-model-len", "2048", "--enable-lora", "--max-lora-rank", "32", "--max-loras", "2",
-                          "--max-num-seqs", "16"]) as engine:
+                          "--max-num-seqs", "16"], kv_events=True) as engine:
         yield engine
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tensorfleet.prompts import ROLE_OPEN, block_hashes, content_text, prompt_text, render_chat
-from tensorfleet.router.strategies import PREFIX_BLOCK_CHARS, PREFIX_MAX_BLOCKS, prefix_hashes
+from tensorfleet.router.scheduling import PREFIX_BLOCK_CHARS, PREFIX_MAX_BLOCKS, prefix_hashes
 from tensorfleet.sim.tokenizer import tokenize
 
 

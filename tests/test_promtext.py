@@ -213,7 +213,7 @@ def test_router_reads_vllm_load() -> None:
 def test_router_reads_nan_as_zero_and_fails_on_bad_text() -> None:
     load = parse_engine_metrics("vllm:num_requests_waiting NaN\nvllm:kv_cache_usage_perc NaN\n")
     assert (load.waiting, load.kv_usage, load.kv_cache_tokens) == (0.0, 0.0, None)
-    # Router._check counts an exception here as a failed health check.
+    # Fleet._check (router/fleet.py) counts an exception here as a failed health check.
     with pytest.raises(ValueError):
         parse_engine_metrics("<html>upstream connect error</html>")
 

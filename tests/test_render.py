@@ -393,6 +393,8 @@ def test_leader_and_worker_pods() -> None:
     assert container["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "ray", "containerPort": 6379, "protocol": "TCP"},
+        {"name": "kv-events", "containerPort": 5557, "protocol": "TCP"},
+        {"name": "kv-replay", "containerPort": 5558, "protocol": "TCP"},
         {"name": "gpu-metrics", "containerPort": 9400, "protocol": "TCP"},
     ]
     assert leader["spec"]["template"]["spec"]["securityContext"] == {
@@ -616,6 +618,8 @@ def test_router() -> None:
         # The other replicas: the router Service's ready endpoints, less the pod's own address.
         "--peer-service", "llama",
         "--strategy", "cache-aware",  # the default
+        # vLLM engines publish their KV-cache events: the router indexes them.
+        "--kv-events",
         "--port", "8080",
         "--max-concurrency-per-backend", str(concurrency),
         # The derived ceiling is a typical request's share: an engine with room may take up to max-num-seqs.
@@ -748,8 +752,9 @@ def test_network_policies_isolate_engines_and_router() -> None:
     selected = engine_policy["spec"]["podSelector"]["matchLabels"]
     assert all(matches(selected, pods) for pods in stage_pods) and not matches(selected, router_pods)
     from_router, peers, monitoring = engine_policy["spec"]["ingress"]
-    # The API port, from this InferenceService's router pods only.
-    assert from_router["ports"] == [{"protocol": "TCP", "port": contract.ENGINE_PORT}]
+    # The API port and the KV events' two, from this InferenceService's router pods only.
+    assert from_router["ports"] == [{"protocol": "TCP", "port": port} for port in (
+        contract.ENGINE_PORT, contract.KV_EVENTS_PORT, contract.KV_EVENTS_REPLAY_PORT)]
     assert _peers_admit(from_router, router_pods) and not _peers_admit(from_router, other_router)
     assert not any(_peers_admit(from_router, pods) for pods in stage_pods)
     # Every port (Ray, NCCL), between this InferenceService's engine pods only.

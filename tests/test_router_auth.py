@@ -24,7 +24,7 @@ from aiohttp import web
 from tensorfleet import contract
 from tensorfleet.router.backends import Backend, BackendPool
 from tensorfleet.router.dispatch import Dispatcher, QueueFull
-from tensorfleet.router.strategies import RequestInfo, RoundRobin
+from tensorfleet.router.scheduling import RequestInfo, make_profile
 from tensorfleet.router.tenants import MAX_KEY_BYTES, KeyRing, KeysError, Limits, UsageMeter, read_keys
 from tensorfleet.testing.loopback import (
     MODEL,
@@ -354,7 +354,7 @@ def test_free_slots_go_to_the_tenant_served_least_recently_each_tenant_in_arriva
     async def scenario() -> list[str]:
         pool = BackendPool()
         pool.set_urls(["http://e"])
-        dispatcher = Dispatcher(pool, RoundRobin(), ceiling=1, max_queue=10)
+        dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=10)
         held = await dispatcher.acquire(RequestInfo(), tenant="a")
         order: list[str] = []
 
@@ -379,7 +379,7 @@ def test_a_full_queue_makes_room_for_a_tenant_with_fewer_waiting() -> None:
     async def scenario() -> None:
         pool = BackendPool()
         pool.set_urls(["http://e"])
-        dispatcher = Dispatcher(pool, RoundRobin(), ceiling=1, max_queue=3)
+        dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=3)
         held: Backend = await dispatcher.acquire(RequestInfo(), tenant="a")
         a = [asyncio.create_task(dispatcher.acquire(RequestInfo(), tenant="a")) for _ in range(3)]
         await asyncio.sleep(0)

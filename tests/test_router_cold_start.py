@@ -21,7 +21,7 @@ from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 from tensorfleet.router.backends import CLOSED, JOINING, OPEN, Backend, BackendPool, BreakerPolicy
 from tensorfleet.router.discovery import SliceEndpoints, slice_endpoints
 from tensorfleet.router.dispatch import Dispatcher, Unavailable
-from tensorfleet.router.strategies import RequestInfo, RoundRobin
+from tensorfleet.router.scheduling import RequestInfo, make_profile
 from tensorfleet.testing.loopback import (
     Reply,
     chat,
@@ -153,7 +153,7 @@ async def test_a_static_engine_refusing_connections_is_not_starting_503_at_once_
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
         backend = r.router.pool.backends[url]
         await eventually(lambda: backend.checked and backend.unreachable)
-        assert r.router.cold_start() is None  # nothing listens there: down or misnamed, not loading
+        assert r.router.fleet.cold_start() is None  # nothing listens there: down or misnamed, not loading
         reply = await ask(client, r.url)
         refused_at_once(reply, most=1)  # the next health check may find it up
         assert "1 not accepting connections" in reply.json()["error"]["message"]
@@ -177,12 +177,12 @@ async def test_a_request_waiting_for_a_loading_static_engine_is_refused_once_the
         s = await loading.__aenter__()
         r = await stack.enter_async_context(router([s.url], queue_timeout=QUEUE_TIMEOUT, cold_start_timeout=600))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
-        assert r.router.cold_start() == "1 engine(s) not up yet"
+        assert r.router.fleet.cold_start() == "1 engine(s) not up yet"
         waiting = asyncio.create_task(ask(client, r.url))
         await eventually(lambda: r.router.dispatcher.pending == 1)
         await loading.__aexit__(None, None, None)  # it died while loading: its port closes
         refused_at_once(await waiting, most=1)
-        assert r.router.pool.backends[s.url].unreachable and r.router.cold_start() is None
+        assert r.router.pool.backends[s.url].unreachable and r.router.fleet.cold_start() is None
 
 
 # --- discovery: starting pods --------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ async def test_a_starting_pod_makes_requests_wait_and_none_left_makes_them_fail_
                                                    kube=Connection.for_url(str(kmock.url)),
                                                    queue_timeout=QUEUE_TIMEOUT))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
-        await eventually(lambda: r.router.cold_start() == "1 engine pod(s) starting")
+        await eventually(lambda: r.router.fleet.cold_start() == "1 engine pod(s) starting")
         # The pod is loading its model: the request waits for it, and is served once it is ready.
         waiting = asyncio.create_task(ask(client, r.url, "first"))
         await eventually(lambda: r.router.dispatcher.pending == 1)
@@ -265,7 +265,7 @@ async def test_a_ready_pod_the_router_cannot_reach_is_a_fault_not_a_start(kmock:
                                                    queue_timeout=QUEUE_TIMEOUT))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
         await eventually(lambda: [b.checked for b in r.router.pool] == [True])
-        assert r.router.cold_start() is None
+        assert r.router.fleet.cold_start() is None
         refused = await ask(client, r.url)
         refused_at_once(refused, most=1)  # its next health check is a health interval away
         assert "1 ready but not answering the router's health checks" in refused.json()["error"]["message"]
@@ -287,7 +287,7 @@ async def test_dispatcher_refuses_instead_of_queueing_when_told_and_refuses_its_
     pool = BackendPool()
     pool.set_urls(["http://a"])
     verdict: list[Unavailable | None] = [None]
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=1, queue_timeout=30, unavailable=lambda _: verdict[0])
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, queue_timeout=30, unavailable=lambda _: verdict[0])
     held = await dispatcher.acquire(RequestInfo())
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await eventually(lambda: dispatcher.pending == 1)

@@ -145,7 +145,7 @@ async def test_a_hung_engine_is_ejected_by_one_unanswered_health_check_and_its_w
         try:
             stuck = asyncio.create_task(post_chat(client, r.url, chat("stuck", max_tokens=2)))
             await eventually(lambda: hung.in_flight == 1)
-            await r.router.check(hung)
+            await r.router.fleet.check(hung)
             assert not hung.healthy and hung.unresponsive
             moved = await stuck
             assert (moved.status, moved.backend) == (200, live.url)

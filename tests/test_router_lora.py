@@ -156,7 +156,7 @@ async def test_an_adapter_request_during_a_cold_start_waits_for_the_engine_and_i
         engine = await stack.enter_async_context(lora_engine(startup_delay=1.0))
         r = await stack.enter_async_context(router([engine], queue_timeout=30.0))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)))
-        assert r.router.cold_start() == "1 engine(s) not up yet" and not r.router.adapters
+        assert r.router.fleet.cold_start() == "1 engine(s) not up yet" and not r.router.fleet.adapters.names
         adapter = asyncio.create_task(served_by(client, r.url, "tenant-3"))
         missing = asyncio.create_task(client.post(r.url + "/v1/completions",
                                                   json={"model": "tenant-99", "prompt": "x", "max_tokens": 2}))

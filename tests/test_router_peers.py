@@ -90,11 +90,12 @@ async def test_the_placements_endpoint_takes_well_formed_posts_from_peers_only()
 
         assert (await post(peer.url, good))[0] == 204
         strategy: Any = peer.router.strategy
-        assert strategy.matched(peer.router.pool.backends[engine], [1, 2, 3]) == 3
+        assert strategy.prefixes.matched(peer.router.pool.backends[engine], [1, 2, 3]) == 3
         # Not from a peer's address: refused, and nothing learned.
         status, error = await post(stranger.url, good)
         assert status == 403 and "peers only" in error["error"]["message"]
-        assert stranger.router.strategy.matched(stranger.router.pool.backends[engine], [1, 2, 3]) == 0  # type: ignore[attr-defined]
+        stranger_strategy: Any = stranger.router.strategy
+        assert stranger_strategy.prefixes.matched(stranger.router.pool.backends[engine], [1, 2, 3]) == 0
         # Malformed: 400 with the reason.
         for body in (b"{", {"placements": "no"}, {**good, "placements": [[engine, -1, []]]},
                      {**good, "placements": [[engine, None, ["x"]]]}):
@@ -105,7 +106,7 @@ async def test_the_placements_endpoint_takes_well_formed_posts_from_peers_only()
         for body in ({**good, "blockChars": block_chars * 2, "placements": [[engine, 8, [4]]]},
                      {**good, "placements": [["http://127.0.0.1:1", 8, [4]]]}):
             assert (await post(peer.url, body))[0] == 204
-            assert strategy.matched(peer.router.pool.backends[engine], [4]) == 0
+            assert strategy.prefixes.matched(peer.router.pool.backends[engine], [4]) == 0
         # A strategy that indexes no prompts has no peers, nor the endpoint.
         assert plain.router.peers is None
         assert (await post(plain.url, good))[0] == 404

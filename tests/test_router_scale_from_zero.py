@@ -50,7 +50,7 @@ async def test_a_request_at_zero_wakes_the_fleet_and_is_answered_once_an_engine_
         r = await stack.enter_async_context(router([], service=SERVICE, namespace="default",
                                                    kube=Connection(server=c.url), demand_lease=LEASE,
                                                    queue_timeout=1.0, cold_start_timeout=30.0))
-        await eventually(lambda: r.router.cold_start() == "the fleet is scaled to zero; waking it")
+        await eventually(lambda: r.router.fleet.cold_start() == "the fleet is scaled to zero; waking it")
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)))
         before = time.time()
         answer = asyncio.create_task(post_chat(client, r.url, chat("wake up", max_tokens=2)))
@@ -77,7 +77,7 @@ async def test_a_fleet_that_does_not_wake_within_the_cold_start_timeout_gets_503
         r = await stack.enter_async_context(router([], service=SERVICE, namespace="default",
                                                    kube=Connection(server=c.url), demand_lease=LEASE,
                                                    queue_timeout=0.5, cold_start_timeout=2.0))
-        await eventually(lambda: r.router.cold_start() is not None)
+        await eventually(lambda: r.router.fleet.cold_start() is not None)
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)))
         started = time.monotonic()
         reply = await post_chat(client, r.url, chat("anyone?", max_tokens=2))
@@ -92,8 +92,8 @@ async def test_without_a_demand_lease_no_engine_means_503_at_once() -> None:
         r = await stack.enter_async_context(router([], service=SERVICE, namespace="default",
                                                    kube=Connection(server=c.url), queue_timeout=30.0,
                                                    cold_start_timeout=30.0))
-        await eventually(lambda: r.router._watcher is not None and r.router._watcher.listed)
-        assert r.router.cold_start() is None
+        await eventually(lambda: r.router.fleet.watcher is not None and r.router.fleet.watcher.listed)
+        assert r.router.fleet.cold_start() is None
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)))
         reply = await post_chat(client, r.url, chat("anyone?", max_tokens=2))
         assert reply.status == 503 and "no engine is available" in reply.json()["error"]["message"]

@@ -22,22 +22,20 @@ from tensorfleet.router.backends import (
     parse_engine_metrics,
 )
 from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
-from tensorfleet.router.strategies import (
+from tensorfleet.router.scheduling import (
     HOME_SLACK_CHARS,
     KV_HIGH_WATER,
     PREFIX_BLOCK_CHARS,
-    STRATEGIES,
+    PROFILES,
     CacheAware,
-    LeastPending,
-    PrefixAware,
     RequestInfo,
-    RoundRobin,
-    Session,
     block_chars,
     has_room,
     hash_prompt,
+    make_profile,
     prefix_hashes,
 )
+from tensorfleet.router.scheduling.prefixes import SentPrefixes
 
 
 def backends(n: int) -> list[Backend]:
@@ -46,13 +44,13 @@ def backends(n: int) -> list[Backend]:
 
 def test_strategy_names_match_the_api_and_the_contract() -> None:
     literal = typing.get_args(RouterSpec.model_fields["strategy"].annotation)
-    assert set(literal) == set(contract.ROUTER_STRATEGIES) == set(STRATEGIES)
+    assert set(literal) == set(contract.ROUTER_STRATEGIES) == set(PROFILES)
     assert RouterSpec().strategy == contract.DEFAULT_ROUTER_STRATEGY
 
 
 def test_round_robin_takes_turns() -> None:
     pool = backends(3)
-    rr = RoundRobin()
+    rr = make_profile("round-robin")
     picks = [rr.pick(pool, pool, RequestInfo()).url for _ in range(6)]
     assert picks == [b.url for b in pool] * 2
 
@@ -60,7 +58,7 @@ def test_round_robin_takes_turns() -> None:
 def test_least_pending_prefers_the_least_loaded_and_counts_engine_queues() -> None:
     a, b, c = pool = backends(3)
     a.in_flight, b.in_flight, c.in_flight = 5, 2, 3
-    lp = LeastPending()
+    lp = make_profile("least-pending")
     assert lp.pick(pool, pool, RequestInfo()) is b
     # The engine says it is holding requests back: b is now worse than c.
     b.waiting = 4
@@ -73,7 +71,7 @@ def test_least_pending_prefers_the_least_loaded_and_counts_engine_queues() -> No
 
 def test_session_is_sticky_spread_and_bounded() -> None:
     pool = backends(4)
-    session = Session()
+    session = make_profile("session")
     first = {f"user-{i}": session.pick(pool, pool, RequestInfo(session_key=f"user-{i}")).url for i in range(200)}
     again = {key: session.pick(pool, pool, RequestInfo(session_key=key)).url for key in first}
     assert again == first
@@ -94,7 +92,7 @@ def test_session_is_sticky_spread_and_bounded() -> None:
 
 def test_prefix_aware_follows_the_prompt_and_respects_load() -> None:
     pool = backends(4)
-    strategy = PrefixAware()
+    strategy = make_profile("prefix-aware")
     document = "You are a careful assistant. " * 40
     first = RequestInfo(prefix_hashes=prefix_hashes(prompt_text({"messages": [{"role": "system", "content": document},
                                                                              {"role": "user", "content": "q1"}]})))
@@ -117,12 +115,14 @@ def test_prefix_aware_follows_the_prompt_and_respects_load() -> None:
 
 def test_prefix_index_is_bounded_by_engine_kv_capacity() -> None:
     backend = Backend("http://e:8000", kv_cache_tokens=6400)  # 100 blocks of 256 chars
-    strategy = PrefixAware()
+    strategy = make_profile("prefix-aware")
     for i in range(50):
         strategy.routed(backend, RequestInfo(prefix_hashes=prefix_hashes(f"doc {i} " * 200)))
-    assert len(strategy._index[backend.url]) == strategy.capacity(backend) == 100
+    prefixes = strategy.prefixes
+    assert prefixes is not None
+    assert prefixes.blocks(backend) == prefixes.capacity(backend) == 100
     strategy.forget(backend)
-    assert backend.url not in strategy._index
+    assert prefixes.blocks(backend) == 0
 
 
 # --- cache-aware (the default) ------------------------------------------------------------
@@ -149,7 +149,7 @@ def test_prompt_hashes_are_stable_across_processes_and_chained() -> None:
     import sys
 
     text = "a shared system prompt " * 40 + "then a question"
-    code = ("from tensorfleet.router.strategies import hash_prompt; "
+    code = ("from tensorfleet.router.scheduling import hash_prompt; "
             f"print(hash_prompt({text!r}, 300, 128))")
     # Another interpreter with another hash seed computes the same hashes: router replicas agree.
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -286,11 +286,11 @@ def test_cache_aware_counts_a_shared_prefix_this_router_sent_as_work_already_don
     assert strategy.pick(pool, pool, other) is cold
 
 
-class _CountingCacheAware(CacheAware):
-    """Cache-aware that counts its prefix matches (each is a walk over the prompt's blocks)."""
+class _CountingPrefixes(SentPrefixes):
+    """The prefix memory counting its matches (each is a walk over the prompt's blocks)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(openings=True)
         self.walks = 0
 
     def matched(self, backend: Backend, hashes: typing.Sequence[int]) -> int:
@@ -299,33 +299,36 @@ class _CountingCacheAware(CacheAware):
 
 
 def test_cache_aware_matches_a_prompt_once_per_engine_for_a_pick_and_its_charge() -> None:
-    strategy, pool = _CountingCacheAware(), BackendPool()
+    strategy, pool, counting = CacheAware(), BackendPool(), _CountingPrefixes()
+    strategy.prefixes = counting
     pool.set_urls([f"http://e{i}" for i in range(4)])
     opening = info_of(chat("what is a KV cache?"))
     dispatcher = Dispatcher(pool, strategy, ceiling=8)
     assert dispatcher.try_acquire(opening) is not None
-    assert strategy.walks == 4                # each engine once for the first turn's cost; the charge reuses it
+    assert counting.walks == 4                # each engine once for the first turn's cost; the charge reuses it
     later = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?"))
-    strategy.walks = 0
+    counting.walks = 0
     backend = dispatcher.try_acquire(later)
-    assert backend is not None and strategy.walks == 1   # only the engine holding the conversation
+    assert backend is not None and counting.walks == 1   # only the engine holding the conversation
     # Charged the prompt past the blocks the first turn sent there, as matched before this one was routed.
     assert 0 < later.prefill_charge < later.prompt_chars
     assert later.prefill_charge == later.prompt_chars - later.matches[backend.url] * strategy.block_chars
 
 
 def test_a_remembered_prefix_match_goes_stale_when_the_index_changes() -> None:
-    strategy, pool = CacheAware(), backends(2)
+    profile, pool = CacheAware(), backends(2)
+    strategy = profile.prefixes
+    assert strategy is not None
     warm = info_of(chat("a question", system="a shared system prompt " * 40))
     other = info_of(chat("another question", system="a shared system prompt " * 40))
     assert strategy.match(pool[0], other) == 0
-    strategy.routed(pool[0], warm)
+    profile.routed(pool[0], warm)
     shared = strategy.match(pool[0], other)
     assert shared > 0                                # routed: no longer 0
-    strategy.forget(pool[0])
+    profile.forget(pool[0])
     assert strategy.match(pool[0], other) == 0       # forgotten: 0 again
-    strategy.routed(pool[1], warm)
-    assert CacheAware().match(pool[1], other) == 0   # another strategy's index: its own figure
+    profile.routed(pool[1], warm)
+    assert SentPrefixes().match(pool[1], other) == 0   # another profile's memory: its own figure
     assert strategy.match(pool[1], other) == shared
 
 
@@ -390,9 +393,10 @@ def test_the_index_follows_the_engines_block_size() -> None:
     backend = Backend("http://e:8000")
     strategy.routed(backend, info_of(chat("q")))
     strategy.align([16, 16, None])
-    assert strategy.block_chars == 256 and strategy._index
+    assert strategy.prefixes is not None
+    assert strategy.block_chars == 256 and strategy.prefixes.blocks(backend)
     strategy.align([48, 48, 16])
-    assert strategy.block_chars == 384 and not strategy._index
+    assert strategy.block_chars == 384 and not strategy.prefixes.blocks(backend)
 
 
 def test_prompt_text_covers_chat_and_completions() -> None:
@@ -480,7 +484,7 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     assert changes == [(1, first.prompt_chars), (1, 0.0), (0, 0.0)]
     dispatcher.on_load = None
     # A strategy that never reads the charge is spared computing it.
-    blind = Dispatcher(pool, PrefixAware(), ceiling=1, max_queue=4, queue_timeout=5)
+    blind = Dispatcher(pool, make_profile("prefix-aware"), ceiling=1, max_queue=4, queue_timeout=5)
     other = info_of(chat("a question " * 100))
     c = await blind.acquire(other)
     assert c.prefill_chars == 0 and other.prefill_charge == 0
@@ -557,7 +561,7 @@ async def test_cache_aware_holds_prompts_beyond_a_step_and_sends_each_to_the_fir
 
 @pytest.mark.asyncio
 async def test_the_prompt_bound_is_off_at_zero_and_for_strategies_that_do_not_place_by_prompt_work() -> None:
-    for strategy, bound in ((CacheAware(), 0.0), (RoundRobin(), 4000.0), (LeastPending(), 4000.0)):
+    for strategy, bound in ((CacheAware(), 0.0), (make_profile("round-robin"), 4000.0), (make_profile("least-pending"), 4000.0)):
         pool = BackendPool()
         pool.set_urls(["http://a"])
         dispatcher = Dispatcher(pool, strategy, ceiling=8, queue_timeout=1, prompt_queue_chars=bound)
@@ -662,7 +666,7 @@ async def test_a_waiter_that_waited_the_order_age_goes_first_and_other_strategie
     dispatcher.release(a, long)
     assert await tasks[1] is a
     # Round-robin and least-pending serve the queue in arrival order.
-    for strategy in (RoundRobin(), LeastPending()):
+    for strategy in (make_profile("round-robin"), make_profile("least-pending")):
         pool = BackendPool()
         pool.set_urls(["http://a"])
         dispatcher = Dispatcher(pool, strategy, ceiling=1, queue_timeout=30)
@@ -674,7 +678,7 @@ async def test_a_waiter_that_waited_the_order_age_goes_first_and_other_strategie
 async def test_dispatcher_ceiling_queue_429_and_deadline() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=1, max_queue=1, queue_timeout=0.2)
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=1, queue_timeout=0.2)
     first = await dispatcher.acquire(RequestInfo())
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await asyncio.sleep(0)
@@ -694,7 +698,7 @@ async def test_dispatcher_ceiling_queue_429_and_deadline() -> None:
 async def test_dispatcher_cancelled_waiter_leaves_no_trace() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=1, max_queue=10, queue_timeout=5)
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=10, queue_timeout=5)
     held = await dispatcher.acquire(RequestInfo())
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await asyncio.sleep(0)
@@ -709,7 +713,7 @@ async def test_dispatcher_cancelled_waiter_leaves_no_trace() -> None:
 async def test_dispatcher_retry_excludes_tried_engines() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a", "http://b"])
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=4, queue_timeout=1)
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=4, queue_timeout=1)
     a = await dispatcher.acquire(RequestInfo())
     b = await dispatcher.acquire(RequestInfo(), frozenset({a.url}))
     assert b is not a
@@ -722,7 +726,7 @@ async def test_dispatcher_retry_excludes_tried_engines() -> None:
 async def test_a_waiter_for_an_adapter_on_a_busy_engine_does_not_hold_up_the_queue(strategy: str) -> None:
     pool = BackendPool()
     pool.set_urls(["http://a", "http://b"])
-    dispatcher = Dispatcher(pool, STRATEGIES[strategy](), ceiling=1, queue_timeout=5)
+    dispatcher = Dispatcher(pool, make_profile(strategy), ceiling=1, queue_timeout=5)
     adapter = RequestInfo(hosts=frozenset({"http://a"}), prompt_chars=100)   # only engine a lists its adapter
     held = [await dispatcher.acquire(RequestInfo()) for _ in range(2)]
     on_a = next(b for b in held if b.url == "http://a")
@@ -742,7 +746,7 @@ async def test_a_waiter_for_an_adapter_on_a_busy_engine_does_not_hold_up_the_que
 async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_it_queues() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=4, burst=10, queue_timeout=5)
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=4, burst=10, queue_timeout=5)
     (engine,) = pool
     held = [await dispatcher.acquire(RequestInfo()) for _ in range(4)]
     waiters = [asyncio.create_task(dispatcher.acquire(RequestInfo())) for _ in range(8)]
@@ -786,7 +790,7 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
 async def test_without_burst_the_ceiling_holds_and_others_share_the_burst() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
-    dispatcher = Dispatcher(pool, RoundRobin(), ceiling=2, queue_timeout=5)
+    dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=2, queue_timeout=5)
     (engine,) = pool
     held = [await dispatcher.acquire(RequestInfo()) for _ in range(2)]
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
@@ -807,8 +811,35 @@ async def test_without_burst_the_ceiling_holds_and_others_share_the_burst() -> N
 async def test_dispatcher_auto_queue_scales_with_the_fleet() -> None:
     pool = BackendPool()
     pool.set_urls([f"http://{i}" for i in range(4)])
-    assert Dispatcher(pool, RoundRobin(), ceiling=100).max_queue == 800
-    assert Dispatcher(pool, RoundRobin(), ceiling=2).max_queue == 64
+    assert Dispatcher(pool, make_profile("round-robin"), ceiling=100).max_queue == 800
+    assert Dispatcher(pool, make_profile("round-robin"), ceiling=2).max_queue == 64
     # The ceiling sizes it, not the burst: a short queue answers a backlog with 429s at once rather than holding
     # hundreds of requests past any latency target (bench_autoscaling measured a longer one worse).
-    assert Dispatcher(pool, RoundRobin(), ceiling=16, burst=256).max_queue == 2 * 16 * 4
+    assert Dispatcher(pool, make_profile("round-robin"), ceiling=16, burst=256).max_queue == 2 * 16 * 4
+
+
+def test_a_scorer_added_as_docs_routing_shows_takes_part_in_the_pick() -> None:
+    """docs/routing.md's example of adding a scorer, as written there."""
+    from dataclasses import dataclass
+
+    from tensorfleet.router.scheduling.filters import UnderLoadBound
+    from tensorfleet.router.scheduling.profiles import Profile, Scored, Weighted, least_pending
+    from tensorfleet.router.scheduling.scorers import LeastLoad
+
+    @dataclass(frozen=True)
+    class FreeKVCache:
+        def scores(self, backends: typing.Sequence[Backend], routable: typing.Sequence[Backend],
+                   info: RequestInfo) -> list[float]:
+            return [1.0 - b.kv_usage for b in backends]
+
+    def kv_balanced() -> Profile:
+        return Scored("kv-balanced", filters=[UnderLoadBound()],
+                      scorers=[Weighted(LeastLoad(), 1.0), Weighted(FreeKVCache(), 0.5)],
+                      fallback=least_pending())
+
+    a, b = pool = backends(2)
+    a.kv_usage, b.kv_usage = 0.8, 0.1
+    assert kv_balanced().pick(pool, pool, RequestInfo()) is b
+    a.in_flight = 0
+    b.in_flight = 3   # load outweighs the free cache now
+    assert kv_balanced().pick(pool, pool, RequestInfo()) is a

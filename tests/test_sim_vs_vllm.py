@@ -11,6 +11,7 @@ pins, its CPU build serving the tiny model: the session's `real_vllm`) and to `t
   was raised, a path only it has: messages are compared up to there);
 - streams: the kinds of events in order (chat's role event, token events, the finishing event, the usage event)
   and every simulator event's keys against vLLM's event of the same kind;
+- /tokenize: a prompt or messages (with the chat-template flags), and the bodies it refuses;
 - the LoRA endpoints (load, load again, load in place, no adapter at the path, a rank above --max-lora-rank,
   unload, unload of an unknown name), the adapter then listed in /v1/models under its parent and answering;
 - /metrics: every family the simulator exports is on vLLM with the same type and label names (families only
@@ -58,7 +59,8 @@ DELIBERATE: dict[str, str] = {
         "the simulator cannot search beams; it refuses rather than answer as if it had",
     "refusals/prompt_logprobs: status: vLLM 200, sim 400":
         "the simulator scores no prompt; it refuses rather than make the numbers up",
-    "refusals/stop_token_ids: status: vLLM 200, sim 400": "the simulator has no token ids",
+    "refusals/stop_token_ids: status: vLLM 200, sim 400":
+        "the simulator draws its answers as words, not token ids, and does not stop on an id",
     "refusals/structured output by regex: status: vLLM 200, sim 400":
         "the simulator writes JSON (json, json_object, choice), not text matching a regex or a grammar",
     "refusals/structured output by grammar: status: vLLM 200, sim 400": "as for a regex",
@@ -311,6 +313,7 @@ def test_answers_have_vllms_fields(pair: Pair) -> None:
     for case, path, body in (
             ("chat", "/v1/chat/completions", chat()),
             ("completion", "/v1/completions", completion()),
+            ("completion of token ids", "/v1/completions", completion(prompt=[5, 6, 7, 8])),
             ("chat, two choices", "/v1/chat/completions", chat(n=2)),
             ("chat with logprobs", "/v1/chat/completions", chat(logprobs=True, top_logprobs=2)),
             ("completion with logprobs", "/v1/completions", completion(logprobs=2)),
@@ -428,6 +431,44 @@ def test_errors_are_vllms(pair: Pair) -> None:
         assert real.status >= 400, (case, real.body[:300])
         found += diffs("errors", case, compare(case, real, sim))
     check("errors", found)
+
+
+TOKENIZE: list[tuple[str, dict[str, Any] | bytes]] = [
+    ("prompt", {"model": SERVED, "prompt": "the model serves tokens"}),
+    ("prompt with its token strings", {"model": SERVED, "prompt": "the model serves tokens",
+                                       "return_token_strs": True}),
+    ("prompt without a model", {"prompt": "the model serves tokens"}),
+    ("prompt without special tokens", {"model": SERVED, "prompt": "the model", "add_special_tokens": False}),
+    ("empty prompt", {"model": SERVED, "prompt": ""}),
+    ("messages", {"model": SERVED, "messages": USER}),
+    ("messages with token strings", {"model": SERVED, "messages": USER, "return_token_strs": True}),
+    ("messages without a generation prompt", {"model": SERVED, "messages": USER, "add_generation_prompt": False}),
+    ("messages continuing the assistant", {"model": SERVED, "messages": ASSISTANT_LAST,
+                                           "add_generation_prompt": False, "continue_final_message": True}),
+    ("prompt and messages", {"model": SERVED, "prompt": "the model", "messages": USER}),
+    # refused
+    ("neither prompt nor messages", {"model": SERVED}),
+    ("prompt as token ids", {"model": SERVED, "prompt": [1, 2, 3]}),
+    ("continue without add_generation_prompt false", {"model": SERVED, "messages": ASSISTANT_LAST,
+                                                      "continue_final_message": True}),
+    ("continue and add_generation_prompt both true", {"model": SERVED, "messages": ASSISTANT_LAST,
+                                                      "continue_final_message": True, "add_generation_prompt": True}),
+    ("empty conversation", {"model": SERVED, "messages": []}),
+    ("return_token_strs a word", {"model": SERVED, "prompt": "x", "return_token_strs": "maybe"}),
+    ("unknown model", {"model": "no-such-model", "prompt": "x"}),
+    ("body not JSON", b"{not json"),
+]
+
+
+def test_tokenize_is_vllms(pair: Pair) -> None:
+    found: list[Diff] = []
+    for case, body in TOKENIZE:
+        real, sim = pair.both("POST", "/tokenize", raw=body) if isinstance(body, bytes) \
+            else pair.both("POST", "/tokenize", body)
+        found += diffs("tokenize", case, compare(case, real, sim))
+        if real.status == sim.status == 200:
+            assert all(a.json()["count"] == len(a.json()["tokens"]) for a in (real, sim)), case
+    check("tokenize", found)
 
 
 # What vLLM does and the simulator cannot: refused (400), never answered as if done.
@@ -554,6 +595,6 @@ def test_the_comparison_sees_what_differs() -> None:
 
 
 def test_the_table_names_only_areas_that_are_compared() -> None:
-    areas = {"plain", "answers", "streams", "errors", "refusals", "lora", "metrics"}
+    areas = {"plain", "answers", "streams", "errors", "refusals", "lora", "metrics", "tokenize"}
     assert {key.split("/")[0] for key in DELIBERATE} <= areas
     assert all(reason.strip() for reason in DELIBERATE.values())

@@ -213,6 +213,16 @@ NIXL_SIDE_CHANNEL_PORT: Final = 5600
 NIXL_PORT_NAME: Final = "nixl"
 KV_CONNECTORS: Final = ("NixlConnector",)   # what the router's two-phase protocol speaks (docs/disaggregation.md)
 DEFAULT_KV_CONNECTOR: Final = "NixlConnector"
+# KV-cache events (vLLM's `--kv-events-config`, JSON): every vLLM engine publishes the blocks it stores and
+# evicts over ZeroMQ (PUB, with a ROUTER socket that replays missed batches), and the router indexes them
+# (router/kvindex.py). Bound on all addresses: vLLM binds an endpoint only when it names `*`.
+ENV_KV_EVENTS_CONFIG: Final = "TF_KV_EVENTS_CONFIG"
+KV_EVENTS_PORT: Final = 5557
+KV_EVENTS_REPLAY_PORT: Final = 5558
+KV_EVENTS_PORT_NAME: Final = "kv-events"
+KV_EVENTS_REPLAY_PORT_NAME: Final = "kv-replay"
+KV_EVENTS_TOPIC: Final = "kv"
+KV_EVENTS_BUFFER_STEPS: Final = 10_000   # batches the engine keeps for replay (vLLM's default)
 LORA_LOAD_PATH: Final = "/v1/load_lora_adapter"
 LORA_UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
 # JSON list of strings: extra engine flags, passed through as argv items.
@@ -384,6 +394,10 @@ ROUTER_METRIC_TENANT_TOKENS: Final = "tensorfleet_router_tenant_tokens"         
 ROUTER_METRIC_TENANT_PENDING: Final = "tensorfleet_router_tenant_pending_requests"  # gauge: tenant
 ROUTER_METRIC_AUTH_FAILURES: Final = "tensorfleet_router_auth_failures"          # counter: reason
 ROUTER_METRIC_API_KEYS: Final = "tensorfleet_router_api_keys"                    # gauge: keys in force
+# The KV-cache index from the engines' KV events (router --kv-events; router/kvfleet.py).
+ROUTER_METRIC_KV_BLOCKS: Final = "tensorfleet_router_kv_index_blocks"      # gauge: backend
+ROUTER_METRIC_KV_EVENTS: Final = "tensorfleet_router_kv_events"            # counter: backend
+ROUTER_METRIC_KV_RESYNCS: Final = "tensorfleet_router_kv_resyncs"          # counter: backend
 HPA_METRIC_ROUTER_PENDING: Final = ROUTER_METRIC_PENDING
 ROUTER_LABEL_BACKEND: Final = "backend"
 ROUTER_LABEL_CODE: Final = "code"

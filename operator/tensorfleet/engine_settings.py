@@ -28,6 +28,7 @@ has pydantic and pyyaml but no kopf or Kubernetes client) both import it.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -102,6 +103,13 @@ SETTINGS: Final[tuple[Setting, ...]] = (
     # Colocated engines may still pass their own (say, LMCache's KV offloading) in spec.engine.args.
     Setting(contract.ENV_KV_TRANSFER_CONFIG, "kv_transfer_config", "spec.kvTransfer.connector",
             vllm_flag="--kv-transfer-config", sim_flag="--kv-transfer-config", always_refused=False),
+    # KV-cache events for the router's index (router/kvindex.py), JSON: every vLLM engine publishes them, and
+    # the simulator takes the same flag (sim/kvevents.py).
+    Setting(contract.ENV_KV_EVENTS_CONFIG, "kv_events_config", vllm_flag="--kv-events-config",
+            sim_flag="--kv-events-config",
+            instead=f"leave it out: the operator has vLLM engines publish their KV events on port "
+                    f"{contract.KV_EVENTS_PORT} ({contract.KV_EVENTS_PORT_NAME}) for the router, where the model's "
+                    "layers all keep full attention (docs/routing.md)"),
     # Appended to either command line as given, after the flags above.
     Setting(contract.ENV_EXTRA_ARGS, "extra_args", "spec.engine.args"),
     Setting(contract.ENV_ACCELERATOR, "accelerator", "spec.accelerator.type", sim_flag="--accelerator"),
@@ -113,6 +121,14 @@ SETTINGS: Final[tuple[Setting, ...]] = (
 )
 
 BY_FIELD: Final = {setting.field: setting for setting in SETTINGS}
+
+
+def kv_events_config(port: int = contract.KV_EVENTS_PORT, replay_port: int = contract.KV_EVENTS_REPLAY_PORT) -> str:
+    """vLLM's `--kv-events-config` as the operator writes it: ZeroMQ PUB and replay sockets bound on all
+    addresses (vLLM binds an endpoint that names `*` and connects to any other), the router's topic."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "topic": contract.KV_EVENTS_TOPIC,
+                       "endpoint": f"tcp://*:{port}", "replay_endpoint": f"tcp://*:{replay_port}",
+                       "buffer_steps": contract.KV_EVENTS_BUFFER_STEPS}, separators=(",", ":"))
 
 # Every variable the launcher reads; `spec.engine.env` may not set them.
 WORKER_ENV_VARS: Final = tuple(setting.env for setting in SETTINGS)

@@ -18,7 +18,7 @@ import importlib.util
 MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf", "kubernetes", "aiohttp", "prometheus_client"),
     "router": ("aiohttp", "prometheus_client", "kubernetes"),
-    "sim": ("aiohttp", "prometheus_client"),
+    "sim": ("aiohttp", "prometheus_client", "zmq", "msgspec"),
     "worker": ("prometheus_client",),
 }
 

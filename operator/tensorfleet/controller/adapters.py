@@ -16,7 +16,7 @@ readiness brings a reconcile.
 Loading registers the adapter with the engine and reads it into host memory;
 which adapters hold the engine's GPU slots is the engine's own business
 (least recently used), and the router sends an adapter's requests to the
-engines that used it last (router/strategies.py), so a hot adapter spreads
+engines that used it last (router/scheduling/profiles.py), so a hot adapter spreads
 and a cold one stays on few GPUs.
 
 What each engine answered becomes status.adapters (`adapter_status`, pure);

@@ -205,11 +205,12 @@ def gib(value: float) -> str:
 
 def _hybrid_kv(spec: InferenceServiceSpec, kv_connector: bool) -> bool:
     """Whether vLLM runs its hybrid KV-cache manager (vllm/config/vllm.py): on GPUs and on its CPU backend alike
-    (its CPU platform supports it, 0.19 and 0.32), not beside a KV connector (spec.prefill) or KV events, not when
-    engine.args turn it off; engine.args can insist on it only where nothing turns it off."""
+    (its CPU platform supports it, 0.19 and 0.32), not beside a KV connector (spec.prefill), not when engine.args
+    turn it off; engine.args can insist on it only where nothing turns it off. KV events turn it off too, so the
+    operator has only engines whose layers all keep full attention publish them (render.meta.publishes_kv_events),
+    where the manager changes nothing, and spec.engine.args may not pass them."""
     args = spec.engine.args
-    if any(engine_arg_value(args, flag) is not None
-           for flag in ("--disable-hybrid-kv-cache-manager", "--kv-events-config")):
+    if engine_arg_value(args, "--disable-hybrid-kv-cache-manager") is not None:
         return False
     return engine_arg_value(args, "--no-disable-hybrid-kv-cache-manager") is not None or not kv_connector
 
@@ -242,9 +243,6 @@ def _check_state_layers(spec: InferenceServiceSpec, arch: ArchitectureSpec, cpu:
     refused = "vLLM starts it only with its hybrid KV-cache manager"
     if engine_arg_value(args, "--disable-hybrid-kv-cache-manager") is not None:
         raise SpecError("spec.engine.args", f"--disable-hybrid-kv-cache-manager: {what}; {refused}: remove the flag")
-    if engine_arg_value(args, "--kv-events-config") is not None:
-        raise SpecError("spec.engine.args", f"--kv-events-config turns vLLM's hybrid KV-cache manager off: {what}; "
-                                            f"{refused}: remove it")
     if kv_connector:
         raise SpecError("spec.prefill", f"the KV connector turns vLLM's hybrid KV-cache manager off (as vLLM does "
                                         f"beside --kv-transfer-config): {what}; {refused}: add "

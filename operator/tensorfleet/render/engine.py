@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-from tensorfleet import contract
+from tensorfleet import contract, engine_settings
 from tensorfleet.api.models import InferenceServiceSpec, ResourceRequirements
 from tensorfleet.catalog import find_gpu
 from tensorfleet.engine_settings import SETTINGS
@@ -63,6 +63,7 @@ from tensorfleet.render.meta import (
     pod_labels,
     prefill_context,
     prefill_stage_selector,
+    publishes_kv_events,
     resources_block,
     stage_selector,
 )
@@ -286,6 +287,10 @@ def _container(ctx: Context, stage: int) -> dict[str, Any]:
         if ctx.plan.kv_connector is not None:
             # NIXL's side channel, where the other pool's engines read this one's KV cache.
             ports.insert(1, _port(contract.NIXL_PORT_NAME, contract.NIXL_SIDE_CHANNEL_PORT))
+        if publishes_kv_events(ctx):
+            # The KV events the router indexes, and their replay.
+            ports += [_port(contract.KV_EVENTS_PORT_NAME, contract.KV_EVENTS_PORT),
+                      _port(contract.KV_EVENTS_REPLAY_PORT_NAME, contract.KV_EVENTS_REPLAY_PORT)]
     if serves_gpu_metrics(ctx):
         # Named, so a PodMonitor can scrape the GPU health gauges of every stage.
         ports.append(_port(contract.PORT_NAME_GPU_METRICS, contract.WORKER_METRICS_PORT))
@@ -403,6 +408,7 @@ def _env(ctx: Context, stage: int) -> list[dict[str, Any]]:
         # Both pools run the connector as kv_both: the router's first request makes an engine a producer.
         contract.ENV_KV_TRANSFER_CONFIG: (json.dumps({"kv_connector": plan.kv_connector, "kv_role": "kv_both"},
                                                      separators=(",", ":")) if plan.kv_connector else None),
+        contract.ENV_KV_EVENTS_CONFIG: engine_settings.kv_events_config() if publishes_kv_events(ctx) else None,
         contract.ENV_EXTRA_ARGS: json.dumps(list(spec.engine.args)),
         contract.ENV_ACCELERATOR: plan.accelerator,
         contract.ENV_KV_CACHE_TOKENS: str(plan.kv_cache_tokens),

@@ -8,6 +8,7 @@ from typing import Any
 from tensorfleet import contract
 from tensorfleet.api.models import InferenceService, InferenceServiceSpec
 from tensorfleet.planner import Plan
+from tensorfleet.planner.kvcache import FULL
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,14 @@ class Context:
 def is_vllm(ctx: Context) -> bool:
     """A vLLM engine pod (on GPUs or CPU): the stock image, the launcher copied in by the init container."""
     return ctx.spec.engine.kind == "vllm"
+
+
+def publishes_kv_events(ctx: Context) -> bool:
+    """An engine whose KV-cache events the router indexes (docs/routing.md#the-kv-cache-index): vLLM, or the
+    simulator standing for it, serving a model whose layers all keep full attention. vLLM turns its hybrid
+    KV-cache manager off beside KV events, which changes the cache of a model with sliding, chunked or state
+    layers (and stops a hybrid one starting), so those publish none."""
+    return all(spec == FULL for spec in ctx.plan.kv_pool.specs)   # both engine kinds publish
 
 
 def uses_gpus(spec: InferenceServiceSpec, plan: Plan) -> bool:

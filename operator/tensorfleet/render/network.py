@@ -4,7 +4,8 @@ Two policies per InferenceService, both for ingress only:
 
 `NAME-engine`, over every engine pod of every stage, admits
   - this InferenceService's router pods, to the engine port (the OpenAI API;
-    the router also reads `/health` and `/metrics` there);
+    the router also reads `/health` and `/metrics` there) and, on vLLM
+    engines, to the KV events' two ports (router/kvevents.py);
   - this InferenceService's engine pods, on every port: Ray's GCS listens on
     RAY_PORT, but its raylets, object managers and workers pick their ports at
     start, and NCCL bootstraps and (without InfiniBand) moves tensors over
@@ -38,7 +39,7 @@ from typing import Any
 
 from tensorfleet import contract
 from tensorfleet.render.engine import serves_gpu_metrics
-from tensorfleet.render.meta import Context, engine_selector, metadata, router_selector
+from tensorfleet.render.meta import Context, engine_selector, metadata, publishes_kv_events, router_selector
 
 # Set by the API server on every namespace (Kubernetes >= 1.22), immutable: selects namespaces by name.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -80,8 +81,11 @@ def _policy(ctx: Context, name: str, component: str, pods: dict[str, str], rules
 
 def engine_policy(ctx: Context) -> dict[str, Any]:
     monitoring = ctx.spec.network_policy.monitoring_namespaces
+    # The router calls the engine's API and, from vLLM engines, reads the KV events (and asks for replays).
+    routed = (contract.ENGINE_PORT, contract.KV_EVENTS_PORT, contract.KV_EVENTS_REPLAY_PORT) if publishes_kv_events(ctx) \
+        else (contract.ENGINE_PORT,)
     rules: list[dict[str, Any]] = [
-        {"from": [{"podSelector": {"matchLabels": router_selector(ctx.name)}}], "ports": _ports(contract.ENGINE_PORT)},
+        {"from": [{"podSelector": {"matchLabels": router_selector(ctx.name)}}], "ports": _ports(*routed)},
         # No ports: every port and protocol, between this InferenceService's engine pods only.
         {"from": [{"podSelector": {"matchLabels": engine_selector(ctx.name)}}]},
     ]

@@ -18,6 +18,7 @@ from tensorfleet.render.meta import (
     Context,
     metadata,
     pod_labels,
+    publishes_kv_events,
     resources_block,
     router_selector,
     scales_to_zero,
@@ -148,6 +149,8 @@ def _container(ctx: Context) -> dict[str, Any]:
             # The other replicas: the router Service's ready endpoints, less this pod (router/peers.py).
             "--peer-service", ctx.name,
             "--strategy", router.strategy,
+            # vLLM engines publish their KV-cache events (render/engine.py): the router indexes them.
+            *(["--kv-events"] if publishes_kv_events(ctx) else []),
             "--port", str(contract.ROUTER_PORT),
             # Beyond what the KV cache holds at a typical request size (and
             # max-num-seqs) requests only queue or preempt inside the engine;

@@ -4,15 +4,15 @@ The operator renders it as
 `tensorfleet router --service NAME-engine --namespace NS --strategy S --port 8080
  --max-concurrency-per-backend N --model SERVED_NAME`; `--backend URL`
 (repeatable) replaces discovery with a fixed list. The timeout, limit and
-shutdown flags have defaults meant for production (router/app.py says what
-each bounds); the pod's terminationGracePeriodSeconds must exceed
---drain-delay + --shutdown-grace. With spec.router.auth it adds
-`--api-keys /etc/tensorfleet/api-keys` (the Secret, mounted) and the per-key
-limits (router/tenants.py).
+shutdown flags have defaults meant for production (router/inflight.py and
+router/admission.py say what each bounds); the pod's
+terminationGracePeriodSeconds must exceed --drain-delay + --shutdown-grace.
+With spec.router.auth it adds `--api-keys /etc/tensorfleet/api-keys` (the
+Secret, mounted) and the per-key limits (router/tenants.py).
 
 With no engine healthy the router answers 503 at once with Retry-After,
 unless a cold start is underway, when it queues (up to --queue-timeout); the
-description below and router/app.py define a cold start.
+description below and router/fleet.py define a cold start.
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ def register(subparsers: Any) -> None:
                        help="Kubernetes API base URL without credentials, e.g. http://127.0.0.1:8001 for kubectl "
                             "proxy (default: the pod's service account, else the kubeconfig)")
     p.add_argument("--strategy", choices=contract.ROUTER_STRATEGIES, default=contract.DEFAULT_ROUTER_STRATEGY)
+    p.add_argument("--kv-events", action="store_true",
+                   help=f"subscribe to every engine's KV-cache events (vLLM's ZeroMQ publisher on port "
+                        f"{contract.KV_EVENTS_PORT}, replay on {contract.KV_EVENTS_REPLAY_PORT}) and keep an index of "
+                        "the blocks each holds (tensorfleet_router_kv_index_blocks)")
+    p.add_argument("--kv-events-endpoint", action="append", default=[], type=_kv_endpoint,
+                   metavar="URL=PUB,REPLAY",
+                   help="with --kv-events, where the engine at URL publishes (tcp://host:port) and replays, when not on "
+                        "its own address's default ports (engines sharing a host); repeat per engine")
     p.add_argument("--host", default="0.0.0.0")
     p.add_argument("--port", type=int, default=contract.ROUTER_PORT)
     p.add_argument("--model", help="served model name; requests naming another model get 404")
@@ -189,6 +197,15 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def _kv_endpoint(text: str) -> tuple[str, str, str]:
+    url, _, sockets = text.partition("=")
+    publisher, _, replay = sockets.partition(",")
+    if not url.startswith(("http://", "https://")) or not publisher.startswith("tcp://") \
+            or not replay.startswith("tcp://"):
+        raise argparse.ArgumentTypeError(f"{text!r}: want ENGINE_URL=tcp://HOST:PORT,tcp://HOST:REPLAY_PORT")
+    return url.rstrip("/"), publisher, replay
+
+
 def run(args: argparse.Namespace) -> int:
     extras.require("tensorfleet router", "router")
     from aiohttp import web
@@ -217,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"error: --service {service}: {exc}; run in the cluster, or give --kube-api") from None
     config = RouterConfig(
         strategy=args.strategy,
+        kv_events=args.kv_events,
+        kv_event_endpoints=tuple(args.kv_events_endpoint),
         model=args.model,
         max_concurrency_per_backend=args.max_concurrency_per_backend,
         burst_concurrency_per_backend=args.burst_concurrency_per_backend,

@@ -10,7 +10,7 @@ are kept apart as *starting*: the EndpointSlice controller lists a pod once it
 has an address, so these are engine pods that run but have not passed their
 readiness probe yet (loading the model, forming their group, restarting after
 a crash). The router queues requests rather than refusing them while any
-exists (see router/app.py). Pods without an address yet (Pending: scheduling,
+exists (see router/fleet.py). Pods without an address yet (Pending: scheduling,
 pulling the image) are in no EndpointSlice and cannot be seen here. The Role
 the operator renders grants get/list/watch on endpointslices in the namespace
 and nothing else.

@@ -88,7 +88,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool
-from tensorfleet.router.strategies import KV_HIGH_WATER, RequestInfo, Strategy
+from tensorfleet.router.scheduling import KV_HIGH_WATER, Profile, RequestInfo
 
 MIN_AUTO_QUEUE = 64
 # Requests waiting inside an engine that count as it queueing: vLLM holds a just-arrived request in its waiting
@@ -138,7 +138,7 @@ class _Waiter:
 
 
 class Dispatcher:
-    def __init__(self, pool: BackendPool, strategy: Strategy, *, ceiling: int, burst: int = 0, max_queue: int = 0,
+    def __init__(self, pool: BackendPool, strategy: Profile, *, ceiling: int, burst: int = 0, max_queue: int = 0,
                  queue_timeout: float = 30.0, order_age: float | None = None, prompt_queue_chars: float = 0.0,
                  unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool

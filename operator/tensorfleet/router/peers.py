@@ -1,6 +1,6 @@
 """Router replicas tell each other where they send prompts, so every replica's prefix view covers them all.
 
-A strategy that indexes prompts (prefix-aware, cache-aware: router/strategies.py)
+A profile that indexes prompts (prefix-aware, cache-aware: router/scheduling/)
 knows which engine holds a conversation's KV from the prompts it sent there
 itself. With several router replicas behind one Service, a conversation's turns
 land on different replicas, and a replica that did not send the previous turn

@@ -30,7 +30,7 @@ import aiohttp
 from tensorfleet.prompts import opening_chars, prompt_text
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy
 from tensorfleet.router.dispatch import Dispatcher
-from tensorfleet.router.strategies import CacheAware, RequestInfo, hash_prompt
+from tensorfleet.router.scheduling import CacheAware, RequestInfo, hash_prompt
 
 log = logging.getLogger("tensorfleet.router")
 

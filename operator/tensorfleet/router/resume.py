@@ -3,7 +3,7 @@ engine, and to know what every stream cost.
 
 A streamed generation whose engine stalls or fails after some of its answer reached the client can go on
 elsewhere as a continuation, a request for the rest of the same answer, when that is equivalent to letting the
-first engine finish (app.py sends it; this module decides, tracks and rewrites):
+first engine finish (forward.py sends it; this module decides, tracks and rewrites):
   completions  the prompt + the text already sent, max_tokens (and min_tokens) less the tokens already sent;
   chat         the messages + an assistant message holding the content already sent, with vLLM's
                `continue_final_message: true` and `add_generation_prompt: false`, max_completion_tokens (or
@@ -68,7 +68,7 @@ _SAME, _DROP = object(), object()  # StreamState._quick: send the event as it ca
 # What the router asks every engine stream it tracks for: the engine's own token counts on every event.
 USAGE_OPTIONS = {"include_usage": True, "continuous_usage_stats": True}
 _USAGE_OPTIONS_JSON = json.dumps(USAGE_OPTIONS, separators=(",", ":")).encode()
-# Characters a token, for estimates from text (prompts at admission, app.py; a stream no engine counted): fewer
+# Characters a token, for estimates from text (prompts at admission, admission.py; a stream no engine counted): fewer
 # than English has (about four), so an over-estimate.
 CHARS_PER_TOKEN = 3
 

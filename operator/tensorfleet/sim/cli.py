@@ -14,6 +14,7 @@ argparse subcommand: the simulator's parser must keep unknown flags' values
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -108,6 +109,11 @@ def register(subparsers: Any) -> None:
                              "listens on $VLLM_NIXL_SIDE_CHANNEL_PORT, 5600, and is advertised as "
                              "$VLLM_NIXL_SIDE_CHANNEL_HOST; held KV is freed after $VLLM_NIXL_ABORT_REQUEST_TIMEOUT, "
                              "480 s)")
+    parser.add_argument("--kv-events-config", metavar="JSON",
+                        help="vLLM's flag: publish the prefix cache's KV events (BlockStored, BlockRemoved) over "
+                             "ZeroMQ as vLLM does, e.g. '{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\","
+                             "\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\"}' "
+                             "(sim/kvevents.py; needs pyzmq and msgspec)")
     parser.add_argument("--kv-transfer-gbps", type=argtypes.positive_float, default=100.0,
                         help="the link each GPU reads another engine's KV over, in Gbit/s (default: 100)")
     lora = parser.add_argument_group("LoRA adapters (vLLM's flags; sim/lora.py)")
@@ -251,6 +257,8 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import disable_created_metrics
 
     from tensorfleet.httpapi import ServerLimits, run_server, setup_logging
+    from tensorfleet.sim.kvevents import KVEventsConfigError
+    from tensorfleet.sim.kvevents import parse_config as parse_kv_events
     from tensorfleet.sim.kvtransfer import TransferConfigError, parse_config
     from tensorfleet.sim.lora import RUNTIME_UPDATING_ENV, LoraConfig, LoraError, LoraState, parse_module
     from tensorfleet.sim.server import SimConfig, SimServer
@@ -271,6 +279,18 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"error: {exc}") from None
         log.info("KV transfer: %s as %s, side channel %s:%d", transfer.connector, transfer.role,
                  transfer.side_channel_host, transfer.side_channel_port)
+    kv_events = None
+    if args.kv_events_config:
+        try:
+            kv_events = parse_kv_events(args.kv_events_config)
+        except KVEventsConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        absent = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+        if kv_events is not None and absent:
+            raise SystemExit(f"error: --kv-events-config needs pyzmq and msgspec ({', '.join(absent)} not "
+                             "installed): pip install 'tensorfleet[router]'")
+        if kv_events is not None:
+            log.info("KV events: published on %s, replay on %s", kv_events.endpoint, kv_events.replay_endpoint)
     lora: LoraConfig | None = None
     modules: tuple[tuple[str, str], ...] = ()
     if args.enable_lora:
@@ -292,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
         kv_transfer=transfer, bind_host=args.host, lora=lora, lora_modules=modules,
         runtime_lora_updating=os.environ.get(RUNTIME_UPDATING_ENV, "").strip().lower() in ("1", "true"),
         prompt_tokens_details=args.enable_prompt_tokens_details,
-        stream_interval=args.stream_interval,
+        stream_interval=args.stream_interval, kv_events=kv_events,
     ))
 
     async def make_app() -> web.Application:

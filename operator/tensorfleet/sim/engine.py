@@ -25,13 +25,17 @@ when requests are running): the latency a real engine's API server adds
 before its engine core sees the request.
 
 Prefix caching is block-hashed like vLLM's: each full block of 16 prompt
-tokens is named by a hash chained over all tokens before it, so a block is
-shared only when the whole prefix matches. Blocks no request references stay
+token ids (sim/tokenizer.py) is named by a hash chained over all tokens before
+it and the request's LoRA adapter, so a block is shared only when the whole
+prefix matches under the same adapter. Blocks no request references stay
 cached and are evicted least-recently-used when new blocks are needed. As in
 vLLM, the last prompt token is always computed (its logits give the first
 token), so a fully cached prompt hits on all whole blocks before it. Blocks
 filled by generated tokens are cached too, so the next turn of a conversation,
-which re-sends the answer, hits on it.
+which re-sends the answer, hits on it. With a KV-event publisher attached
+(`publish_kv_events`, sim/kvevents.py) the cache reports what enters it
+(BlockStored: a run of new blocks, its parent, token ids and adapter) and what
+it evicts (BlockRemoved), one batch per engine step, as vLLM's scheduler does.
 
 A request's answer is drawn when it is submitted (the same request, the same
 answer): words, or the text the server asks for (structured output), cut at
@@ -71,10 +75,11 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from tensorfleet.prompts import block_hashes
 from tensorfleet.sim.lora import LoraState
 from tensorfleet.sim.profile import Profile
+from tensorfleet.sim.tokenizer import token_ids as ids_of
 from tensorfleet.sim.validation import RequestRejected, rejected
 
 __all__ = ["Engine", "RequestRejected", "SimRequest"]
@@ -106,6 +111,17 @@ def greedy_words(context: str, seed: int, count: int) -> list[str]:
     return words
 
 
+def hash_blocks(token_ids: Sequence[int], block_size: int, lora: str | None = None) -> list[int]:
+    """Chained hashes of the full blocks of TOKEN_IDS, each covering every token before it and the adapter LORA
+    (a LoRA request's blocks are its own, as in vLLM). Hashes of ints only, so the same in every process."""
+    out: list[int] = []
+    h = zlib.crc32(lora.encode()) + 1 if lora else 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(token_ids[start:start + block_size])))
+        out.append(h)
+    return out
+
+
 @dataclass(eq=False)
 class SimRequest:
     """One request's state; the server reads tokens as they appear."""
@@ -117,6 +133,7 @@ class SimRequest:
     output_words: list[str]
     arrival: float
     finish_reason_if_done: str       # "length" when max_tokens was set, else "stop"
+    token_ids: Sequence[int] = ()    # the prompt's ids (what block_hashes hash)
     sample_seed: int = 0             # what the answer was drawn with (the server derives logprobs from it)
     stop: tuple[str, ...] = ()       # stop strings
     include_stop: bool = False       # keep the stop string in the text (vLLM's include_stop_str_in_output)
@@ -215,6 +232,7 @@ class BlockPool:
         self.refs: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.anonymous = 0
+        self.on_evict: Callable[[int], None] | None = None  # told of each cached block evicted (KV events)
 
     @property
     def used(self) -> int:
@@ -239,9 +257,12 @@ class BlockPool:
         # Unreferenced cached blocks are the only ones that occupy memory
         # without being in use; evict them oldest first.
         while self.used + len(self.evictable) >= self.num_blocks and self.evictable:
-            self.evictable.popitem(last=False)
+            evicted, _ = self.evictable.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(evicted)
 
-    def acquire_hashed(self, h: int) -> None:
+    def acquire_hashed(self, h: int) -> bool:
+        """Reference block H; True when it was not cached (it enters the cache now)."""
         if h in self.refs:
             self.refs[h] += 1
         elif h in self.evictable:
@@ -250,20 +271,24 @@ class BlockPool:
         else:
             self._make_room()
             self.refs[h] = 1
+            return True
+        return False
 
     def acquire_anonymous(self, n: int) -> None:
         for _ in range(n):
             self._make_room()
             self.anonymous += 1
 
-    def release(self, hashes: Sequence[int], anonymous: int, filled: Sequence[int] = ()) -> None:
+    def release(self, hashes: Sequence[int], anonymous: int, filled: Sequence[int] = ()) -> list[bool]:
         """Drop a request's references. `filled` names anonymous blocks that
-        became full of computed tokens (its answer): they stay cached too."""
+        became full of computed tokens (its answer): they stay cached too.
+        Per filled block, whether it entered the cache (was not cached yet)."""
         self.anonymous -= anonymous
+        entered = [h not in self.refs and h not in self.evictable for h in filled]
         # Tail first into the LRU, as vLLM frees, so a prompt's head, the
         # part other prompts share, is evicted last.
-        for h in reversed(filled):
-            if h not in self.refs and h not in self.evictable:
+        for h, new in zip(reversed(filled), reversed(entered), strict=True):
+            if new:
                 self.evictable[h] = None
         for h in reversed(hashes):
             count = self.refs[h] - 1
@@ -272,6 +297,7 @@ class BlockPool:
             else:
                 del self.refs[h]
                 self.evictable[h] = None
+        return entered
 
 
 @dataclass
@@ -321,6 +347,11 @@ class Engine:
         self.lora: LoraState | None = None  # with --enable-lora
         self._lora_seconds = 0.0            # bringing adapters into GPU slots costs the step that runs them
         self.hold_seconds = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT, in simulated seconds
+        # KV events (publish_kv_events): those of the step under way, or of work done between steps.
+        self._publish: Callable[[list[list[Any]]], None] | None = None
+        self._kv_pending: list[list[Any]] = []
+        self._stepping = False
+        self._flush_soon = False
 
     # --- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -336,6 +367,49 @@ class Engine:
                 pass
             self._task = None
 
+    # --- KV events -----------------------------------------------------------
+    def publish_kv_events(self, publish: Callable[[list[list[Any]]], None]) -> None:
+        """Hand PUBLISH each batch of KV events (vLLM's tagged arrays: BlockStored, BlockRemoved), one per engine
+        step that changed the cache, and one per change made between steps (an abort, a transfer's release)."""
+        self._publish = publish
+        self.pool.on_evict = self._kv_removed
+
+    def _kv_event(self, event: list[Any]) -> None:
+        self._kv_pending.append(event)
+        if not self._stepping and not self._flush_soon:
+            # Outside a step (a client went away, a held transfer was read): its own batch, right after.
+            self._flush_soon = True
+            asyncio.get_running_loop().call_soon(self._flush_kv)
+
+    def _kv_removed(self, block_hash: int) -> None:
+        last = self._kv_pending[-1] if self._kv_pending else None
+        if last is not None and last[0] == "BlockRemoved":
+            last[1].append(block_hash)  # consecutive evictions: one event
+        else:
+            self._kv_event(["BlockRemoved", [block_hash], "GPU"])
+
+    def _kv_stored(self, hashes: Sequence[int], entered: Sequence[bool], parent: int | None, ids: Sequence[int],
+                   lora: str | None) -> None:
+        """BlockStored for each run of consecutive blocks that ENTERED the cache among HASHES (IDS: their tokens;
+        PARENT: the block before the first, None for a prompt's first), each run under the block before it."""
+        if self._publish is None:
+            return
+        size = self.profile.block_size
+        run = 0
+        for i in range(len(hashes) + 1):
+            if i < len(hashes) and entered[i]:
+                continue
+            if run < i:
+                self._kv_event(["BlockStored", list(hashes[run:i]), hashes[run - 1] if run else parent,
+                                list(ids[run * size:i * size]), size, None, "GPU", lora])
+            run = i + 1
+
+    def _flush_kv(self) -> None:
+        self._flush_soon = False
+        if self._kv_pending and self._publish is not None:
+            batch, self._kv_pending = self._kv_pending, []
+            self._publish(batch)
+
     # --- requests ------------------------------------------------------------
     def sample_seed(self, prompt_tokens: Sequence[str], seed: int | None, index: int = 0) -> int:
         """What a request's answer is drawn with: its prompt's last tokens, and its seed (the engine's when it
@@ -347,7 +421,7 @@ class Engine:
                stop: Sequence[str] = (), include_stop: bool = False,
                wakeup: asyncio.Event | None = None, remote_decode: bool = False, remote_tokens: int = 0,
                arrival: float | None = None, lora: str | None = None,
-               max_tokens_param: str = "max_tokens") -> SimRequest:
+               max_tokens_param: str = "max_tokens", token_ids: Sequence[int] | None = None) -> SimRequest:
         """Queue a request; raises RequestRejected for ones vLLM would refuse.
 
         `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
@@ -355,7 +429,8 @@ class Engine:
         `wakeup` an event to share with other requests (a request's choices, one waiter); `remote_decode` and
         `remote_tokens` the halves of a disaggregated request (module docstring); `arrival` when it reached the
         server, if earlier than now (a decode half that waited for its KV); `lora` the adapter to run with;
-        `max_tokens_param` what the request called max_tokens (chat's max_completion_tokens), for vLLM's errors."""
+        `max_tokens_param` what the request called max_tokens (chat's max_completion_tokens), for vLLM's errors;
+        `token_ids` the prompt's ids when it came as ids (else those of PROMPT_TOKENS, sim/tokenizer.py)."""
         if lora is not None and (self.lora is None or lora not in self.lora.adapters):
             raise RequestRejected(f"The model `{lora}` does not exist.", "model", type_="NotFoundError", status=404)
         profile = self.profile
@@ -388,11 +463,13 @@ class Engine:
             # A fine-tune answers the same prompt differently from its base model.
             tuned = zlib.crc32(lora.encode()) if lora else 0
             words = greedy_words("".join(prompt_tokens), (self.seed if seed is None else seed) + index + tuned, target)
+        ids = ids_of(prompt_tokens, profile.vocab_size) if token_ids is None else token_ids
         request = SimRequest(
             request_id=request_id or f"{next(self._ids):x}",
             prompt_tokens=prompt_tokens,
+            token_ids=ids,
             max_tokens=target,
-            block_hashes=block_hashes(prompt_tokens, profile.block_size),
+            block_hashes=hash_blocks(ids, profile.block_size, lora),
             output_words=words,
             arrival=self._clock() if arrival is None else arrival,
             finish_reason_if_done=reason,
@@ -487,13 +564,17 @@ class Engine:
     def _free(self, request: SimRequest) -> None:
         held = request.block_hashes[: request.held_hashes]
         filled: list[int] = []
-        full = request.num_computed // self.profile.block_size
+        size = self.profile.block_size
+        full = request.num_computed // size
         if request.generated and request.held_hashes == len(request.block_hashes) and full > len(held):
             # Blocks the answer filled are cached as vLLM caches them, so the
             # next turn of a conversation, which re-sends it, hits on them.
-            tokens = [*request.prompt_tokens, *request.output_words[: request.generated]]
-            filled = block_hashes(tokens, self.profile.block_size)[len(held):full]
-        self.pool.release(held, request.uncached_blocks, filled)
+            tokens = [*request.token_ids, *ids_of(request.output_words[: request.generated], self.profile.vocab_size)]
+            filled = hash_blocks(tokens, size, request.lora)[len(held):full]
+            entered = self.pool.release(held, request.uncached_blocks, filled)
+            self._kv_stored(filled, entered, held[-1] if held else None, tokens[len(held) * size:], request.lora)
+        else:
+            self.pool.release(held, request.uncached_blocks)
         request.held_hashes = 0
         request.uncached_blocks = 0
         request.num_computed = 0
@@ -540,8 +621,8 @@ class Engine:
         hit_evictable = sum(1 for h in hashes[:hit_blocks] if h not in self.pool.refs)
         if fresh_hashed + anonymous + hit_evictable > self.pool.free:
             return False
-        for h in hashes:
-            self.pool.acquire_hashed(h)
+        entered = [self.pool.acquire_hashed(h) for h in hashes]
+        self._kv_stored(hashes, entered, None, request.token_ids, request.lora)
         self.pool.acquire_anonymous(anonymous)
         request.held_hashes = len(hashes)
         request.uncached_blocks = anonymous
@@ -641,12 +722,14 @@ class Engine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 deadline = loop.time()
+            self._stepping = True  # the KV events from here to the step's end are its batch
             work = self._schedule()
             stats = self.stats
             stats.steps += 1
             stats.max_running = max(stats.max_running, len(self.running))
             stats.max_waiting = max(stats.max_waiting, len(self.waiting))
             if not work:
+                self._end_step()
                 # Cannot happen while max_model_len fits the cache (an empty
                 # engine admits any valid request); do not spin if it does.
                 log.warning("engine step scheduled nothing: %d running, %d waiting", len(self.running), len(self.waiting))
@@ -681,3 +764,8 @@ class Engine:
                     # The step sampled a token: the first one when it finished
                     # a prefill, the next one when decoding.
                     self._emit(request, now)
+            self._end_step()
+
+    def _end_step(self) -> None:
+        self._stepping = False
+        self._flush_kv()

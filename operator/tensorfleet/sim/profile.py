@@ -64,6 +64,7 @@ from tensorfleet import vllm_defaults
 from tensorfleet.api import SpecError
 from tensorfleet.api.architecture import ArchitectureSpec
 from tensorfleet.catalog import find_gpu, find_model, gpu_names, sizes
+from tensorfleet.catalog.facts import DEFAULT_VOCAB
 from tensorfleet.catalog.roofline import (
     BANDWIDTH_EFFICIENCY,
     COMPUTE_EFFICIENCY,
@@ -131,6 +132,7 @@ class Profile:
     overhead_s: float
     fitted: StepModel | None = None  # a calibrated step time, instead of the roofline (module docstring)
     source: str = ""                 # where a calibrated profile came from (the engine it measured)
+    vocab_size: int = DEFAULT_VOCAB  # the model's (the catalog's vocabSize): what the simulator's token ids range over
 
     @property
     def num_blocks(self) -> int:
@@ -224,6 +226,7 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
         active_fraction=min(active / arch.parameters, 1.0),
         experts_touched_per_token=touched,
         overhead_s=overhead,
+        vocab_size=arch.vocab_size or DEFAULT_VOCAB,
     )
 
 

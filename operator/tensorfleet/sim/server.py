@@ -1,8 +1,12 @@
 """vLLM's OpenAI-compatible HTTP surface over the simulated engine.
 
 Shapes follow vLLM's server: `/v1/chat/completions` and `/v1/completions`
-(JSON with `usage`, or SSE), `/v1/models`, `/health` (503 while the "model
-loads"), `/metrics`. A client that disconnects aborts its request in the
+(JSON with `usage`, or SSE; a completion's prompt may be token ids),
+`/tokenize` (a prompt, or messages rendered by the chat template chat
+completions use: the ids the engine hashes into its prefix cache for that
+prompt, sim/tokenizer.py), `/v1/models`, `/health` (503 while the "model
+loads"), `/metrics`; with `--kv-events-config`, vLLM's KV-cache events
+(sim/kvevents.py). A client that disconnects aborts its request in the
 engine, as vLLM does, so the KV blocks and batch slots are freed at once.
 tests/test_sim_vs_vllm.py holds all of it to a real vLLM of the release the
 default engine image pins: the same requests, the same status codes, fields
@@ -106,11 +110,12 @@ from tensorfleet.httpapi import SSE_CONTENT_TYPE, SSE_DONE, error_response, sse_
 from tensorfleet.prompts import ROLE_CLOSE, ROLE_OPEN, content_text, render_chat
 from tensorfleet.sim import kvtransfer, validation
 from tensorfleet.sim.engine import WORDS, Engine, RequestRejected, SimRequest
+from tensorfleet.sim.kvevents import KVEventsConfig, Publisher
 from tensorfleet.sim.lora import LOAD_PATH, UNLOAD_PATH, LoraConfig, LoraError, LoraState
 from tensorfleet.sim.metrics import EngineMetrics
 from tensorfleet.sim.params import Sampling, parse
 from tensorfleet.sim.profile import Profile
-from tensorfleet.sim.tokenizer import tokenize
+from tensorfleet.sim.tokenizer import token_ids, tokenize
 from tensorfleet.sim.validation import LoadLoraRequest, UnloadLoraRequest
 
 log = logging.getLogger("tensorfleet.sim")
@@ -153,6 +158,7 @@ class SimConfig:
     runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload endpoints
     stream_interval: int = 1  # vLLM's --stream-interval: tokens per stream event after the first (module docstring)
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage names the prefix-cache hit
+    kv_events: KVEventsConfig | None = None  # --kv-events-config: publish the KV cache's events (sim/kvevents.py)
 
 
 class SimServer:
@@ -174,6 +180,7 @@ class SimServer:
         app.router.add_get("/version", self.version)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)
         if self.config.lora is not None and self.config.runtime_lora_updating:
             app.router.add_post(LOAD_PATH, self.load_lora)
             app.router.add_post(UNLOAD_PATH, self.unload_lora)
@@ -187,6 +194,10 @@ class SimServer:
             for name, path in self.config.lora_modules:
                 self.engine.lora.add(name, path)
         self.metrics = EngineMetrics(self.engine, self.config.served_model_name)
+        publisher = Publisher(self.config.kv_events) if self.config.kv_events is not None else None
+        if publisher is not None:
+            publisher.start()
+            self.engine.publish_kv_events(publisher.publish)
         self.engine.start()
         loop_time = self.engine._clock()
         self._ready_at = loop_time + self.config.startup_delay
@@ -206,6 +217,8 @@ class SimServer:
         if self._client is not None:
             await self._client.close()
         await self.engine.stop()
+        if publisher is not None:
+            await publisher.close()
 
     def side_channel_app(self) -> web.Application:
         """The KV side channel (sim/kvtransfer.py): a decode engine reads the blocks a prefill half holds."""
@@ -307,7 +320,7 @@ class SimServer:
             return rejection(exc)
 
     # --- completions ------------------------------------------------------------
-    async def _body(self, request: web.Request, schema: type[validation.Request]) -> dict[str, Any] | web.Response:
+    async def _body(self, request: web.Request, schema: validation.Schema) -> dict[str, Any] | web.Response:
         """The request's body as vLLM reads it (validation.py), or the answer vLLM gives instead."""
         if not self.ready:
             return error_response(503, "the model is still loading; retry when /health returns 200")
@@ -365,8 +378,10 @@ class SimServer:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1:
             prompt = prompt[0]
+        ids: list[int] | None = None
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            tokens = [str(t) for t in prompt]  # token ids: one token each
+            # Token ids, hashed as they are (the text's own ids hash the same); their text is the numerals.
+            ids, tokens = list(prompt), [str(t) for t in prompt]
         elif isinstance(prompt, str):
             tokens = tokenize(prompt)
         else:
@@ -379,10 +394,33 @@ class SimServer:
         if sampling.echo:
             answer.echo_text = prompt if isinstance(prompt, str) else "".join(tokens)
             answer.echo_tokens = tokens
-        return await self._generate(request, body, tokens, sampling, answer)
+        return await self._generate(request, body, tokens, sampling, answer, ids)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a `prompt`, or `messages` rendered as a chat completion's prompt (its
+        add_generation_prompt and continue_final_message); {count, max_model_len, tokens, token_strs (the
+        pieces, with return_token_strs)}. No special tokens are added: the simulator's prompts have none."""
+        body = await self._body(request, validation.TOKENIZE)
+        if isinstance(body, web.Response):
+            return body
+        if "messages" in body:  # vLLM took it for a chat (validation.TOKENIZE)
+            messages = body["messages"]
+            if not messages:
+                return error_response(400, "Cannot apply chat template to an empty conversation. Provide at least "
+                                      "one message.")
+            try:
+                prompt, _ = chat_prompt(body, messages)
+            except RequestRejected as exc:
+                return rejection(exc)
+        else:
+            prompt = body["prompt"]
+        pieces = tokenize(prompt)
+        ids = token_ids(pieces, self.profile.vocab_size)
+        return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids,
+                                  "token_strs": pieces if body.get("return_token_strs") else None})
 
     async def _generate(self, request: web.Request, body: dict[str, Any], tokens: list[str], sampling: Sampling,
-                        answer: _Answer) -> web.StreamResponse:
+                        answer: _Answer, ids: list[int] | None = None) -> web.StreamResponse:
         engine = request.app[_ENGINE_KEY]
         wakeup = asyncio.Event()  # the choices' one waiter: this handler
         choices: list[SimRequest] = []
@@ -408,7 +446,7 @@ class SimServer:
                                              output=output, stop=sampling.stop, include_stop=sampling.include_stop,
                                              wakeup=wakeup, remote_decode=remote_decode,
                                              remote_tokens=remote_tokens, arrival=arrival, lora=lora,
-                                             max_tokens_param=sampling.max_tokens_param))
+                                             max_tokens_param=sampling.max_tokens_param, token_ids=ids))
         except RequestRejected as exc:
             for choice in choices:
                 engine.abort(choice)

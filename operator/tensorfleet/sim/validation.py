@@ -8,7 +8,8 @@ VLLMValidationError names (else null), and as message pydantic's list of errors,
 dict (`1 validation error:\\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), 'msg': ..., 'input': ...}`),
 which vLLM follows with where in its own source the error was raised (a file path the simulator does not have).
 The models here declare the fields the simulator reads, with vLLM 0.19.1's types and its validators in its order
-(vllm/entrypoints/openai/{chat_completion,completion}/protocol.py), so the same bodies fail with the same errors.
+(vllm/entrypoints/openai/{chat_completion,completion}/protocol.py, vllm/entrypoints/serve/tokenize/protocol.py),
+so the same bodies fail with the same errors.
 
 Errors raised later, once the request is read (sampling parameters, lengths), come as vLLM's plain ValueError
 (`param` null) or its VLLMValidationError, whose text names the parameter and the value: `validation_text`.
@@ -20,8 +21,9 @@ import json
 from dataclasses import field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import TypedDict  # pydantic reads typing's only from Python 3.12
 
 
 class RequestRejected(ValueError):
@@ -334,11 +336,67 @@ class UnloadLoraRequest(Request):
     lora_int_id: int | None = Field(default=None)
 
 
-def validate(model: type[Request], body: dict[str, Any]) -> dict[str, Any]:
+class TokenizeCompletionRequest(Request):
+    """vLLM's TokenizeCompletionRequest."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class ChatMessage(TypedDict, total=False):
+    """A message as vLLM types it (a TypedDict: its keys count toward pydantic's choice in a union)."""
+
+    role: str
+    content: Any
+
+
+class TokenizeChatRequest(Request):
+    """vLLM's TokenizeChatRequest, its fields in its order (the errors of a body that fits neither list them so)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def check_generation_prompt(cls, data: Any) -> Any:
+        if data.get("continue_final_message") and data.get("add_generation_prompt"):
+            raise VLLMValidationError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return data
+
+
+class OneOf:
+    """A body vLLM types as a union of models: it is whichever one pydantic's smart mode picks (as FastAPI reads
+    it), and the fields only the others declare are dropped (the picked model ignores them)."""
+
+    def __init__(self, *models: type[Request]) -> None:
+        self.models = models
+        union: Any = models[0]
+        for model in models[1:]:
+            union = union | model
+        self.adapter: TypeAdapter[Any] = TypeAdapter(union)
+
+
+# vLLM's TokenizeRequest: a body with both `prompt` and messages is a chat (the messages' keys count).
+TOKENIZE = OneOf(TokenizeCompletionRequest, TokenizeChatRequest)
+Schema = type[Request] | OneOf
+
+
+def validate(schema: Schema, body: dict[str, Any]) -> dict[str, Any]:
     """BODY as vLLM reads it: the declared fields it sent, coerced as pydantic's lax mode coerces them (nested
     models as dicts), the others as sent. RequestRejected with vLLM's error where the body does not validate."""
     try:
-        parsed = model.model_validate(body)
+        parsed = schema.adapter.validate_python(body) if isinstance(schema, OneOf) else schema.model_validate(body)
     except ValidationError as exc:
         errors: list[dict[str, Any]] = []
         for error in exc.errors(include_url=False):
@@ -346,5 +404,11 @@ def validate(model: type[Request], body: dict[str, Any]) -> dict[str, Any]:
             errors.append({key: ("body", *found["loc"]) if key == "loc" else found[key]
                            for key in ("type", "loc", "msg", "input", "ctx") if key in found})
         raise body_rejected(errors) from None
-    declared = parsed.model_fields_set & set(model.model_fields)
-    return {**body, **parsed.model_dump(include=declared, by_alias=True)}
+    fields = set(type(parsed).model_fields)
+    declared = parsed.model_fields_set & fields
+    out = {**body, **parsed.model_dump(include=declared, by_alias=True)}
+    if isinstance(schema, OneOf):
+        for other in schema.models:
+            for name in set(other.model_fields) - fields:
+                out.pop(name, None)
+    return out

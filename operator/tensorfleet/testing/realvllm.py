@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tensorfleet import contract
+from tensorfleet import contract, engine_settings
 from tensorfleet.testing import tinymodel
 from tensorfleet.worker import warmup
 
@@ -117,6 +117,8 @@ class RealEngine:
     model_path: Path
     served_name: str
     adapters: dict[str, Path] = field(default_factory=dict)
+    # Its KV-event publisher and replay endpoints (loopback), when started with `kv_events`.
+    kv_events: tuple[str, str] | None = None
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -140,17 +142,23 @@ def serve_argv(python: str, model_path: Path, port: int, served_name: str, args:
 
 @contextmanager
 def engine(args: Sequence[str] = (), *, served_name: str = SERVED_NAME, env: dict[str, str] | None = None,
-           timeout: float = START_TIMEOUT_SECONDS) -> Iterator[RealEngine]:
-    """A real vLLM serving the tiny model with `args` added; stopped on exit."""
+           timeout: float = START_TIMEOUT_SECONDS, kv_events: bool = False) -> Iterator[RealEngine]:
+    """A real vLLM serving the tiny model with `args` added (and, with KV_EVENTS, publishing its KV events on
+    two free ports as the operator has engines do); stopped on exit."""
     python = vllm_python()
     model_path = model()
     port = free_port()
+    published: tuple[str, str] | None = None
+    if kv_events:
+        ports = free_port(), free_port()
+        args = [*args, "--kv-events-config", engine_settings.kv_events_config(*ports)]
+        published = f"tcp://127.0.0.1:{ports[0]}", f"tcp://127.0.0.1:{ports[1]}"
     log = Path(tempfile.mkstemp(prefix="tensorfleet-vllm-", suffix=".log")[1])
     with log.open("wb") as out:
         process = subprocess.Popen(serve_argv(python, model_path, port, served_name, args), stdout=out,
                                    stderr=subprocess.STDOUT, env=engine_env(env), start_new_session=True)
     running = RealEngine(url=f"http://127.0.0.1:{port}", port=port, process=process, log=log,
-                         model_path=model_path, served_name=served_name,
+                         model_path=model_path, served_name=served_name, kv_events=published,
                          adapters={name: model_path / "adapters" / name for name in tinymodel.ADAPTER_RANKS})
     try:
         deadline = time.monotonic() + timeout

@@ -61,6 +61,7 @@ class Role(BaseModel):
     max_lora_rank: int | None = Field(default=None, ge=1)
     max_cpu_loras: int | None = Field(default=None, ge=1)
     kv_transfer_config: str | None = None
+    kv_events_config: str | None = None
     extra_args: tuple[str, ...] = ()
     accelerator: str | None = None
     kv_cache_tokens: int | None = Field(default=None, ge=0)

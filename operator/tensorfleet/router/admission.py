@@ -1,0 +1,222 @@
+"""What the router answers itself before an engine sees a request: the API key, the key's limits, the body.
+
+Admission reads a request for router/app.py: its tenant (the API key), its body within the router's bounds (size,
+the in-flight budget, the body timeout, JSON nesting and size), and its tenant's requests and tokens per minute;
+each refusal is an OpenAI-style error the router answers itself, counted against no engine, and a request refused
+unread has its connection closed. Nothing here talks to an engine. The behaviour: docs/routing.md; the layers:
+docs/architecture.md.
+
+API keys (--api-keys; router/tenants.py has the file format, the reload and
+the buckets): the forwarded endpoints and GET /v1/models need
+`Authorization: Bearer KEY` with a key in force, else 401 (`code`
+invalid_api_key, WWW-Authenticate: Bearer), answered before the body is read.
+GET /health and /metrics need none (the probes and Prometheus carry no key;
+/metrics names tenants, never keys), and the 404/405 of other paths say
+nothing a key would change.
+The key's tenant then pays, in this order: one request from its
+--requests-per-minute bucket (before the body is read), then the request's
+token estimate from its --tokens-per-minute bucket (once parsed); either
+refusal is 429 with `code` rate_limit_exceeded and Retry-After (the seconds
+until that bucket holds enough). The token charge is settled once the answer
+is done (tenants.UsageMeter): to the engine's usage, for a stream the counts
+it reported on every event (router/proxy.py). While waiting for an engine, a
+tenant's requests queue apart from other tenants' and slots go round them (see
+dispatch.py), so a tenant at its limits, or flooding within them, does not
+delay the others' requests behind its own.
+
+Refused by the router, never forwarded, never counted against an engine:
+  415  a compressed body (Content-Encoding other than identity), unread. vLLM
+       does not decode compressed request bodies and OpenAI clients do not
+       send them, so nothing legitimate is lost, and refusing unread costs
+       nothing: no decompression bomb can cost CPU or memory.
+  413  a body over --max-body-bytes (by Content-Length, unread, or as it arrives)
+  408  a body not complete within --body-timeout of its head
+  503  a body the in-flight budget (--max-body-bytes-in-flight) cannot hold
+       now, with Retry-After: the client should retry, not wait connected
+  400  not JSON, not an object, nested deeper than --max-json-depth, or with
+       more than --max-json-values values (a cheap upper bound taken on the
+       bytes before parsing, so no body can inflate into millions of objects)
+  404  a model other than the served one and the LoRA adapters a healthy
+       engine lists (their /v1/models, as asked after the request came:
+       an adapter loaded a moment ago is found). While the router holds no healthy
+       engine's list (a cold start, every engine ejected, the router just
+       started), such a name may be an adapter it has not heard of yet: it
+       waits for an engine as the served model's requests do (and gets their
+       503 when none comes within the bound, or is unavailable), and the 404
+       comes once that engine's list lacks it (should its list not be had,
+       the request goes to it, and the engine answers).
+A request refused before its body was read also has its connection closed
+(after at most app.LINGER_SECONDS of reading and dropping the rest of it).
+
+Memory: request bodies are read into one buffer each, charged to a global
+budget as their bytes arrive (dispatch.BodyBudget) and given back once the
+answer's first byte reached the client or the request ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import hdrs, web
+
+from tensorfleet.httpapi import rate_limited_logger
+from tensorfleet.router.config import RouterConfig
+from tensorfleet.router.dispatch import BodyBudget
+from tensorfleet.router.metrics import RouterMetrics
+from tensorfleet.router.proxy import GENERATION_PATHS, RETRY_AFTER_SECONDS, Body, estimate_prompt_tokens, reject
+from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
+
+CLIENT_LOG = "tensorfleet.router.clients"  # what clients can trigger at will: rate-limited, no tracebacks
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON `value` nests containers more than `limit` deep (iterative: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+class Admission:
+    """A request's key, limits and body, each either accepted or answered with the router's own refusal."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, body_budget: BodyBudget, keys: KeyRing | None,
+                 key_limits: Limits) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.body_budget = body_budget
+        self.keys = keys
+        self.key_limits = key_limits
+        self.clients_log = rate_limited_logger(CLIENT_LOG)
+
+    def authenticate(self, request: web.Request) -> str | web.Response | None:
+        """The tenant whose API key the request carries; None without --api-keys; a 401 without a key in force
+        (the body left unread)."""
+        if self.keys is None:
+            return None
+        header = request.headers.get(hdrs.AUTHORIZATION)
+        tenant = self.keys.tenant(header)
+        if tenant is not None:
+            return tenant
+        reason = "invalid" if header else "missing"
+        self.metrics.auth_failed(reason)
+        self.clients_log.info("refused a request from %s: %s API key", request.remote, reason)
+        message = ("no API key: send one as `Authorization: Bearer KEY`" if reason == "missing"
+                   else "invalid API key: the Authorization header does not carry a key in force (`Bearer KEY`)")
+        return reject(self.metrics, 401, message, type_="invalid_request_error", code="invalid_api_key",
+                      headers={"WWW-Authenticate": "Bearer"}, close=request.can_read_body)
+
+    def head(self, request: web.Request, tenant: str | None) -> web.Response | None:
+        """What the request's head alone refuses, its body unread: a compressed body (415), one longer than the
+        limit (413), a tenant out of requests (429)."""
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
+        if encoding not in ("", "identity"):
+            return reject(self.metrics, 415, "compressed request bodies are not accepted (Content-Encoding must be "
+                                             "identity); send the JSON as is", close=True)
+        length = request.content_length
+        limit = self.config.max_body_bytes
+        if length is not None and length > limit:
+            return reject(self.metrics, 413, f"request body exceeds the router's limit of {limit} bytes", close=True)
+        if tenant is not None:
+            return self._over_limit(tenant, self.key_limits.admit_request(tenant), close=True)
+        return None
+
+    def _over_limit(self, tenant: str, refusal: Refusal | None, *, close: bool = False) -> web.Response | None:
+        """The 429 for a tenant over one of its limits; None when it is not."""
+        if refusal is None:
+            return None
+        self.metrics.tenant_rejected(tenant, refusal.limit)
+        return reject(self.metrics, 429, refusal.message, type_=refusal.limit, code="rate_limit_exceeded",
+                      headers={"Retry-After": str(refusal.retry_after)}, close=close)
+
+    def admit_tokens(self, tenant: str, path: str, parsed: Mapping[str, Any]) -> tuple[UsageMeter, int] | web.Response:
+        """Charge the tenant the request's token estimate: the meter that settles it and the charge, or the 429."""
+        prompt = estimate_prompt_tokens(parsed)
+        estimate = prompt + self.completion_estimate(path, parsed)
+        refused = self._over_limit(tenant, self.key_limits.admit_tokens(tenant, estimate))
+        if refused is not None:
+            return refused
+        return UsageMeter(prompt), estimate
+
+    def completion_estimate(self, path: str, body: Mapping[str, Any]) -> int:
+        """The most tokens a request may generate, as charged at admission: max_tokens (else
+        --default-max-tokens) for each of its `n` choices; 0 for what generates nothing."""
+        if path not in GENERATION_PATHS:
+            return 0
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            limit = self.config.default_max_tokens
+        n = body.get("n")
+        return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)
+
+    def settle(self, tenant: str, charged: int, meter: UsageMeter) -> None:
+        """Charge what the request used instead of its estimate."""
+        used = meter.used()
+        final = charged if used is None else used
+        self.key_limits.settle(tenant, charged, final)
+        if self.keys is not None and tenant in self.keys.tenants:
+            self.metrics.tenant_tokens(tenant, final)
+
+    async def read(self, request: web.Request, body: Body) -> dict[str, Any] | web.Response:
+        """The request's body as a JSON object, read into BODY; or the answer refusing it."""
+        refused = await self._read(request, body)
+        return refused if refused is not None else self._parse(body.data)
+
+    async def _read(self, request: web.Request, body: Body) -> web.Response | None:
+        """Read the body within the size limit, the in-flight budget and the body timeout; an answer if it can't."""
+        cfg = self.config
+        content = request.content
+        try:
+            if content.is_eof():  # the usual case: the whole body came with the head, no need for a timer
+                return self._take(body, content.read_nowait())
+            async with asyncio.timeout(cfg.body_timeout):
+                while chunk := await content.readany():
+                    refused = self._take(body, chunk)
+                    if refused is not None:
+                        return refused
+        except TimeoutError:
+            self.clients_log.info("closed a connection from %s: request body not complete within %gs", request.remote,
+                                  cfg.body_timeout)
+            return reject(self.metrics, 408, f"the request body did not arrive within {cfg.body_timeout:g}s",
+                          close=True)
+        except web.RequestPayloadError:
+            return reject(self.metrics, 400, "the request body is malformed (bad chunked encoding)", close=True)
+        return None
+
+    def _take(self, body: Body, chunk: bytes) -> web.Response | None:
+        """Add a chunk to the body, or the answer refusing it: too large (413), or over the budget (503)."""
+        limit = self.config.max_body_bytes
+        if len(body.data) + len(chunk) > limit:
+            return reject(self.metrics, 413, f"request body exceeds the router's limit of {limit} bytes", close=True)
+        if body.add(chunk):
+            return None
+        self.clients_log.warning("refused a request: the router already holds %d bytes of request bodies (limit %d)",
+                                 self.body_budget.used, self.body_budget.limit)
+        return reject(self.metrics, 503, "the router is holding too many request bytes right now; retry later",
+                      headers={"Retry-After": RETRY_AFTER_SECONDS}, close=True)
+
+    def _parse(self, raw: bytearray) -> dict[str, Any] | web.Response:
+        """The body as a JSON object, or a 400 that says which limit it broke."""
+        cfg = self.config
+        containers = raw.count(b"[") + raw.count(b"{")
+        if containers + raw.count(b",") >= cfg.max_json_values:
+            return reject(self.metrics, 400, f"request body has more than {cfg.max_json_values} JSON values")
+        try:
+            body = json.loads(raw)
+        except RecursionError:
+            return reject(self.metrics, 400, f"request body nests JSON deeper than {cfg.max_json_depth} levels")
+        except (ValueError, UnicodeDecodeError) as exc:
+            return reject(self.metrics, 400, f"request body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return reject(self.metrics, 400, "request body must be a JSON object")
+        if containers > cfg.max_json_depth and _deeper_than(body, cfg.max_json_depth):
+            return reject(self.metrics, 400, f"request body nests JSON deeper than {cfg.max_json_depth} levels")
+        return body
