@@ -18,7 +18,7 @@ import importlib.util
 MODULES: dict[str, tuple[str, ...]] = {
     "operator": ("kopf", "kubernetes", "aiohttp", "prometheus_client"),
     "router": ("aiohttp", "prometheus_client", "kubernetes"),
-    "sim": ("aiohttp", "prometheus_client", "zmq", "msgspec"),
+    "sim": ("aiohttp", "prometheus_client"),
     "worker": ("prometheus_client",),
 }
 

@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
         absent = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
         if kv_events is not None and absent:
             raise SystemExit(f"error: --kv-events-config needs pyzmq and msgspec ({', '.join(absent)} not "
-                             "installed): pip install 'tensorfleet[router]'")
+                             "installed): pip install 'tensorfleet[sim]'")
         if kv_events is not None:
             log.info("KV events: published on %s, replay on %s", kv_events.endpoint, kv_events.replay_endpoint)
     lora: LoraConfig | None = None
