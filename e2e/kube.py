@@ -22,6 +22,7 @@ from typing import Any, Self
 import yaml
 
 from tensorfleet import contract
+from tensorfleet.testing.wait import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -74,19 +75,7 @@ def apply(doc: dict[str, Any]) -> str:
 
 def eventually(what: str, probe: Callable[[], Any], timeout: float = TIMEOUT, every: float = 0.5) -> Any:
     """Call `probe` until it returns something truthy; AssertionErrors count as 'not yet'."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while True:
-        try:
-            last = probe()
-        except AssertionError as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last: {last!r}")
-        time.sleep(every)
+    return wait_for(probe, timeout, what, every, tolerate=(AssertionError,))
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:

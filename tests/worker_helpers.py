@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from tensorfleet import contract
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import make_plan
 from tensorfleet.render import render
+from tensorfleet.testing.wait import poll
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -137,12 +137,8 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
+    """Whether PREDICATE came true within TIMEOUT (for `assert wait_until(...), what_went_wrong`)."""
+    return poll(predicate, timeout, interval)[0]
 
 
 # --- fake executables -------------------------------------------------------
