@@ -143,7 +143,7 @@ def test_nothing_to_read() -> None:
 
 
 def test_a_counter_declared_without_total_reads_with_it() -> None:
-    # prometheus_client's convention (the module docstring says so).
+    # prometheus_client's convention (promtext.samples says so).
     assert promtext.samples("# TYPE legacy counter\nlegacy 4\n") == [Sample("legacy_total", {}, 4.0)]
 
 

@@ -23,9 +23,10 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.router.backends import Backend, BackendPool
-from tensorfleet.router.dispatch import Dispatcher, QueueFull
+from tensorfleet.router.dispatch import Dispatcher
 from tensorfleet.router.scheduling import RequestInfo, make_profile
 from tensorfleet.router.tenants import MAX_KEY_BYTES, KeyRing, KeysError, Limits, UsageMeter, read_keys
+from tensorfleet.router.waitqueue import QueueFull
 from tensorfleet.testing.loopback import (
     MODEL,
     chat,
@@ -355,20 +356,22 @@ def test_free_slots_go_to_the_tenant_served_least_recently_each_tenant_in_arriva
         pool = BackendPool()
         pool.set_urls(["http://e"])
         dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=10)
-        held = await dispatcher.acquire(RequestInfo(), tenant="a")
+        holder = RequestInfo()
+        held = await dispatcher.acquire(holder, tenant="a")
         order: list[str] = []
 
         async def wait(tenant: str, name: str) -> None:
-            backend = await dispatcher.acquire(RequestInfo(), tenant=tenant)
+            info = RequestInfo()
+            backend = await dispatcher.acquire(info, tenant=tenant)
             order.append(name)
             await asyncio.sleep(0)
-            dispatcher.release(backend)
+            dispatcher.release(backend, info)
 
         tasks = [asyncio.create_task(wait(t, n)) for t, n in
                  [("a", "a1"), ("a", "a2"), ("a", "a3"), ("b", "b1"), ("c", "c1"), ("b", "b2")]]
         await asyncio.sleep(0)
         assert dispatcher.pending_by_tenant() == {"a": 3, "b": 2, "c": 1}
-        dispatcher.release(held)
+        dispatcher.release(held, holder)
         await asyncio.gather(*tasks)
         return order
 
@@ -380,7 +383,8 @@ def test_a_full_queue_makes_room_for_a_tenant_with_fewer_waiting() -> None:
         pool = BackendPool()
         pool.set_urls(["http://e"])
         dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=3)
-        held: Backend = await dispatcher.acquire(RequestInfo(), tenant="a")
+        holder = RequestInfo()
+        held: Backend = await dispatcher.acquire(holder, tenant="a")
         a = [asyncio.create_task(dispatcher.acquire(RequestInfo(), tenant="a")) for _ in range(3)]
         await asyncio.sleep(0)
         with pytest.raises(QueueFull) as own:  # the queue is full of its own: refused, nothing displaced
@@ -396,7 +400,7 @@ def test_a_full_queue_makes_room_for_a_tenant_with_fewer_waiting() -> None:
         c = asyncio.create_task(dispatcher.acquire(RequestInfo(), tenant="b"))
         with pytest.raises(QueueFull):
             await c
-        dispatcher.release(held)
+        dispatcher.release(held, holder)
         assert await b is held  # b was never served: first
         for task in a[:2]:
             task.cancel()

@@ -18,7 +18,7 @@ import pytest
 from tensorfleet import contract
 from tensorfleet.kube.connection import Connection
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
-from tensorfleet.router.backends import CLOSED, JOINING, OPEN, Backend, BackendPool, BreakerPolicy
+from tensorfleet.router.backends import CLOSED, JOINING, OPEN, Backend, BackendPool, Breaker, BreakerPolicy
 from tensorfleet.router.discovery import SliceEndpoints, slice_endpoints
 from tensorfleet.router.dispatch import Dispatcher, Unavailable
 from tensorfleet.router.scheduling import RequestInfo, make_profile
@@ -98,7 +98,7 @@ async def test_queued_requests_are_refused_the_moment_the_last_engine_is_ejected
         try:
             # Ejected as unresponsive: back after the ejection and the health check that probes it.
             refused_at_once(await queued, most=6)
-            assert r.router.pool.backends[url].unresponsive
+            assert r.router.pool.backends[url].breaker.unresponsive
         finally:
             holder.close()
             process.send_signal(signal.SIGCONT)
@@ -139,7 +139,7 @@ async def test_a_static_engine_still_loading_is_waited_for_not_forwarded_to() ->
         await eventually(lambda: r.router.dispatcher.pending == 1)
         reply = await answer
         assert reply.status == 200, reply.body
-        assert backend.state == CLOSED and backend.ejections == 0
+        assert backend.state == CLOSED and backend.breaker.ejections == 0
         async with client.get(r.url + "/health") as resp:
             assert (await resp.json())["cold_start"] is None
 
@@ -152,19 +152,19 @@ async def test_a_static_engine_refusing_connections_is_not_starting_503_at_once_
         r = await stack.enter_async_context(router([url], queue_timeout=QUEUE_TIMEOUT, cold_start_timeout=600))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
         backend = r.router.pool.backends[url]
-        await eventually(lambda: backend.checked and backend.unreachable)
+        await eventually(lambda: backend.breaker.checked and backend.breaker.unreachable)
         assert r.router.fleet.cold_start() is None  # nothing listens there: down or misnamed, not loading
         reply = await ask(client, r.url)
         refused_at_once(reply, most=1)  # the next health check may find it up
         assert "1 not accepting connections" in reply.json()["error"]["message"]
         assert r.router.dispatcher.pending == 0
         await asyncio.sleep(0.5)  # several refused health checks: a joining engine is not ejected over and over
-        assert backend.state == JOINING and backend.ejections == 0
+        assert backend.state == JOINING and backend.breaker.ejections == 0
         await stack.enter_async_context(sim(port=port))
         await eventually(lambda: backend.state == CLOSED)
         reply = await ask(client, r.url)
         assert reply.status == 200, reply.body
-        assert not backend.unreachable
+        assert not backend.breaker.unreachable
         async with client.get(r.url + "/metrics") as resp:
             text = await resp.text()
         assert metric_value(text, contract.ROUTER_METRIC_EJECTIONS + "_total", backend=url) is None
@@ -182,7 +182,7 @@ async def test_a_request_waiting_for_a_loading_static_engine_is_refused_once_the
         await eventually(lambda: r.router.dispatcher.pending == 1)
         await loading.__aexit__(None, None, None)  # it died while loading: its port closes
         refused_at_once(await waiting, most=1)
-        assert r.router.pool.backends[s.url].unreachable and r.router.fleet.cold_start() is None
+        assert r.router.pool.backends[s.url].breaker.unreachable and r.router.fleet.cold_start() is None
 
 
 # --- discovery: starting pods --------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ async def test_a_ready_pod_the_router_cannot_reach_is_a_fault_not_a_start(kmock:
                                                    kube=Connection.for_url(str(kmock.url)),
                                                    queue_timeout=QUEUE_TIMEOUT))
         client = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT))
-        await eventually(lambda: [b.checked for b in r.router.pool] == [True])
+        await eventually(lambda: [b.breaker.checked for b in r.router.pool] == [True])
         assert r.router.fleet.cold_start() is None
         refused = await ask(client, r.url)
         refused_at_once(refused, most=1)  # its next health check is a health interval away
@@ -275,11 +275,11 @@ async def test_a_ready_pod_the_router_cannot_reach_is_a_fault_not_a_start(kmock:
 
 def test_back_in_is_the_time_until_an_engine_may_serve_again() -> None:
     now = 100.0
-    assert Backend("a").back_in(now, 2.0) == 0.0
-    assert Backend("a", state=JOINING).back_in(now, 2.0) == 2.0
-    assert Backend("a", state=OPEN, open_until=103.5).back_in(now, 2.0) == 3.5
-    assert Backend("a", state=OPEN, open_until=103.5, unresponsive=True).back_in(now, 2.0) == 5.5
-    assert Backend("a", state=OPEN, open_until=99.0).back_in(now, 2.0) == 0.0
+    assert Backend("a").breaker.back_in(now, 2.0) == 0.0
+    assert Backend("a", breaker=Breaker(JOINING)).breaker.back_in(now, 2.0) == 2.0
+    assert Backend("a", breaker=Breaker(OPEN, open_until=103.5)).breaker.back_in(now, 2.0) == 3.5
+    assert Backend("a", breaker=Breaker(OPEN, open_until=103.5, unresponsive=True)).breaker.back_in(now, 2.0) == 5.5
+    assert Backend("a", breaker=Breaker(OPEN, open_until=99.0)).breaker.back_in(now, 2.0) == 0.0
 
 
 @pytest.mark.asyncio
@@ -288,7 +288,8 @@ async def test_dispatcher_refuses_instead_of_queueing_when_told_and_refuses_its_
     pool.set_urls(["http://a"])
     verdict: list[Unavailable | None] = [None]
     dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, queue_timeout=30, unavailable=lambda _: verdict[0])
-    held = await dispatcher.acquire(RequestInfo())
+    holder = RequestInfo()
+    held = await dispatcher.acquire(holder)
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await eventually(lambda: dispatcher.pending == 1)
     verdict[0] = Unavailable("no engine is available", 4)
@@ -298,4 +299,4 @@ async def test_dispatcher_refuses_instead_of_queueing_when_told_and_refuses_its_
     with pytest.raises(Unavailable) as refused:
         await waiter
     assert refused.value.retry_after == 4 and dispatcher.pending == 0
-    dispatcher.release(held)
+    dispatcher.release(held, holder)

@@ -47,7 +47,7 @@ async def disaggregated(stack: AsyncExitStack, prefill: list[RunningSim], decode
                                                prefill_backends=tuple(p.url for p in prefill), **options))
     stage = r.router.prefill
     assert stage is not None
-    await eventually(lambda: all(b.checked for b in stage.pool), timeout=10)
+    await eventually(lambda: all(b.breaker.checked for b in stage.pool), timeout=10)
     return r
 
 

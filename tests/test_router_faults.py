@@ -82,7 +82,7 @@ async def test_engine_that_dies_is_retried_around_ejected_and_probed_back() -> N
         # Back on the same address: once the clock reaches the ejection time one
         # request probes it (half-open), succeeds, and the breaker closes.
         revived = await stack.enter_async_context(sim(port=port))
-        clock.now = backend.open_until
+        clock.now = backend.breaker.open_until
         results = [await post_chat(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
         assert backend.healthy
         assert Counter(a.backend for a in results)[revived.url] >= 2
@@ -104,7 +104,7 @@ async def test_engine_down_at_start_is_ejected_by_health_checks_and_recovers() -
 
         def recovered() -> bool:
             # Ejected until the clock passes its ejection time; then the next health check probes it back.
-            clock.now = max(clock.now, dead.open_until)
+            clock.now = max(clock.now, dead.breaker.open_until)
             return dead.healthy
         await eventually(recovered, timeout=5)
         results = [await post_chat(client, r.url, chat(f"again {i}", max_tokens=2)) for i in range(6)]
@@ -144,14 +144,14 @@ async def test_an_engine_hanging_up_before_answering_gets_the_request_once_more_
         async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
             assert (resp.status, await resp.json()) == (200, {"choices": [
                 {"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
-        assert calls.count("/v1/chat/completions") == 2 and backend.healthy and backend.failures == 0
+        assert calls.count("/v1/chat/completions") == 2 and backend.healthy and backend.breaker.failures == 0
         async with client.get(r.url + "/metrics") as answer:
             assert metric_value(await answer.text(), contract.ROUTER_METRIC_RETRIES + "_total",
                                 reason="closed_idle") == 1
         hang_ups[0] = 2
         async with client.post(r.url + "/v1/chat/completions", json=chat("x")) as resp:
             assert resp.status == 502
-        assert calls.count("/v1/chat/completions") == 4 and backend.failures == 1
+        assert calls.count("/v1/chat/completions") == 4 and backend.breaker.failures == 1
 
 
 async def test_when_every_engine_fails_the_client_gets_the_engine_error() -> None:

@@ -100,7 +100,7 @@ async def test_requests_the_router_can_refuse_never_count_against_engines() -> N
                     assert resp.status == status and error["code"] == status, (method, path)
             # The engine's own 4xx: the client's mistake, passed through, neutral for the engine.
             assert (await post_chat(client, r.url, {"model": MODEL, "messages": []})).status == 400
-        assert [(b.state, b.failures) for b in r.router.pool] == [("closed", 0)] * 3
+        assert [(b.state, b.breaker.failures) for b in r.router.pool] == [("closed", 0)] * 3
         assert sum(s.engine.stats.prompt_tokens for s in sims) > 0  # the absolute-form requests were served
         assert {(await post_chat(client, r.url, chat(f"after {i}", max_tokens=2))).status for i in range(3)} == {200}
 
@@ -117,7 +117,7 @@ async def test_a_request_that_fails_on_every_engine_counts_against_none_and_no_m
         # Each request was tried on all three engines and failed on all: likelier the request's fault than all
         # three engines', so none is charged (nine 500s, no failure counted, no ejection).
         assert sum(len(calls) for _, calls in engines) == 9
-        assert [(b.healthy, b.failures) for b in r.router.pool] == [(True, 0)] * 3
+        assert [(b.healthy, b.breaker.failures) for b in r.router.pool] == [(True, 0)] * 3
         # Engines that drop the connection: the router's 502 says what happened, not where.
         resetting = [await stack.enter_async_context(fake_engine(drop_connection)) for _ in range(2)]
         broken = await stack.enter_async_context(router([url for url, _ in resetting], health_interval=60))
@@ -146,11 +146,11 @@ async def test_a_hung_engine_is_ejected_by_one_unanswered_health_check_and_its_w
             stuck = asyncio.create_task(post_chat(client, r.url, chat("stuck", max_tokens=2)))
             await eventually(lambda: hung.in_flight == 1)
             await r.router.fleet.check(hung)
-            assert not hung.healthy and hung.unresponsive
+            assert not hung.healthy and hung.breaker.unresponsive
             moved = await stuck
             assert (moved.status, moved.backend) == (200, live.url)
             # Ejected as unresponsive: no client request is sent to probe it, only health checks may.
-            hung.open_until = 0.0
+            hung.breaker.open_until = 0.0
             results = [await post_chat(client, r.url, chat(f"after {i}", max_tokens=2)) for i in range(4)]
             assert [(a.status, a.backend) for a in results] == [(200, live.url)] * 4
             text = await metrics_text(client, r.url)
@@ -170,7 +170,7 @@ async def test_an_engine_that_sends_nothing_within_the_first_byte_bound_is_left_
         assert (answer.status, answer.backend) == (200, live.url)
         await eventually(lambda: calls == ["/v1/chat/completions", "closed"])  # the router hung up: it aborts
         silent = r.router.pool.backends[silent_url]
-        assert silent.healthy and silent.failures == 0  # slow is not sick: its health checks say which
+        assert silent.healthy and silent.breaker.failures == 0  # slow is not sick: its health checks say which
         text = await metrics_text(client, r.url)
         assert metric_value(text, contract.ROUTER_METRIC_RETRIES + "_total", reason="timeout") == 1
         # The bound: the base, plus the prompt's prefill, plus a whole answer when it is not streamed.

@@ -80,7 +80,7 @@ def test_a_prompt_that_is_not_a_chat_goes_where_the_longest_run_of_it_is_held() 
     info = RequestInfo(prefix_hashes=hash_prompt(text)[0], prompt_chars=len(text), token_ids=tokens_of(text))
     store(index, pool[0], info, upto=BLOCK * 2)
     store(index, pool[2], info, upto=BLOCK * 5)
-    pool[2].in_flight = 3
+    pool[2].own.requests = 3
     assert profile(index).pick(pool, pool, info) is pool[2]
 
 

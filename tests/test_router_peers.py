@@ -14,6 +14,7 @@ from aiohttp import web
 
 from tensorfleet import contract
 from tensorfleet.router import peers as peers_module
+from tensorfleet.router.backends import Load
 from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
 from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router, sim
 from tensorfleet.testing.wait import eventually
@@ -122,40 +123,47 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     for i in range(MAX_OUTBOX + 5):
         peers.share("http://engine:8000", [i, i + 1], None)
     peers.share("http://engine:8000", [], 3)   # no whole block: nothing to tell
-    load = {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
+    load = {"http://engine:8000": Load(requests=3, prefilling=1, prefill_chars=1200.0, context_chars=9000.0,
+                                       queued_prompt_chars=700.0)}
     body = peers.message(256, load, now=10.0)
     assert body is not None
     doc = json.loads(body)
     assert len(doc["placements"]) == MAX_OUTBOX and doc["placements"][0] == ["http://engine:8000", None, [5, 6]]
-    assert doc["load"] == {"http://engine:8000": [3, 1200, 9000, 700]}
+    assert doc["load"] == {"http://engine:8000": [3, 1200, 9000, 700, 1]}
     assert ("dropped", 5) in counted
     # Nothing new: no message until the load changes or the heartbeat is due.
     assert peers.message(256, dict(load), now=10.1) is None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0, 0.0)}, now=10.2) is not None
-    assert peers.message(256, {"http://engine:8000": (2, 0.0, 0.0, 0.0)}, now=10.2 + PEER_HEARTBEAT) is not None
+    assert peers.message(256, {"http://engine:8000": Load(requests=2)}, now=10.2) is not None
+    assert peers.message(256, {"http://engine:8000": Load(requests=2)}, now=10.2 + PEER_HEARTBEAT) is not None
     # A message of this process's own (come back through the Service) is taken as nothing.
     assert peers.decode(body, 256, now=10.0) == [] and not peers.heard
     other = Peers(static=("http://10.0.0.7:8080",))
     assert len(other.decode(body, 256, now=10.0)) == MAX_OUTBOX
-    assert other.load(10.0) == {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
+    assert other.load(10.0) == load
     # Another block size: the load counts, the placements do not; a peer not heard from for PEER_STALE counts no
     # more.
-    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == {"http://engine:8000": (3, 1200.0, 9000.0, 700.0)}
+    assert other.decode(body, 512, now=11.0) == [] and other.load(11.0 + PEER_STALE) == load
     assert other.load(11.1 + PEER_STALE) == {} and not other.heard
-    # Replicas of the versions before prompt characters in flight, then queued prompt characters, were told (a
-    # rolling upgrade): their load counts, with none of what they leave out; the sum is over every peer.
+    # Replicas of the versions before prompt characters in flight, then queued prompt characters, then requests
+    # with no first byte back, were told (a rolling upgrade): their load counts, with none of what they leave
+    # out; the sum is over every peer.
     oldest = {"from": "oldest", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [2, 300]}}
     older = {"from": "older", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [1, 50, 400]}}
     assert other.decode(json.dumps(oldest).encode(), 256, now=12.0) == []
-    assert other.load(12.0) == {"http://engine:8000": (2, 300.0, 0.0, 0.0)}
+    assert other.load(12.0) == {"http://engine:8000": Load(requests=2, prefill_chars=300.0)}
     assert other.decode(json.dumps(older).encode(), 256, now=12.0) == []
-    assert other.load(12.0) == {"http://engine:8000": (3, 350.0, 400.0, 0.0)}
+    assert other.load(12.0) == {"http://engine:8000": Load(requests=3, prefill_chars=350.0, context_chars=400.0)}
+    assert other.load(12.0)["http://engine:8000"].decoding == 3
+    newer = {"from": "newer", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [4, 0, 0, 0, 9]}}
+    assert other.decode(json.dumps(newer).encode(), 256, now=12.0) == []
+    assert other.load(12.0)["http://engine:8000"] == Load(requests=7, prefilling=4, prefill_chars=350.0,
+                                                          context_chars=400.0)
     for bad, says in (({"from": "x", "blockChars": 256, "placements": [["e", None, []]] * (MAX_PLACEMENTS + 1)},
                        "more than"),
                       ({"blockChars": 256, "placements": []}, "'from'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1]}}, "'load'"),
-                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0, 0]}}, "'load'")):
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0, 0, 0]}}, "'load'")):
         with pytest.raises(PeerMessageError, match=says):
             other.decode(json.dumps(bad).encode(), 256, now=12.0)
     # No peers: nothing is kept to send.
@@ -175,7 +183,7 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
         return web.Response(status=204)
 
     engine = "http://engine:8000"
-    load = {engine: (1, 500.0, 800.0, 500.0)}
+    load = {engine: Load(requests=1, prefilling=1, prefill_chars=500.0, context_chars=800.0, queued_prompt_chars=500.0)}
     async with fake_engine(take) as (url, _calls), aiohttp.ClientSession() as session:
         peers = Peers(static=(url,))
         task = asyncio.create_task(peers.run(session, lambda: 256, lambda: dict(load),
@@ -184,11 +192,11 @@ async def test_news_goes_to_the_peers_without_waiting_for_the_heartbeat(monkeypa
             peers.share(engine, [1, 2], 7)
             peers.nudge()
             await eventually(lambda: len(got) == 1, timeout=5)
-            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500, 800, 500]}
-            load[engine] = (0, 0.0, 0.0, 0.0)
+            assert got[0]["placements"] == [[engine, 7, [1, 2]]] and got[0]["load"] == {engine: [1, 500, 800, 500, 1]}
+            load[engine] = Load()
             peers.nudge()
             await eventually(lambda: len(got) == 2, timeout=5)
-            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0, 0, 0]}
+            assert got[1]["placements"] == [] and got[1]["load"] == {engine: [0, 0, 0, 0, 0]}
             # A nudge with nothing new (no placements, the load as last sent) sends nothing.
             peers.nudge()
             await asyncio.sleep(0.05)
@@ -218,17 +226,17 @@ async def test_a_replica_counts_the_requests_prompt_work_and_prompts_its_peer_ha
         seen = b.router.pool.backends[engine]
         held = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(3)]
         told = a.router.pool.backends[engine]
-        await eventually(lambda: told.prefill_chars > 0 and seen.others == 3
-                         and seen.peer_prefill_chars == round(told.prefill_chars)
-                         and seen.peer_context_chars == round(told.context_chars), timeout=5)
-        assert seen.in_flight == 0 and seen.estimated_load() >= 3 and told.context_chars >= told.prefill_chars
+        await eventually(lambda: told.own.prefill_chars > 0 and seen.others == 3 and seen.peers.prefilling == 3
+                         and seen.peers.prefill_chars == round(told.own.prefill_chars)
+                         and seen.peers.context_chars == round(told.own.context_chars), timeout=5)
+        assert seen.in_flight == 0 and seen.estimated_load() >= 3 and told.own.context_chars >= told.own.prefill_chars
         release.set()
         for response in await asyncio.gather(*held):
             assert response.status == 200
             response.release()
-        await eventually(lambda: seen.others == 0 and seen.peer_prefill_chars == 0 and seen.peer_context_chars == 0,
+        await eventually(lambda: seen.others == 0 and seen.peers.prefill_chars == 0 and seen.peers.context_chars == 0,
                          timeout=5)
-        assert told.context_chars == 0
+        assert told.own.context_chars == 0
 
 
 @pytest.mark.asyncio
@@ -251,7 +259,7 @@ async def test_replicas_share_one_ceiling_per_engine() -> None:
         client = await stack.enter_async_context(aiohttp.ClientSession())
         first = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(2)]
         seen = b.router.pool.backends[engine]
-        await eventually(lambda: seen.peer_in_flight == 2, timeout=5)
+        await eventually(lambda: seen.peers.requests == 2, timeout=5)
         # The engine holds the ceiling, all of it A's: B's request waits at B instead of going there too.
         later = asyncio.create_task(client.post(b.url + "/v1/chat/completions", json=turn(9)))
         await eventually(lambda: b.router.dispatcher.pending == 1, timeout=5)
@@ -292,8 +300,8 @@ async def test_replicas_share_one_prompt_bound_per_engine() -> None:
         client = await stack.enter_async_context(aiohttp.ClientSession())
         told, seen = a.router.pool.backends[engine], b.router.pool.backends[engine]
         first = asyncio.create_task(client.post(a.url + "/v1/chat/completions", json={**turn(0), "stream": True}))
-        await eventually(lambda: told.queued_prompt_chars > a.router.dispatcher.prompt_queue_chars
-                         and seen.peer_queued_prompt_chars == round(told.queued_prompt_chars), timeout=5)
+        await eventually(lambda: told.own.queued_prompt_chars > a.router.dispatcher.prompt_queue_chars
+                         and seen.peers.queued_prompt_chars == round(told.own.queued_prompt_chars), timeout=5)
         later = asyncio.create_task(client.post(b.url + "/v1/chat/completions", json={**turn(1), "stream": True}))
         await eventually(lambda: b.router.dispatcher.pending == 1, timeout=5)
         await asyncio.sleep(0.3)
@@ -304,4 +312,4 @@ async def test_replicas_share_one_prompt_bound_per_engine() -> None:
             assert response.status == 200
             await response.read()
             response.release()
-        assert len(calls) == 2 and seen.peer_queued_prompt_chars == 0
+        assert len(calls) == 2 and seen.peers.queued_prompt_chars == 0

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.router import resume
+from tensorfleet.router import resume, tokencount
 from tensorfleet.router.resume import StreamState
 from tensorfleet.sim.tokenizer import count_tokens
 from tensorfleet.testing.loopback import (
@@ -489,7 +489,7 @@ async def test_an_engine_that_reports_no_usage_is_counted_from_its_text_not_its_
     state = StreamState.start("/v1/completions", json.dumps({"prompt": "Once", "max_tokens": 20,
                                                              "stream": True}).encode())
     state.feed(sse(completion_event(" a bb ccc"), completion_event(" dd")))  # 12 characters in 2 events
-    assert state.tokens == resume.estimate_tokens(12, 2) == 4  # a token per 3 characters, at least one per event
+    assert state.tokens == tokencount.estimate_tokens(12, 2) == 4  # a token per 3 characters, at least one per event
     body = state.continuation_body()
     assert body is not None and (body["prompt"], body["max_tokens"]) == ("Once a bb ccc dd", 16)
     # Its finish event (with the last token, as vLLM sends it) sent, the engine broke before the rest: the

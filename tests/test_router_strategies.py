@@ -18,10 +18,12 @@ from tensorfleet.router.backends import (
     Backend,
     BackendPool,
     BreakerPolicy,
-    EngineLoad,
+    EngineMetrics,
+    Load,
     parse_engine_metrics,
 )
-from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueFull, QueueTimeout
+from tensorfleet.router.dispatch import Dispatcher, NoBackend, QueueTimeout
+from tensorfleet.router.ledger import Charge
 from tensorfleet.router.scheduling import (
     HOME_SLACK_CHARS,
     KV_HIGH_WATER,
@@ -36,6 +38,7 @@ from tensorfleet.router.scheduling import (
     prefix_hashes,
 )
 from tensorfleet.router.scheduling.prefixes import SentPrefixes
+from tensorfleet.router.waitqueue import QueueFull
 
 
 def backends(n: int) -> list[Backend]:
@@ -57,15 +60,15 @@ def test_round_robin_takes_turns() -> None:
 
 def test_least_pending_prefers_the_least_loaded_and_counts_engine_queues() -> None:
     a, b, c = pool = backends(3)
-    a.in_flight, b.in_flight, c.in_flight = 5, 2, 3
+    a.own.requests, b.own.requests, c.own.requests = 5, 2, 3
     lp = make_profile("least-pending")
     assert lp.pick(pool, pool, RequestInfo()) is b
     # The engine says it is holding requests back: b is now worse than c.
-    b.waiting = 4
+    b.engine.waiting = 4
     assert lp.pick(pool, pool, RequestInfo()) is c
     # Equal engines share ties instead of one taking them all.
     for x in pool:
-        x.in_flight, x.waiting = 1, 0
+        x.own.requests, x.engine.waiting = 1, 0
     assert len({lp.pick(pool, pool, RequestInfo()).url for _ in range(6)}) == 3
 
 
@@ -84,7 +87,7 @@ def test_session_is_sticky_spread_and_bounded() -> None:
     assert moved == {k for k, url in first.items() if url == gone}
     # A hot session's engine over 1.25x the average load is skipped.
     hot = next(k for k, url in first.items() if url == pool[1].url)
-    pool[1].in_flight = 10
+    pool[1].own.requests = 10
     assert session.pick(pool, pool, RequestInfo(session_key=hot)) is not pool[1]
     # No key: least-pending.
     assert session.pick(pool, pool, RequestInfo()) is pool[0]
@@ -103,10 +106,10 @@ def test_prefix_aware_follows_the_prompt_and_respects_load() -> None:
     # when others are slightly less loaded.
     follow = RequestInfo(prefix_hashes=prefix_hashes(prompt_text({"messages": [
         {"role": "system", "content": document}, {"role": "user", "content": "q2 is different"}]})))
-    chosen.in_flight = 1
+    chosen.own.requests = 1
     assert strategy.pick(pool, pool, follow) is chosen
     # Past the load bound it goes elsewhere.
-    chosen.in_flight = 8
+    chosen.own.requests = 8
     assert strategy.pick(pool, pool, follow) is not chosen
     # An unrelated prompt goes to the least loaded.
     other = RequestInfo(prefix_hashes=prefix_hashes("something else entirely " * 30))
@@ -114,7 +117,7 @@ def test_prefix_aware_follows_the_prompt_and_respects_load() -> None:
 
 
 def test_prefix_index_is_bounded_by_engine_kv_capacity() -> None:
-    backend = Backend("http://e:8000", kv_cache_tokens=6400)  # 100 blocks of 256 chars
+    backend = Backend("http://e:8000", EngineMetrics(kv_cache_tokens=6400))  # 100 blocks of 256 chars
     strategy = make_profile("prefix-aware")
     for i in range(50):
         strategy.routed(backend, RequestInfo(prefix_hashes=prefix_hashes(f"doc {i} " * 200)))
@@ -220,55 +223,81 @@ def test_cache_aware_places_a_first_turn_by_the_prompt_work_queued_ahead_of_it()
     home = CacheAware().pick(pool, pool, first)     # an idle fleet: the home, for any replica
     assert strategy.pick(pool, pool, first) is home
     # The home is computing other prompts: the first turn goes where less prompt work waits, the least of it.
-    home.prefill_chars = HOME_SLACK_CHARS + 1
+    home.own.prefill_chars = HOME_SLACK_CHARS + 1
     busy = {b.url: 5000.0 * (i + 1) for i, b in enumerate(pool) if b is not home}
     for b in pool:
-        b.prefill_chars = busy.get(b.url, b.prefill_chars)
-    least = min((b for b in pool if b is not home), key=lambda b: b.prefill_chars)
-    assert least.prefill_chars > home.prefill_chars and strategy.pick(pool, pool, first) is home
-    least.prefill_chars = 0.0
+        b.own.prefill_chars = busy.get(b.url, b.own.prefill_chars)
+    least = min((b for b in pool if b is not home), key=lambda b: b.own.prefill_chars)
+    assert least.own.prefill_chars > home.own.prefill_chars and strategy.pick(pool, pool, first) is home
+    least.own.prefill_chars = 0.0
     assert strategy.pick(pool, pool, first) is least
     # Within the slack the home keeps it, so replicas that see slightly different loads still agree.
-    least.prefill_chars = 1.0
+    least.own.prefill_chars = 1.0
     assert strategy.pick(pool, pool, first) is home
     # A later turn of a conversation this router has not seen goes home whatever its prefill: its KV is there.
-    home.prefill_chars = 10 * HOME_SLACK_CHARS
+    home.own.prefill_chars = 10 * HOME_SLACK_CHARS
     later = info_of(chat("a question " * 50, "an answer " * 20, "and then?"))
     assert later.continues and not first.continues
     assert strategy.pick(pool, pool, later) is home
     assert strategy.pick(pool, pool, first) is least
 
 
+def test_cache_aware_starts_a_conversation_where_the_fewest_decodes_run() -> None:
+    strategy, pool = CacheAware(), backends(3)
+    a, b, c = pool
+    firsts = [info_of(chat(f"question number {n} " * 30)) for n in range(30)]
+    # An idle fleet: each conversation at its home, so the first turns spread over every engine.
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {a.url, b.url, c.url}
+    # Decodes run on a (this router's) and b (another replica's, as it told); c computes two prompts within the
+    # slack: every first turn goes to c, where its prompt slows no decode.
+    a.own = Load(requests=3)
+    b.peers = Load(requests=2, prefilling=1)
+    c.own = Load(requests=2, prefilling=2, prefill_chars=HOME_SLACK_CHARS / 2)
+    assert (a.decoding(), b.decoding(), c.decoding()) == (3, 1, 0)
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {c.url}
+    # Once c decodes the most, b runs the fewest.
+    c.own = Load(requests=5)
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {b.url}
+    # Decodes weigh only among engines within the slack of the least prompt work queued: the first token waits
+    # for that work, whatever runs beside it.
+    b.own = Load(requests=1, prefilling=1, prefill_chars=10 * HOME_SLACK_CHARS)
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {a.url}
+    # A later turn stays with its conversation's KV, however many decode there.
+    later = info_of(chat("question number 0 " * 30, "an answer " * 20, "and then?"))
+    strategy.routed(c, later)
+    assert strategy.pick(pool, pool, later) is c
+
+
 def test_cache_aware_starts_a_conversation_on_an_engine_with_room_in_its_kv_cache() -> None:
     strategy, pool = CacheAware(), backends(4)
     for b in pool:
-        b.kv_cache_tokens = 10_000            # 40,000 characters of prompt
+        b.engine.kv_cache_tokens = 10_000            # 40,000 characters of prompt
     first = info_of(chat("a question " * 50))
     home = CacheAware().pick(pool, pool, first)
     later = info_of(chat("a question " * 50, "an answer " * 20, "and then?"))
     # The prompts in flight on the home, this router's and its peers', nearly fill its cache: a new conversation
     # starts elsewhere (where nothing else is in its way, the next in its rendezvous order).
-    home.context_chars, home.peer_context_chars = 20_000.0, 15_000.0 - first.prompt_chars
+    home.own.context_chars, home.peers.context_chars = 20_000.0, 15_000.0 - first.prompt_chars
     assert has_room(home, first)
     assert strategy.pick(pool, pool, first) is home
-    home.peer_context_chars += 1_000
+    home.peers.context_chars += 1_000
     assert not has_room(home, first)
     elsewhere = strategy.pick(pool, pool, first)
     assert elsewhere is not home
     # ... and so does one whose engine said at its last scrape that its cache is past the high-water mark.
-    home.context_chars = home.peer_context_chars = 0.0
+    home.own.context_chars = home.peers.context_chars = 0.0
     assert strategy.pick(pool, pool, first) is home
-    home.kv_usage = KV_HIGH_WATER
+    home.engine.kv_usage = KV_HIGH_WATER
     assert strategy.pick(pool, pool, first) is elsewhere
     # A later turn goes home all the same: its history is cached there, and would be computed again elsewhere.
     assert strategy.pick(pool, pool, later) is home
     # No engine has room: the room does not decide (the load and the prompt work queued do).
     for b in pool:
-        b.kv_usage = 0.95
+        b.engine.kv_usage = 0.95
     assert strategy.pick(pool, pool, first) is home
     # An engine whose capacity is not scraped yet has room as far as the router can tell.
     fresh = backends(1)[0]
-    fresh.context_chars = 1e9
+    fresh.own.context_chars = 1e9
     assert has_room(fresh, first)
 
 
@@ -311,8 +340,9 @@ def test_cache_aware_matches_a_prompt_once_per_engine_for_a_pick_and_its_charge(
     backend = dispatcher.try_acquire(later)
     assert backend is not None and counting.walks == 1   # only the engine holding the conversation
     # Charged the prompt past the blocks the first turn sent there, as matched before this one was routed.
-    assert 0 < later.prefill_charge < later.prompt_chars
-    assert later.prefill_charge == later.prompt_chars - later.matches[backend.url] * strategy.block_chars
+    prefill = owed(dispatcher, backend, later).prefill
+    assert 0 < prefill < later.prompt_chars
+    assert prefill == later.prompt_chars - later.matches[backend.url] * strategy.block_chars
 
 
 def test_a_remembered_prefix_match_goes_stale_when_the_index_changes() -> None:
@@ -339,13 +369,13 @@ def test_cache_aware_spills_over_a_saturated_home_and_follows_the_conversation_t
     home = strategy.pick(pool, pool, first)
     strategy.routed(home, first)
     # Its home is past the load bound (ceil(1.25 x 11 / 4) + 2 = 6): the next engine in the conversation's order.
-    home.in_flight = 10
+    home.own.requests = 10
     second = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?"))
     spill = strategy.pick(pool, pool, second)
     assert spill is not home
     strategy.routed(spill, second)
     # Once the home has room again, the conversation stays where its longest run of blocks now is.
-    home.in_flight = 0
+    home.own.requests = 0
     third = info_of(chat("what is a KV cache?", "blocks of keys and values " * 20, "and paging?",
                          "pages of blocks " * 20, "thanks"))
     assert strategy.pick(pool, pool, third) is spill
@@ -358,7 +388,7 @@ def test_cache_aware_counts_what_other_replicas_put_on_an_engine() -> None:
     a, b = pool = backends(2)
     strategy = CacheAware()
     # No conversation: the least loaded, counting the load another router put there (scraped).
-    a.in_flight, b.in_flight = 1, 2
+    a.own.requests, b.own.requests = 1, 2
     a.scraped(parse_engine_metrics("vllm:num_requests_running 10\nvllm:num_requests_waiting 3\n"))
     b.scraped(parse_engine_metrics("vllm:num_requests_running 2\n"))
     assert (a.others, b.others) == (12.0, 0.0)
@@ -378,11 +408,11 @@ def test_cache_aware_without_a_chat_follows_the_longest_prefix_else_the_least_lo
     pool = backends(3)
     prompt = "a long shared completion prompt " * 30
     info = RequestInfo(prefix_hashes=prefix_hashes(prompt))
-    pool[0].in_flight, pool[1].in_flight, pool[2].in_flight = 2, 1, 3
+    pool[0].own.requests, pool[1].own.requests, pool[2].own.requests = 2, 1, 3
     first = strategy.pick(pool, pool, info)
     assert first is pool[1]
     strategy.routed(first, info)
-    pool[1].in_flight = 3
+    pool[1].own.requests = 3
     longer = RequestInfo(prefix_hashes=prefix_hashes(prompt + "and more " * 20))
     assert strategy.pick(pool, pool, longer) is pool[1]
     assert strategy.pick(pool, pool, RequestInfo(prefix_hashes=prefix_hashes("unrelated " * 60))) is pool[0]
@@ -428,19 +458,19 @@ def test_breaker_ejects_probes_and_recovers() -> None:
     assert a.state == CLOSED
     pool.record_failure(a)
     assert a.state == OPEN and [b.url for b in pool.routable()] == ["http://b"]
-    until = a.open_until
+    until = a.breaker.open_until
     pool.record_failure(a)                        # late failures do not extend it
-    assert a.open_until == until and a.ejections == 1
+    assert a.breaker.open_until == until and a.breaker.ejections == 1
     clock.now += 1.0
     assert a in pool.routable()                   # half-open: one probe
     pool.begin_probe(a)
     assert a.state == HALF_OPEN and a not in pool.routable()
     pool.record_failure(a)                        # probe failed: longer ejection
-    assert a.state == OPEN and a.open_until == clock.now + 2.0
+    assert a.state == OPEN and a.breaker.open_until == clock.now + 2.0
     clock.now += 2.0
     pool.begin_probe(a)
     pool.record_success(a)
-    assert a.state == CLOSED and a.ejections == 0
+    assert a.state == CLOSED and a.breaker.ejections == 0
     pool.record_failure(a, fatal=True)            # connection refused: at once
     assert a.state == OPEN
 
@@ -471,29 +501,35 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     pool.set_urls(["http://a", "http://b"])
     dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, max_queue=4, queue_timeout=5)
     changes: list[tuple[int, float]] = []   # the load as each change of it is told (the router tells its peers)
-    dispatcher.on_load = lambda: changes.append((sum(b.in_flight for b in pool), sum(b.prefill_chars for b in pool)))
+    dispatcher.on_load = lambda: changes.append((sum(b.in_flight for b in pool), sum(b.own.prefill_chars for b in pool)))
     first = info_of(chat("a question " * 100))
     a = await dispatcher.acquire(first)
-    assert a.prefill_chars == first.prefill_charge == first.prompt_chars > 0
-    assert a.context_chars == first.context_charge == first.prompt_chars
+    assert a.own.prefill_chars == owed(dispatcher, a, first).prefill == first.prompt_chars > 0
+    assert a.own.context_chars == owed(dispatcher, a, first).context == first.prompt_chars
+    assert a.own.prefilling == 1 and a.own.decoding == 0
     dispatcher.discharge(a, first)                   # its first byte came back
-    assert a.prefill_chars == 0 and first.prefill_charge == 0
-    assert a.context_chars == first.prompt_chars     # its KV stays on the engine until it ends
+    assert a.own.prefill_chars == 0 and owed(dispatcher, a, first).prefill == 0
+    assert a.own.prefilling == 0 and a.own.decoding == 1
+    dispatcher.discharge(a, first)                   # a second first byte (a resumed stream) takes off nothing
+    assert a.own.prefilling == 0 and a.own.decoding == 1
+    assert a.own.context_chars == first.prompt_chars     # its KV stays on the engine until it ends
     dispatcher.release(a, first)                     # nothing charged twice
-    assert a.prefill_chars == 0 and a.in_flight == 0 and a.context_chars == 0 and first.context_charge == 0
+    assert a.own.prefill_chars == 0 and a.in_flight == 0 and a.own.context_chars == 0 and len(dispatcher.ledger) == 0
+    dispatcher.release(a, first)                     # released twice: a bug, logged, and no count goes below 0
+    assert a.own == Load()
     assert changes == [(1, first.prompt_chars), (1, 0.0), (0, 0.0)]
     dispatcher.on_load = None
     # A strategy that never reads the charge is spared computing it.
     blind = Dispatcher(pool, make_profile("prefix-aware"), ceiling=1, max_queue=4, queue_timeout=5)
     other = info_of(chat("a question " * 100))
     c = await blind.acquire(other)
-    assert c.prefill_chars == 0 and other.prefill_charge == 0
+    assert c.own.prefill_chars == 0 and owed(blind, c, other).prefill == 0
     blind.release(c, other)
     # Released without a first byte (the engine failed, the client left): the charge goes with the slot.
     second = info_of(chat("another question " * 100))
     b = await dispatcher.acquire(second)
     dispatcher.release(b, second)
-    assert b.prefill_chars == 0 and b.context_chars == 0
+    assert b.own.prefill_chars == 0 and b.own.context_chars == 0
     # A waiter granted a slot just as it was cancelled gives back the slot and its charge.
     holders = [info_of(chat(f"hold {n} " * 50)) for n in range(2)]
     held = [await dispatcher.acquire(info) for info in holders]
@@ -501,11 +537,19 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     waiter = asyncio.create_task(dispatcher.acquire(waiting))
     await asyncio.sleep(0)
     dispatcher.release(held[0], holders[0])          # the slot, and the waiter's charge, pass to the waiter
-    assert held[0].prefill_chars == waiting.prefill_charge > 0
+    assert held[0].own.prefill_chars == owed(dispatcher, held[0], waiting).prefill > 0
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
-    assert held[0].in_flight == 0 and held[0].prefill_chars == 0 and waiting.prefill_charge == 0
-    assert held[0].context_chars == 0 and waiting.context_charge == 0
+    assert held[0].own == Load() and dispatcher.ledger.get(held[0], waiting) is None
+
+
+def owed(dispatcher: Dispatcher, backend: Backend, info: RequestInfo) -> Charge:
+    """What INFO's request still adds to BACKEND's load: its prompt work until its first byte, its context until
+    it ends."""
+    charge = dispatcher.ledger.get(backend, info)
+    if charge is None:
+        return Charge(0.0, 0.0, 0.0)
+    return charge if charge.prefilling else Charge(0.0, 0.0, charge.context, prefilling=False)
 
 
 def streamed(body: dict[str, object]) -> RequestInfo:
@@ -524,7 +568,7 @@ async def test_cache_aware_holds_prompts_beyond_a_step_and_sends_each_to_the_fir
     a = await dispatcher.acquire(first)
     b = await dispatcher.acquire(second)
     assert {a.url, b.url} == {"http://a", "http://b"}
-    assert a.queued_prompt_chars == first.queue_charge == first.prefill_charge > 0
+    assert a.own.queued_prompt_chars == owed(dispatcher, a, first).queued == owed(dispatcher, a, first).prefill > 0
     # Each engine has most of a step's prompt to compute: a third prompt would only wait inside one of them, so it
     # waits here, and so does a short one behind it (it keeps its place in the queue, then goes cheapest first).
     third = streamed(chat("the third question, the longest of all " * 110))
@@ -539,10 +583,10 @@ async def test_cache_aware_holds_prompts_beyond_a_step_and_sends_each_to_the_fir
     dispatcher.discharge(a, first)
     await asyncio.sleep(0)
     assert waiting[1].done() and not waiting[0].done()
-    assert waiting[1].result() is a and a.queued_prompt_chars == short.queue_charge
+    assert waiting[1].result() is a and a.own.queued_prompt_chars == owed(dispatcher, a, short).queued
     dispatcher.discharge(b, second)
     await asyncio.sleep(0)
-    assert waiting[0].result() is b and b.queued_prompt_chars == third.queue_charge
+    assert waiting[0].result() is b and b.own.queued_prompt_chars == owed(dispatcher, b, third).queued
     # A prompt longer than a step goes to an engine that has none queued, alone.
     dispatcher.discharge(a, short)
     huge = streamed(chat("a document to read " * 400))
@@ -553,10 +597,11 @@ async def test_cache_aware_holds_prompts_beyond_a_step_and_sends_each_to_the_fir
     dispatcher.discharge(b, third)
     whole = info_of(chat("a question answered whole " * 100))
     c = await dispatcher.acquire(whole)
-    assert c is b and whole.prefill_charge > 0 and whole.queue_charge == 0 and b.queued_prompt_chars == 0
+    assert c is b and owed(dispatcher, b, whole).prefill > 0 and owed(dispatcher, b, whole).queued == 0
+    assert b.own.queued_prompt_chars == 0
     # Released without a first token (the engine failed, the client left): its charge goes with the slot.
     dispatcher.release(a, huge)
-    assert a.queued_prompt_chars == 0 and huge.queue_charge == 0
+    assert a.own.queued_prompt_chars == 0 and dispatcher.ledger.get(a, huge) is None
 
 
 @pytest.mark.asyncio
@@ -588,14 +633,14 @@ async def test_a_later_turn_waits_for_its_engine_under_the_prompt_bound_rather_t
     other = next(b for b in pool if b is not home)
     # The next turn computes only its new message at home, which fits beside what is queued there: it goes home.
     follow_up = streamed(chat(talk, "an answer " * 20, "and one more question " * 5))
-    assert home.queued_prompt_chars + strategy.prefill_cost(home, follow_up) <= 4000
-    assert strategy.prefill_cost(other, follow_up) > 4000 - home.queued_prompt_chars
+    assert home.own.queued_prompt_chars + strategy.prefill_cost(home, follow_up) <= 4000
+    assert strategy.prefill_cost(other, follow_up) > 4000 - home.own.queued_prompt_chars
     assert await dispatcher.acquire(follow_up) is home
     # With no room left at home, the turn after waits for it (the other engine would compute the whole
     # history) and goes home once it clears.
     later = streamed(chat(talk, "an answer " * 20, "and one more question " * 5, "another answer " * 20,
                           "and a last question " * 40))
-    assert home.queued_prompt_chars + strategy.prefill_cost(home, later) > 4000
+    assert home.own.queued_prompt_chars + strategy.prefill_cost(home, later) > 4000
     task = asyncio.create_task(dispatcher.acquire(later))
     await asyncio.sleep(0)
     assert not task.done() and other.in_flight == 0
@@ -605,7 +650,7 @@ async def test_a_later_turn_waits_for_its_engine_under_the_prompt_bound_rather_t
 
 
 async def _grant_order(dispatcher: Dispatcher, infos: list[RequestInfo], held: Backend,
-                       held_info: RequestInfo | None = None) -> list[int]:
+                       held_info: RequestInfo) -> list[int]:
     """Queue INFOS (in this order) behind the one slot HELD, then free it again and again: the indexes of INFOS
     in the order they got the slot."""
     tasks = []
@@ -657,10 +702,11 @@ async def test_a_waiter_that_waited_the_order_age_goes_first_and_other_strategie
     long, short = info_of(chat("question " * 400)), info_of(chat("question " * 20))
     # Past the order age the oldest goes first whatever its prompt: nobody waits behind cheaper work forever.
     dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, queue_timeout=30, order_age=0.05)
-    a = await dispatcher.acquire(RequestInfo())
+    holder = RequestInfo()
+    a = await dispatcher.acquire(holder)
     tasks = [asyncio.create_task(dispatcher.acquire(info)) for info in (long, short)]
     await asyncio.sleep(0.1)
-    dispatcher.release(a)
+    dispatcher.release(a, holder)
     await asyncio.sleep(0)
     assert tasks[0].done() and not tasks[1].done()
     dispatcher.release(a, long)
@@ -670,8 +716,9 @@ async def test_a_waiter_that_waited_the_order_age_goes_first_and_other_strategie
         pool = BackendPool()
         pool.set_urls(["http://a"])
         dispatcher = Dispatcher(pool, strategy, ceiling=1, queue_timeout=30)
-        a = await dispatcher.acquire(RequestInfo())
-        assert await _grant_order(dispatcher, [long, short], a) == [0, 1]
+        holder = RequestInfo()
+        a = await dispatcher.acquire(holder)
+        assert await _grant_order(dispatcher, [long, short], a, holder) == [0, 1]
 
 
 @pytest.mark.asyncio
@@ -679,18 +726,19 @@ async def test_dispatcher_ceiling_queue_429_and_deadline() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
     dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=1, queue_timeout=0.2)
-    first = await dispatcher.acquire(RequestInfo())
-    waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
+    infos = [RequestInfo(), RequestInfo()]
+    first = await dispatcher.acquire(infos[0])
+    waiter = asyncio.create_task(dispatcher.acquire(infos[1]))
     await asyncio.sleep(0)
     assert dispatcher.pending == 1
     with pytest.raises(QueueFull):
         await dispatcher.acquire(RequestInfo())
-    dispatcher.release(first)                     # the slot passes to the waiter
+    dispatcher.release(first, infos[0])           # the slot passes to the waiter
     assert await waiter is first and first.in_flight == 1 and dispatcher.pending == 0
     with pytest.raises(QueueTimeout):
         await dispatcher.acquire(RequestInfo())
     assert dispatcher.pending == 0
-    dispatcher.release(first)
+    dispatcher.release(first, infos[1])
     assert first.in_flight == 0
 
 
@@ -699,13 +747,14 @@ async def test_dispatcher_cancelled_waiter_leaves_no_trace() -> None:
     pool = BackendPool()
     pool.set_urls(["http://a"])
     dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=1, max_queue=10, queue_timeout=5)
-    held = await dispatcher.acquire(RequestInfo())
+    holder = RequestInfo()
+    held = await dispatcher.acquire(holder)
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await asyncio.sleep(0)
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     assert dispatcher.pending == 0
-    dispatcher.release(held)
+    dispatcher.release(held, holder)
     assert held.in_flight == 0
 
 
@@ -728,17 +777,18 @@ async def test_a_waiter_for_an_adapter_on_a_busy_engine_does_not_hold_up_the_que
     pool.set_urls(["http://a", "http://b"])
     dispatcher = Dispatcher(pool, make_profile(strategy), ceiling=1, queue_timeout=5)
     adapter = RequestInfo(hosts=frozenset({"http://a"}), prompt_chars=100)   # only engine a lists its adapter
-    held = [await dispatcher.acquire(RequestInfo()) for _ in range(2)]
-    on_a = next(b for b in held if b.url == "http://a")
-    on_b = next(b for b in held if b.url == "http://b")
+    holders = [RequestInfo(), RequestInfo()]
+    held = [await dispatcher.acquire(info) for info in holders]
+    on_a, on_a_info = next((b, i) for b, i in zip(held, holders, strict=True) if b.url == "http://a")
+    on_b, on_b_info = next((b, i) for b, i in zip(held, holders, strict=True) if b.url == "http://b")
     first = asyncio.create_task(dispatcher.acquire(adapter))
     await asyncio.sleep(0)
     second = asyncio.create_task(dispatcher.acquire(RequestInfo(prompt_chars=5000)))
     await asyncio.sleep(0)
-    dispatcher.release(on_b)          # engine b frees: the adapter's request cannot use it, the next one can
+    dispatcher.release(on_b, on_b_info)   # engine b frees: the adapter's request cannot use it, the next one can
     assert await asyncio.wait_for(second, 1) is on_b
     assert not first.done()
-    dispatcher.release(on_a)
+    dispatcher.release(on_a, on_a_info)
     assert await asyncio.wait_for(first, 1) is on_a
 
 
@@ -748,13 +798,14 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
     pool.set_urls(["http://a"])
     dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=4, burst=10, queue_timeout=5)
     (engine,) = pool
-    held = [await dispatcher.acquire(RequestInfo()) for _ in range(4)]
-    waiters = [asyncio.create_task(dispatcher.acquire(RequestInfo())) for _ in range(8)]
+    infos = [RequestInfo() for _ in range(12)]
+    held = [await dispatcher.acquire(info) for info in infos[:4]]
+    waiters = [asyncio.create_task(dispatcher.acquire(info)) for info in infos[4:]]
     await asyncio.sleep(0)
     assert dispatcher.pending == 8 and dispatcher.burst_requests() == 0
 
     def scrape(running: float, waiting: float = 0.0, kv: float = 0.3) -> None:
-        engine.scraped(EngineLoad(waiting=waiting, running=running, kv_usage=kv))
+        engine.scraped(EngineMetrics(waiting=waiting, running=running, kv_usage=kv))
         dispatcher.adapt(engine)
 
     # Room (nothing queued inside, cache below the high-water mark) while requests were held back: up a quarter,
@@ -780,8 +831,8 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
     for w in waiters[6:]:
         w.cancel()
     await asyncio.gather(*waiters[6:], return_exceptions=True)
-    for backend in held + [await w for w in waiters[:6]]:
-        dispatcher.release(backend)
+    for backend, info in zip(held + [await w for w in waiters[:6]], infos, strict=False):
+        dispatcher.release(backend, info)
     scrape(running=engine.in_flight)
     assert dispatcher.limit(engine) == 4 and engine.in_flight == 0
 
@@ -792,19 +843,20 @@ async def test_without_burst_the_ceiling_holds_and_others_share_the_burst() -> N
     pool.set_urls(["http://a"])
     dispatcher = Dispatcher(pool, make_profile("round-robin"), ceiling=2, queue_timeout=5)
     (engine,) = pool
-    held = [await dispatcher.acquire(RequestInfo()) for _ in range(2)]
+    holders = [RequestInfo(), RequestInfo()]
+    held = [await dispatcher.acquire(info) for info in holders]
     waiter = asyncio.create_task(dispatcher.acquire(RequestInfo()))
     await asyncio.sleep(0)
-    engine.scraped(EngineLoad(running=2))
+    engine.scraped(EngineMetrics(running=2))
     dispatcher.adapt(engine)
     assert dispatcher.limit(engine) == 2 and dispatcher.pending == 1
     # Another router put 6 more there: 8 running against a ceiling of 2, and this router's share is 2 of 8.
-    engine.scraped(EngineLoad(running=8))
+    engine.scraped(EngineMetrics(running=8))
     assert dispatcher.burst_requests() == pytest.approx((8 - 2) * 2 / 8)
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
-    for backend in held:
-        dispatcher.release(backend)
+    for backend, info in zip(held, holders, strict=True):
+        dispatcher.release(backend, info)
 
 
 @pytest.mark.asyncio
@@ -830,7 +882,7 @@ def test_a_scorer_added_as_docs_routing_shows_takes_part_in_the_pick() -> None:
     class FreeKVCache:
         def scores(self, backends: typing.Sequence[Backend], routable: typing.Sequence[Backend],
                    info: RequestInfo) -> list[float]:
-            return [1.0 - b.kv_usage for b in backends]
+            return [1.0 - b.engine.kv_usage for b in backends]
 
     def kv_balanced() -> Profile:
         return Scored("kv-balanced", filters=[UnderLoadBound()],
@@ -838,8 +890,8 @@ def test_a_scorer_added_as_docs_routing_shows_takes_part_in_the_pick() -> None:
                       fallback=least_pending())
 
     a, b = pool = backends(2)
-    a.kv_usage, b.kv_usage = 0.8, 0.1
+    a.engine.kv_usage, b.engine.kv_usage = 0.8, 0.1
     assert kv_balanced().pick(pool, pool, RequestInfo()) is b
-    a.in_flight = 0
-    b.in_flight = 3   # load outweighs the free cache now
+    a.own.requests = 0
+    b.own.requests = 3   # load outweighs the free cache now
     assert kv_balanced().pick(pool, pool, RequestInfo()) is a

@@ -1,8 +1,6 @@
-"""`tensorfleet`: plan, render and inspect InferenceServices from the command line.
-
-Every user mistake ends as one line on stderr and a non-zero exit; tracebacks
-are for bugs only.
-"""
+"""`tensorfleet`: plan, render and inspect InferenceServices from the command line, with the same pure planner and
+renderer the operator and the webhook run. Every user mistake ends as one line on stderr and a non-zero exit;
+tracebacks are for bugs only. Design: docs/architecture.md#layers-one-way-only."""
 
 from __future__ import annotations
 

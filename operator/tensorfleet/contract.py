@@ -1,9 +1,6 @@
-"""Names every part of Tensorfleet agrees on, defined once.
-
-The renderer writes these into objects and pod env; the worker launcher, the
-router, the simulator and the controller read them. Import from here; never
-spell one of these strings anywhere else.
-"""
+"""Names every part of Tensorfleet agrees on, defined once: the renderer writes them into objects and pod env, and
+the worker launcher, the router, the simulator and the controller read them. Import from here; never spell one of
+these strings anywhere else. Design: docs/architecture.md#processes-and-what-crosses-between-them."""
 
 from __future__ import annotations
 

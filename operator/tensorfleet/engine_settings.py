@@ -1,30 +1,8 @@
-"""Every setting the operator hands an engine pod, in one table.
-
-One row per setting: the env var the renderer writes (named in
-`tensorfleet.contract`), the `Role` field the worker launcher parses it into,
-the InferenceService field it comes from, and the flags that carry it to the
-engine: one of `vllm serve` and one of `tensorfleet sim` (None where that
-engine does not take it). Everything else is derived from this table:
-
-  render/engine.py    the pod env: one variable per row, in the table's order
-                      (the order matters: `$(VAR)` expands only variables
-                      defined earlier in the list)
-  worker/role.py      ENV_FIELDS, what the launcher reads, and the spec field
-                      its errors name
-  worker/command.py   the flags of the vLLM and simulator command lines (a few
-                      open each line in a fixed order, the rest follow the table's)
-  api/models.py       REFUSED_ENGINE_FLAGS, the flags `spec.engine.args` may
-                      not pass: every vLLM flag a row carries (a second copy
-                      would silently fight the plan) and its short aliases,
-                      in every spelling vLLM's parser reads as one of them
-                      (`refused_engine_arg`)
-  api/models.py, crd  WORKER_ENV_VARS, the variables `spec.engine.env` may not
-                      override
-
-tests/test_engine_settings.py checks that every row reaches each of them.
-Imports nothing but the contract: the API models and the worker image (which
-has pydantic and pyyaml but no kopf or Kubernetes client) both import it.
-"""
+"""Every setting the operator hands an engine pod, in one table (`SETTINGS`): per setting the pod env var, the
+launcher's Role field, the InferenceService field it comes from and the `vllm serve` and `tensorfleet sim` flags
+that carry it. The pod env, the launcher's parsing, both command lines and the flags `spec.engine.args` may not pass
+are derived from it. Imports nothing but the contract. Design:
+docs/architecture.md#the-engine-pods-settings-one-table."""
 
 from __future__ import annotations
 
@@ -58,6 +36,7 @@ class Setting:
         return self.vllm_flag is not None and self.always_refused
 
 
+# In the order the renderer writes the pod env: Kubernetes expands `$(VAR)` only for variables defined earlier.
 SETTINGS: Final[tuple[Setting, ...]] = (
     Setting(contract.ENV_ENGINE_KIND, "engine_kind", "spec.engine.kind"),
     Setting(contract.ENV_INFERENCE_SERVICE, "inference_service"),

@@ -1,11 +1,6 @@
-"""Which optional dependencies (pyproject's extras) each process needs, and the
-one-line error when they are missing.
-
-`pip install tensorfleet` is the pure CLI (plan, render, crd, catalog, rbac);
-each long-running process has its extra. A command calls `require` before it
-imports its extra's modules, so a missing one ends as a single line naming the
-extra to install instead of a ModuleNotFoundError traceback from deep inside.
-"""
+"""Which optional dependencies (pyproject's extras) each long-running process needs, and the one-line error naming
+the extra to install when they are missing: a command calls `require` before it imports its extra's modules. Design:
+docs/architecture.md#one-package-an-extra-per-process."""
 
 from __future__ import annotations
 

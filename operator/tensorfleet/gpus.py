@@ -1,46 +1,7 @@
-"""NVIDIA GPU types: memory, bandwidth, and the node labels that identify them.
-
-`memory_mib` is the total device memory NVML reports (what `nvidia-smi` shows
-and what vLLM's profiler starts from), not the marketing figure: an
-"80GB" H100 reports 81559 MiB. Bandwidth is the datasheet peak in GB/s.
-
-GPU feature discovery labels a node `nvidia.com/gpu.product=<NVML device name
-with spaces replaced by '-'>`, e.g. `NVIDIA-H100-80GB-HBM3`. GFD releases before
-the NVML name change dropped the `NVIDIA-` prefix (`A100-SXM4-80GB`), and clusters
-built then still carry those labels, so both forms are matched. Time-sliced
-GPUs (`...-SHARED`) are deliberately not matched: tensor parallelism over a
-shared GPU is not a serving layout.
-
-Managed clusters label GPU nodes their own way, and their default node pools
-run no GFD, so each labelling is matched on its own (`node_selector_terms`,
-one nodeSelectorTerm each, any of which may hold):
-
-- GKE: `cloud.google.com/gke-accelerator`, the accelerator type of the node
-  pool (https://cloud.google.com/kubernetes-engine/docs/how-to/gpus, the
-  `--accelerator type=` values; https://cloud.google.com/compute/docs/gpus).
-- EKS with Karpenter: `karpenter.k8s.aws/instance-gpu-name`, the EC2 GPU name
-  in lower case, and `karpenter.k8s.aws/instance-gpu-memory`, MiB per GPU,
-  where one name covers two memory sizes (A100 40 GB on p4d, 80 GB on p4de)
-  (https://karpenter.sh/docs/reference/instance-types/).
-- AKS: `kubernetes.azure.com/accelerator` is `nvidia` on every NVIDIA node, so
-  it cannot tell GPUs apart; the VM size in `node.kubernetes.io/instance-type`
-  can (https://learn.microsoft.com/azure/virtual-machines/sizes/overview, the
-  GPU-accelerated families: NCasT4_v3, NVadsA10_v5, NC_A100_v4, NDasrA100_v4,
-  NDm_A100_v4, NCads_H100_v5, ND_H100_v5, ND_H200_v5). Only sizes with whole
-  GPUs are listed (NVadsA10_v5 below NV36ads shares a GPU).
-
-Under Dynamic Resource Allocation (`spec.accelerator.allocation: deviceClass`) no node
-label is read: NVIDIA's DRA driver publishes each GPU in a ResourceSlice with the
-attribute `productName` (the NVML device name, as `nvml_names` holds) and the
-capacity `memory` (NVML's total, bytes), both in the domain `gpu.nvidia.com`
-(k8s-dra-driver-gpu, cmd/gpu-kubelet-plugin/deviceinfo.go, `GpuInfo.GetDevice`).
-`dra_selector` is the CEL that picks this type's GPUs by both.
-
-Besides the GPUs, `spec.accelerator.type: CPU` (`CPU`, `is_cpu`) runs vLLM on its
-CPU backend: not a GPUType, since its memory is the pod's own
-(spec.engine.resources.requests.memory, which the planner sizes weights and KV
-cache from) and no node label names it. `accelerator_names` lists every type.
-"""
+"""NVIDIA GPU types: memory (NVML's total), bandwidth, and how to find their nodes: the GFD product label in both
+its forms, each managed cloud's own labels (one nodeSelectorTerm each) and, under DRA, a CEL selector on the
+driver's attributes; plus `CPU`, vLLM's CPU backend, which is not a GPU type. A leaf module: it imports only the
+contract. Design: docs/architecture.md#gpu-types-and-the-nodes-that-have-them."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
-"""OpenAI-compatible HTTP pieces shared by the router and the engine simulator.
-
-Error bodies follow OpenAI's shape, which vLLM also uses:
-`{"error": {"message", "type", "param", "code"}}`. Clients (the openai SDK,
-LangChain, curl users) parse that shape; a plain-text 500 breaks them.
-
-Imported only by the long-running commands, so aiohttp is a top-level import
-here; `tensorfleet plan` never loads this module.
-
-`ServerLimits` hardens a server that faces untrusted clients (the router): a
-request head must arrive within a bound of its first byte (and a new
-connection must start one within the same bound), idle keep-alive connections
-are closed, request bodies can be left undecoded, and malformed requests log
-one rate-limited line each instead of a traceback. The simulator runs with
-aiohttp's defaults.
-"""
+"""OpenAI-compatible HTTP pieces shared by the router and the engine simulator: error bodies in OpenAI's shape,
+server-sent events, the one retry of a POST, a rate-limited log, and `ServerLimits`, the bounds for a server facing
+untrusted clients. Imported only by the long-running commands, so aiohttp is a top-level import here. Design:
+docs/security.md#clients-of-the-router."""
 
 from __future__ import annotations
 
@@ -54,6 +42,8 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 def error_body(status: int, message: str, *, type_: str | None = None, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, which vLLM uses too: `{"error": {"message", "type", "param", "code"}}`. Clients (the
+    openai SDK, LangChain, curl users) parse it; a plain-text 500 breaks them."""
     return {"error": {
         "message": message,
         "type": type_ or ERROR_TYPES.get(status, "APIError"),

@@ -1,42 +1,7 @@
-"""Model facts from the model itself: its config.json from the Hugging Face Hub, a local cache, or a file.
-
-This is the I/O half of model facts; `tensorfleet.catalog.modelconfig` is the
-pure half that turns the files into the ModelFacts the planner sizes with. The
-planner never calls this module: its caller does, and hands the facts to
-`make_plan(spec, facts)`.
-
-    facts = resolve_model("Qwen/Qwen2.5-72B-Instruct-AWQ", revision=None, token=token)
-    plan = make_plan(isvc.spec, facts)
-
-`resolve_model(name, revision, *, token, cache_dir, offline, endpoint, timeout, ttl)`:
-
-1. NAME an existing local directory holding config.json (a model in a local model
-   cache): read it; source `cache`.
-2. Online (unless OFFLINE, default: the HF_HUB_OFFLINE environment variable):
-   one HEAD of `{endpoint}/{name}/resolve/{revision}/config.json` through
-   huggingface_hub (HF_ENDPOINT, default https://huggingface.co; TOKEN, default
-   huggingface_hub's own: HF_TOKEN or the stored login), then config.json and,
-   when the repository has one, hf_quant_config.json (NVIDIA ModelOpt), both
-   downloaded with `hf_hub_download` into the Hugging Face cache (CACHE_DIR,
-   default HF_HUB_CACHE); source `hub`, revision the commit the Hub named.
-3. The Hub unreachable, or offline: the files already in that cache; source `cache`.
-4. Otherwise ModelInfoError, whose message says why (gated repository without
-   a token, no such repository or revision, the Hub unreachable and nothing
-   cached, a config.json the planner cannot size, huggingface_hub not installed).
-   The caller falls back to the catalog (`make_plan(spec)` without facts).
-
-Answers (facts and errors alike) are kept in process, keyed by everything that
-changes the answer (the token by digest only), and reused while younger than
-TTL seconds (default one hour; errors ERROR_TTL, a minute): a reconcile storm
-asks the Hub once, and a moved branch is seen within the hour. The function is blocking and thread-safe;
-an asyncio caller runs it in a thread (`resolve_model_async`). huggingface_hub
-is an optional dependency (the `hub` extra, also in `operator`); without it
-only local directories and files are read.
-
-`read_model_config(path, name)` reads a config.json given by hand (a file, or
-a directory holding one, with an hf_quant_config.json beside it when present);
-source `file`. `tensorfleet plan --model-config FILE` uses it.
-"""
+"""Model facts from the model itself: its config.json (and hf_quant_config.json) from the Hugging Face Hub, the
+local Hugging Face cache, a model directory or a file. The I/O half of model facts (`catalog/modelconfig.py` is the
+pure half): the planner never calls it; its caller does and hands the facts to `make_plan(spec, facts)`. Design:
+docs/planner.md#where-the-facts-come-from."""
 
 from __future__ import annotations
 
@@ -116,9 +81,18 @@ def resolve_model(
     ttl: float = DEFAULT_TTL_SECONDS,
     error_ttl: float = ERROR_TTL_SECONDS,
 ) -> ModelFacts:
-    """The facts of model NAME (a Hugging Face id or a local directory) at REVISION; see the module docstring.
+    """The facts of model NAME (a Hugging Face id or a local directory) at REVISION. Raises ModelInfoError, saying
+    why, when none can be read (the caller then falls back to the catalog).
 
-    Raises ModelInfoError when none can be read.
+    A local directory holding config.json is read there (source `cache`). Online (OFFLINE None: HF_HUB_OFFLINE
+    decides), one HEAD of ENDPOINT's (HF_ENDPOINT's) `{name}/resolve/{revision}/config.json` through
+    huggingface_hub with TOKEN (None: HF_TOKEN or the stored login), then config.json and, when the repository has
+    one, hf_quant_config.json, downloaded into the Hugging Face cache (CACHE_DIR, default HF_HUB_CACHE): source
+    `hub`, the revision the commit the Hub named. The Hub unreachable, or offline: the files already in that cache
+    (`cache`). Answers, errors too, are kept in process keyed by everything that changes them (the token by digest
+    only) for TTL seconds (errors ERROR_TTL): a reconcile storm asks the Hub once, a moved branch is seen within
+    TTL. Blocking and thread-safe; asyncio callers use resolve_model_async. Without huggingface_hub (the `hub`
+    extra) only local directories are read.
     """
     offline = hub_offline() if offline is None else offline
     endpoint = (endpoint or hub_endpoint() or "").rstrip("/") or None

@@ -1,15 +1,6 @@
-"""OpenAI request bodies as prompt text, and chained hashes of a prompt's blocks.
-
-One module for both sides of prefix caching: the simulator renders a chat as
-an engine's chat template would and hashes its prompt's token blocks into its
-prefix cache, as vLLM does; the router renders the same text and hashes it in
-character blocks to send requests that share a prefix to the engine that
-likely holds it. Chained: each block's hash covers every block before it, so
-two prompts share a hash exactly as long as they share a prefix.
-
-Python's `hash` is salted per process: these hashes compare within one process
-(one router, one engine), never across processes.
-"""
+"""OpenAI request bodies as prompt text: a chat rendered as one chat template (the simulator's prompts and the
+router's prompt blocks agree on it), a conversation's opening, and chained hashes of a prompt's blocks. Design:
+docs/routing.md#cache-aware-the-default."""
 
 from __future__ import annotations
 
@@ -85,7 +76,9 @@ def prompt_text(body: Mapping[str, Any]) -> str:
 
 
 def block_hashes(pieces: Sequence[Any], block_size: int, *, max_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the full `block_size` blocks of `pieces` (a str's characters, or tokens)."""
+    """Chained hashes of the full `block_size` blocks of `pieces` (a str's characters, or tokens): each block's hash
+    covers every block before it, so two prompts share a hash exactly as long as they share a prefix. Python's
+    `hash` is salted per process: these compare within one process, never across processes."""
     out: list[int] = []
     h = 0
     end = len(pieces) if max_blocks is None else min(len(pieces), block_size * max_blocks)

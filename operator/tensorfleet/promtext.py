@@ -1,32 +1,7 @@
-"""The one reader of Prometheus text (exposition format 0.0.4) in Tensorfleet.
-
-Whatever reads a /metrics page (the router scraping vLLM, the worker draining
-its engine, tests, benchmarks, e2e) goes through here; nothing else parses the
-format by hand. The parsing itself is prometheus_client's own
-(`prometheus_client.parser.text_string_to_metric_families`); this module
-flattens its families into samples keyed by the name each sample has on the
-wire: a counter reads as `vllm:prompt_tokens_total`, a histogram as its
-`_bucket` (with an `le` label), `_sum` and `_count`. Names may hold colons
-(`vllm:num_requests_waiting`). Values are floats, `NaN` and `+Inf` included;
-callers decide what a NaN means to them.
-
-One difference from the raw wire: prometheus_client names every counter's
-samples with `_total`, so a counter declared as `# TYPE foo counter` whose
-sample is `foo 1` reads as `foo_total`. Every exporter we read (vLLM, our own
-processes; all prometheus_client) writes the `_total` itself.
-
-Text that does not parse raises ValueError: a scrape that returns it has
-failed, and the caller treats it as it treats any other failed scrape.
-
-A caller that wants a few metrics of a large page (the router reads four of
-vLLM's hundreds of lines every health interval, per engine) names them:
-`samples(text, names=...)` hands the parser only those families' lines
-(prometheus_client's parser is pure Python: the simulator's 157-line page
-takes 2.6 ms whole, 0.19 ms for the router's four). Lines are picked by the
-metric name they start with, nothing more; what is picked is parsed as above.
-So a page with none of the named metrics is parsed whole (an HTML error page
-still raises), while a page with them is not checked past their lines.
-"""
+"""The one reader of Prometheus text (exposition format 0.0.4) in Tensorfleet: whatever reads a /metrics page (the
+router scraping vLLM, the worker draining its engine, tests, benchmarks, e2e) goes through here. prometheus_client's
+parser reads it; this module flattens the families into samples keyed by the name each has on the wire, and raises
+ValueError for text that does not parse. Design: docs/architecture.md#processes-and-what-crosses-between-them."""
 
 from __future__ import annotations
 
@@ -52,11 +27,20 @@ _NAME_END = re.compile(r"[{ \t]")  # where a sample line's metric name ends: at 
 
 
 def samples(text: str, names: Collection[str] | None = None) -> list[Sample]:
-    """Every sample in TEXT, in the order they appear; only those named NAMES
-    when given (see the module docstring).
+    """Every sample in TEXT, in the order they appear, named as on the wire: a counter as
+    `vllm:prompt_tokens_total`, a histogram as its `_bucket` (with an `le` label), `_sum` and `_count`; names may
+    hold colons. Values are floats, `NaN` and `+Inf` included: callers decide what a NaN means to them.
+    prometheus_client names every counter's samples with `_total`, so `# TYPE foo counter` with a sample `foo 1`
+    reads as `foo_total`; every exporter we read (vLLM, our own processes) writes the `_total` itself.
+
+    NAMES, when given, keeps only those samples, and hands the parser only their families' lines (picked by the
+    metric name a line starts with, nothing more): the parser is pure Python, and the router reads four of vLLM's
+    hundreds of lines every health interval per engine (the simulator's 157-line page: 2.6 ms whole, 0.19 ms for
+    those four). A page with none of them is parsed whole (an HTML error page still raises); a page with them is
+    not checked past their lines.
 
     Raises ValueError when TEXT is not Prometheus text (an HTML error page, a
-    truncated answer, a line that does not parse).
+    truncated answer, a line that does not parse): the caller treats it as any other failed scrape.
     """
     if names is not None:
         text = _pick(text, names) or text

@@ -1,45 +1,22 @@
-"""vLLM's own defaults, stated once: what `vllm serve` uses for a setting nobody passes.
-
-The planner sizes memory with them, the API documents and applies them as
-InferenceService defaults, and the simulator falls back to them when it is run
-without the operator's figures. Figures are those of the vLLM release the default
-engine image pins (`contract.VLLM_IMAGE`, vllm/vllm-openai v0.19.1; also
-worker-image/Dockerfile's VLLM_VERSION), for the OpenAI server
-(`UsageContext.OPENAI_API_SERVER`) on CUDA:
-
-  GPU_MEMORY_UTILIZATION   `--gpu-memory-utilization`, CacheConfig's default
-  BLOCK_SIZE               `--block-size`: tokens per KV-cache block; the CUDA
-                           platform sets 16 when it is not given
-                           (vllm/platforms/cuda.py, check_and_update_config)
-  TENSOR_PARALLEL_SIZE,    `--tensor-parallel-size`, `--pipeline-parallel-size`:
-  PIPELINE_PARALLEL_SIZE   one GPU, one stage (ParallelConfig)
-  MAX_NUM_SEQS,            `--max-num-seqs`, `--max-num-batched-tokens` (the
-  MAX_NUM_BATCHED_TOKENS   chunked-prefill token budget of one step): 256 and
-                           2048, raised to 1024 and 8192 on GPUs with 70 GiB or
-                           more whose name does not contain "a100" (vLLM measured
-                           the larger budget lowering A100 throughput); see
-                           vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults
-
-On vLLM's CPU backend (accelerator CPU; vllm/platforms/cpu.py and the same
-get_batch_defaults):
-
-  CPU_BLOCK_SIZE           the CPU platform sets 128 when --block-size is not given
-  CPU_MAX_NUM_SEQS,        128 and 2048 per CPU worker, times the workers (tensor x pipeline)
-  CPU_MAX_NUM_BATCHED_TOKENS
-
-Imports nothing from Tensorfleet: every layer, the worker included, may use it.
-"""
+"""vLLM's own defaults, stated once: what `vllm serve` uses for a setting nobody passes, as of the release the
+default engine image pins (`contract.VLLM_IMAGE`, v0.19.1), on CUDA and on the CPU backend. The planner sizes with
+them, the API applies them as defaults and the simulator falls back to them; imports nothing from Tensorfleet.
+Design: docs/real-engine.md#what-is-checked-against-it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Final
 
-GPU_MEMORY_UTILIZATION: Final = 0.9
-BLOCK_SIZE: Final = 16
-TENSOR_PARALLEL_SIZE: Final = 1
-PIPELINE_PARALLEL_SIZE: Final = 1
+# For the OpenAI server (UsageContext.OPENAI_API_SERVER) on CUDA.
+GPU_MEMORY_UTILIZATION: Final = 0.9      # --gpu-memory-utilization, CacheConfig's default
+BLOCK_SIZE: Final = 16                   # --block-size: the CUDA platform's when not given (check_and_update_config)
+TENSOR_PARALLEL_SIZE: Final = 1          # --tensor-parallel-size and --pipeline-parallel-size: one GPU, one stage
+PIPELINE_PARALLEL_SIZE: Final = 1        # (ParallelConfig)
 
+# --max-num-seqs and --max-num-batched-tokens (the chunked-prefill token budget of one step), raised on GPUs of 70 GiB
+# or more whose name does not contain "a100": vLLM measured the larger budget lowering A100 throughput
+# (vllm/engine/arg_utils.py, EngineArgs.get_batch_defaults).
 MAX_NUM_SEQS: Final = 256
 MAX_NUM_BATCHED_TOKENS: Final = 2048
 LARGE_GPU_MAX_NUM_SEQS: Final = 1024
@@ -49,6 +26,8 @@ LARGE_GPU_MAX_NUM_BATCHED_TOKENS: Final = 8192
 LARGE_GPU_MIN_MIB: Final = 70 * 1024
 LARGE_GPU_EXCLUDED_NAME: Final = "a100"
 
+# vLLM's CPU backend (accelerator CPU; vllm/platforms/cpu.py and the same get_batch_defaults): the block size its
+# platform sets when --block-size is not given, and the batch limits per CPU worker (cpu_batch_defaults).
 CPU_BLOCK_SIZE: Final = 128
 CPU_MAX_NUM_SEQS: Final = 128
 CPU_MAX_NUM_BATCHED_TOKENS: Final = 2048

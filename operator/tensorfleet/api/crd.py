@@ -1,16 +1,6 @@
-"""Generate the InferenceService CRD from the pydantic models.
-
-pydantic emits JSON Schema (with `$ref`s, `anyOf` for optionals, `const`,
-`title`s, defaults); Kubernetes wants a *structural* OpenAPI v3 schema: every
-node typed, everything inlined, no `anyOf` around types, `additionalProperties`
-never beside `properties`. `structural()` does that translation; anything it
-does not know how to translate is an error here rather than a CRD the API
-server rejects.
-
-Defaults are left out of the CRD on purpose (see models.py): the API server
-would write them into stored objects. The exception is `spec.replicas`,
-which the HPA needs to find set (see spec_schema).
-"""
+"""Generate the InferenceService CRD from the pydantic models: `structural()` turns pydantic's JSON Schema into the
+structural schema Kubernetes requires (failing here on what it cannot translate), and the schema carries no defaults
+but `spec.replicas`. Design: docs/api.md#generating-the-crd."""
 
 from __future__ import annotations
 
@@ -27,6 +17,8 @@ _KEEP = {
     "type", "format", "description", "properties", "required", "items", "additionalProperties",
     "enum", "pattern", "minimum", "maximum", "minLength", "maxLength", "minItems", "maxItems",
 }
+# Defaults are dropped: the API server would write them into every stored object (spec_schema adds back the one
+# default the HPA needs).
 _DROP = {"title", "default", "$defs", "examples"}
 
 
@@ -83,7 +75,8 @@ def _structural(node: dict[str, Any], path: str) -> dict[str, Any]:
 
 
 def structural(schema: dict[str, Any], path: str = "") -> dict[str, Any]:
-    """Translate a pydantic JSON Schema into a Kubernetes structural schema."""
+    """Translate a pydantic JSON Schema into a Kubernetes structural schema: every node typed, everything inlined,
+    no `anyOf` around types, `additionalProperties` never beside `properties`; SchemaError for what it cannot."""
     defs = schema.get("$defs", {})
     return _structural(_resolve({k: v for k, v in schema.items() if k != "$defs"}, defs), path)
 

@@ -1,27 +1,7 @@
-"""Bytes of a manifest file -> its YAML documents, within fixed bounds, as kubectl reads them.
-
-`parse_manifests(data, label)` is what `tensorfleet plan` and `render` read a
-file with. Whatever the input, it returns the documents or raises
-ManifestError with one line, and it never spends more than a bounded amount
-of time and memory on the way:
-
-  size       at most MAX_INPUT_BYTES (the largest request the API server takes)
-  encoding   UTF-8, or UTF-16/UTF-32 found by their byte-order mark (what
-             PowerShell's `>` writes) or by YAML's own rule for the zero bytes
-             of the first character; anything else is refused, naming where
-  nesting    at most MAX_DEPTH levels (the YAML composer recurses per level)
-  nodes      at most MAX_NODES values in the whole file, counting every alias
-             as the nodes it stands for, so an alias "bomb" (`&a [*b, *b, ...]`
-             nested a few levels) is refused before anything expands it
-  duplicates a key given twice in one mapping is an error naming the field
-             (PyYAML would keep the last silently; `kubectl apply` refuses it)
-  timestamps stay strings, as Kubernetes' YAML decoder leaves them (PyYAML
-             would make `revision: 2024-06-01` a date)
-
-The bounds are checked on the parser's event stream, before any node tree or
-Python object is built: parsing is iterative, and it stops at the first bound
-crossed. Only a stream that passed is composed and constructed.
-"""
+"""Bytes of a manifest file -> its YAML documents, as kubectl reads them: `parse_manifests` returns the documents or
+raises ManifestError with one line, within fixed bounds of size, encoding, nesting, nodes (aliases counted as what
+they expand to) and duplicate keys, checked on the event stream before anything is built.
+Design: docs/api.md#reading-a-manifest-file."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""Pydantic models of the InferenceService API (tensorfleet.dev/v1alpha1).
-
-These models are the single source of truth: the CRD's openAPIV3Schema is
-generated from them (see `crd.py`), the CLI and the operator parse with them,
-the operator builds the status it writes with them (controller/status.py), and
-every `description` below is what `kubectl explain` shows.
-
-Defaults live here, not in the CRD: the stored object keeps exactly what the
-user wrote (clean GitOps diffs), and the operator applies the defaults when it
-reads the spec.
-"""
+"""Pydantic models of the InferenceService API (tensorfleet.dev/v1alpha1), the single source of truth: the CRD is
+generated from them (`crd.py`), the CLI and the operator parse and write status with them, every `description` is
+what `kubectl explain` shows, and the defaults live here, not in the CRD.
+Design: docs/api.md#the-models-are-the-source-of-truth."""
 
 from __future__ import annotations
 

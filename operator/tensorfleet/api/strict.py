@@ -1,30 +1,7 @@
-"""Check a document the way the API server checks it against the CRD, before the models read it.
-
-The models are lenient where the API server is not, so without this a spec
-could pass `tensorfleet plan` and then run differently in the cluster:
-
-  pydantic (lax)                         the API server (strict field validation)
-  `max_model_len` read as maxModelLen    unknown field: an error, or dropped without
-    (populate_by_name)                     a word by a non-strict apply, so the
-                                           operator plans the model's full context
-  `replicas: "2"` read as 2              not an integer: an error
-  `enabled: "yes"` read as true          not a boolean: an error
-  `replicas: null` an error              dropped (nullable: false), as if left out
-
-`check_document` walks the document against the CRD's structural schema (the
-generated one, `api/crd.py`, so the two cannot drift) and does what the API
-server does before storing an object: drop nulls the schema does not allow,
-refuse unknown fields, wrong types, values outside enum/pattern/length/range
-bounds, duplicate keys of `x-kubernetes-list-type: map` lists. metadata, which
-the CRD leaves to the API server, is checked as ObjectMeta's fields. `status`
-is dropped: the API server ignores it on the main resource.
-
-What it does not do: apply schema defaults (spec.replicas: 1; the CLI shows
-what the operator will do with a missing value), or evaluate the CRD's CEL
-rules: each of those has a twin validator in the models, which run next
-(tests/test_crd.py checks every rule against its twin). Duplicate YAML keys
-never reach here: `api/manifest.py` refuses them while parsing.
-"""
+"""Check a document the way the API server checks it against the CRD, before the lenient models read it:
+`check_document` walks the generated structural schema, drops nulls it does not allow and refuses unknown fields,
+wrong types and out-of-bounds values; schema defaults and CEL rules are left to the models' twin validators.
+Design: docs/api.md#checking-a-document-as-the-api-server-does."""
 
 from __future__ import annotations
 
@@ -282,6 +259,7 @@ def _hashable(value: Any) -> Any:
 def check_document(document: dict[str, Any]) -> dict[str, Any]:
     """The document as the API server would accept it, or SpecError naming the first problem (and how many more)."""
     walk = _Walk()
+    # The API server ignores status on the main resource; metadata is checked as ObjectMeta (OBJECT_META).
     without_status = {key: value for key, value in document.items() if key != "status"}
     checked = walk.value(without_status, _root(), "")
     if walk.problems:

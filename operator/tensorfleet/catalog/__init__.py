@@ -1,9 +1,7 @@
-"""Facts about GPUs and models, and the bytes a model's weights and KV cache take (`sizes`).
-
-`facts.ModelFacts` is what the planner sizes a model with; `modelconfig` reads
-it from a config.json (pure: the files are fetched by `tensorfleet.modelinfo`),
-`models` holds the built-in catalog, the offline fallback.
-"""
+"""Facts about GPUs and models, and the bytes a model's weights and KV cache take: `facts.ModelFacts` is what the
+planner sizes a model with, `modelconfig` reads them from a config.json (pure: `tensorfleet.modelinfo` fetches the
+files), `models` is the built-in catalog, the offline fallback, and `sizes` computes the bytes.
+Design: docs/planner.md#model-facts-what-a-model-is-sized-with."""
 
 from tensorfleet.catalog import sizes
 from tensorfleet.catalog.facts import ModelFacts, ModelSource

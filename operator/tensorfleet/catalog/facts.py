@@ -1,30 +1,8 @@
-"""ModelFacts: everything the planner sizes a model with, whatever it was read from. Pure data.
-
-Facts come from one of these sources, recorded in `source` (and in the plan's
-status as `modelSource`):
-
-    hub                 config.json read from the Hugging Face Hub (tensorfleet.modelinfo)
-    cache               config.json read from a local Hugging Face cache, or a model directory
-    file                a config.json given by hand (`tensorfleet plan --model-config FILE`)
-    spec                spec.model.architecture, written in the InferenceService
-    catalog             the built-in catalog (catalog/models.py), by the model id's base name
-    catalog+id-markers  the catalog, with the weight format read from markers in the model id
-                        (`-AWQ`, `quantized.w4a16`, ...; see catalog/formats.py)
-
-`arch` holds the facts the layout rules, the KV cache and the activation reserve
-need (heads, head dim, layers, MoE, MLA, sliding windows). The weights are kept
-per decoder layer (`layers`), because a checkpoint's layers differ: DeepSeek's
-first three are dense, Llama 4 interleaves MoE, and quantized checkpoints leave
-some modules 16-bit. Facts read from a config.json count every parameter from
-the config's shapes (`catalog/modelconfig.py`); the catalog and the spec know
-only totals, so `from_architecture` spreads the non-embedding parameters evenly
-over the layers at the format's bits.
-
-`facts_to_json` / `facts_from_json` write facts as plain JSON and read them
-back exactly (the operator pins them in status.modelFacts, so a later
-reconcile plans from the very facts the first one used); `facts_digest` names
-them.
-"""
+"""ModelFacts: everything the planner sizes a model with, whatever it was read from (`source`: hub, cache, file,
+spec, catalog, catalog+id-markers), the architecture and the weights per decoder layer. `from_architecture` spreads
+the totals the catalog and the spec know over the layers; `facts_to_json` / `facts_from_json` round-trip facts
+exactly for status.modelFacts, and `facts_digest` names them. Pure data. Design:
+docs/planner.md#where-the-facts-come-from."""
 
 from __future__ import annotations
 

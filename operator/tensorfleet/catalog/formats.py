@@ -1,51 +1,28 @@
-"""Weight formats: how many bits a checkpoint stores per weight, and the quantization markers of model ids.
-
-A format's `bits` are the stored bits per weight of the layers it quantizes,
-scales and zero points included (a 4-bit weight with one 16-bit scale per group
-of 128 costs 4 + 16/128 = 4.125 bits). The layers a format leaves alone (the
-embeddings, the output head, routers, norms, and whatever a checkpoint's ignore
-list names) stay 16-bit; `catalog/modelconfig.py` works that out per module
-from a config.json, and the catalog's coarse facts charge every non-embedding
-parameter at `bits`.
-
-    name        what ships                                         bits per weight
-    bf16/fp16   unquantized                                        16
-    fp8         FP8 e4m3 (compressed-tensors, fp8, ModelOpt)       8 (+ per-block scales when blocked)
-    int8        INT8 weights: W8A8, W8A16 (compressed-tensors)     8
-    int4        INT4 weights, W4A16 (compressed-tensors), g128     4 + 16/128
-    awq         AWQ 4-bit, g128, fp16 scale + 4-bit zero            4 + (16 + 4)/128
-    gptq        GPTQ 4-bit, g128, fp16 scale + packed zero          4 + (16 + 4)/128
-    gptq-int8   GPTQ 8-bit, g128                                   8 + (16 + 8)/128
-    mxfp4       MXFP4 (gpt-oss MoE experts), 8-bit scale per 32    4 + 8/32
-    nvfp4       NVFP4, fp8 scale per 16                             4 + 8/16
-    bnb-4bit    bitsandbytes NF4, blocks of 64, double-quantized   4 + 8/64 + 32/(64 x 256)
-    bnb-8bit    bitsandbytes LLM.int8                              8
-
-Model ids: `id_format` reads the markers RedHatAI, neuralmagic, Qwen,
-hugging-quants, unsloth and NVIDIA put in checkpoint names (`-W4A16`,
-`quantized.w4a16`, `-W8A8`, `-INT8`, `-FP8-dynamic`, `-AWQ`, `-GPTQ-Int4`,
-`-GPTQ-Int8`, `bnb-4bit`, `-FP4`, ...). The catalog uses it only when no config.json
-could be read (the offline fallback); a config.json always wins.
-"""
+"""Weight formats: the stored bits per weight of the layers a format quantizes, scales and zero points included
+(`BITS`), and the quantization markers of model ids (`id_format`), which the catalog reads only when no config.json
+could be. Design: docs/planner.md#weight-formats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Stored bits per quantized weight, scales and zero points included. The layers a format leaves alone (embeddings,
+# output head, routers, norms, a checkpoint's ignore list) stay 16-bit: catalog/modelconfig.py works that out per
+# module; the catalog's coarse facts charge every non-embedding parameter at these bits.
 # fmt: off
 BITS: dict[str, float] = {
     "bf16": 16.0,
     "fp16": 16.0,
-    "fp8": 8.0,
-    "int8": 8.0,
-    "int4": 4 + 16 / 128,
-    "awq": 4 + (16 + 4) / 128,
-    "gptq": 4 + (16 + 4) / 128,
-    "gptq-int8": 8 + (16 + 8) / 128,
-    "mxfp4": 4 + 8 / 32,
-    "nvfp4": 4 + 8 / 16,
-    "bnb-4bit": 4 + 8 / 64 + 32 / (64 * 256),
-    "bnb-8bit": 8.0,
+    "fp8": 8.0,                                 # FP8 e4m3 (compressed-tensors, fp8, ModelOpt); + per-block scales
+    "int8": 8.0,                                # INT8 weights: W8A8, W8A16 (compressed-tensors)
+    "int4": 4 + 16 / 128,                       # W4A16 (compressed-tensors), a 16-bit scale per group of 128
+    "awq": 4 + (16 + 4) / 128,                  # AWQ 4-bit, g128: fp16 scale + 4-bit zero
+    "gptq": 4 + (16 + 4) / 128,                 # GPTQ 4-bit, g128: fp16 scale + packed zero
+    "gptq-int8": 8 + (16 + 8) / 128,            # GPTQ 8-bit, g128
+    "mxfp4": 4 + 8 / 32,                        # MXFP4 (gpt-oss's MoE experts): an 8-bit scale per 32
+    "nvfp4": 4 + 8 / 16,                        # NVFP4: an fp8 scale per 16
+    "bnb-4bit": 4 + 8 / 64 + 32 / (64 * 256),   # bitsandbytes NF4, blocks of 64, double-quantized
+    "bnb-8bit": 8.0,                            # bitsandbytes LLM.int8
 }
 # fmt: on
 UNQUANTIZED = frozenset({"bf16", "fp16"})
@@ -95,7 +72,9 @@ VARIANT_TOKENS = frozenset({
 
 
 def id_format(tokens: set[str]) -> str | None:
-    """The weight format the quantization markers among TOKENS (lower case) name, or None."""
+    """The weight format the quantization markers among TOKENS (lower case) name, or None: the markers RedHatAI,
+    neuralmagic, Qwen, hugging-quants, unsloth and NVIDIA put in checkpoint names (`-W4A16`, `quantized.w4a16`,
+    `-W8A8`, `-INT8`, `-FP8-dynamic`, `-AWQ`, `-GPTQ-Int4`, `-GPTQ-Int8`, `bnb-4bit`, `-FP4`, ...)."""
     if "awq" in tokens:
         return "awq"
     if "gptq" in tokens:

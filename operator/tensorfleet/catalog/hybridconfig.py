@@ -1,10 +1,7 @@
-"""The config.json fields of hybrid models, whose layers are attention layers, Mamba or linear-attention state layers,
-or (Nemotron-H) MLP-only blocks, read as vLLM 0.19 reads them: which layer is which (`layer_types`,
-`layers_block_type`, Nemotron-H's `hybrid_override_pattern`, Jamba's `attn_layer_period`/`attn_layer_offset`,
-Bamba's `attn_layer_indices`, Qwen3-Next's `full_attention_interval`), the state's shape (the MambaArchitecture
-fields), and the state layers' modules for the weights (Qwen3-Next's Gated DeltaNet, Mamba1 for Jamba, Mamba2 for
-Granite 4.0-H, Bamba and Nemotron-H). Used by `catalog/modelconfig.py`; a field it cannot read is refused by name.
-"""
+"""The config.json fields of hybrid models (attention layers beside Mamba or linear-attention state layers, and
+Nemotron-H's MLP-only blocks), read as vLLM 0.19 reads them: which layer is which, the state's shape, and the state
+layers' modules for the weights; a field it cannot read is refused by name. Used by `catalog/modelconfig.py`.
+Design: docs/planner.md#hybrid-models-state-layers-beside-attention-plannerhybridpy."""
 
 from __future__ import annotations
 

@@ -1,62 +1,7 @@
-"""A model's config.json (and its quantization config) -> ModelFacts. Pure: dicts in, facts out.
-
-`tensorfleet.modelinfo` fetches the files (Hugging Face Hub, a local cache, a
-file); this module only reads them, so the planner's layers stay free of I/O.
-
-What is read, and from where
-----------------------------
-Architecture (`text_config` when the model wraps a language model, as Gemma 3
-and Llama 4 do; the fields a config leaves out take the defaults of its
-`model_type` in transformers):
-
-    layers, width       num_hidden_layers, hidden_size, vocab_size, tie_word_embeddings
-    attention           num_attention_heads, num_key_value_heads, head_dim (or hidden / heads);
-                        MLA (DeepSeek-V2/V3, Kimi K2): q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-                        qk_rope_head_dim, v_head_dim; the KV cache holds kv_lora_rank + qk_rope_head_dim
-    MLP / MoE           intermediate_size; experts from num_local_experts | num_experts | n_routed_experts,
-                        top-k from num_experts_per_tok, moe_intermediate_size, shared experts
-                        (n_shared_experts, shared_expert_intermediate_size, Llama 4's one), and which
-                        layers are MoE (first_k_dense_replace, moe_layer_freq, decoder_sparse_step,
-                        mlp_only_layers, moe_layers, interleave_moe_layer_step)
-    windows             layer_types (sliding_attention), Gemma's sliding_window_pattern, Qwen's
-                        use_sliding_window + max_window_layers, Mistral's sliding_window; Llama 4's
-                        attention_chunk_size on its layers with rotary embeddings
-    context length      vLLM's rule (ModelConfig's max-length derivation): the smallest of
-                        max_position_embeddings and its synonyms, times the RoPE factor unless the
-                        rope type is llama3/longrope/su or the model is Gemma 3 (yarn scales
-                        original_max_position_embeddings instead)
-    vision encoder      SigLIP (Gemma 3) and Llama 4's encoder, with their projectors: counted on the
-                        first pipeline stage, 16-bit
-    hybrid models       Qwen3-Next, Granite 4.0-H, Jamba, Nemotron-H and Bamba: which layers are attention,
-                        Mamba / linear-attention state layers or MLP-only blocks, the state's shape and the
-                        state layers' modules (`catalog/hybridconfig.py`); Falcon-H1 (attention and Mamba
-                        side by side in every layer) and other state-space models are refused
-
-Weights are counted module by module from those shapes (biases, norms, routers
-and attention sinks included), so a standard config's total matches the
-checkpoint's published parameter count. Each linear module gets the bits its
-quantization stores it with:
-
-    quantization_config.quant_method
-      compressed-tensors  config_groups[*].weights: num_bits, type (int/float), strategy, group_size,
-                          symmetric; targets and `ignore` (names, `re:` patterns, class names)
-      fp8                 weight_block_size (fp32 scale per block); modules_to_not_convert
-      fbgemm_fp8          per-channel fp8; modules_to_not_convert
-      awq                 bits, group_size, zero_point; modules_to_not_convert
-      gptq                bits, group_size (fp16 scale + packed zero per group), lm_head,
-                          modules_in_block_to_quantize
-      mxfp4               MoE experts only (gpt-oss); modules_to_not_convert
-      bitsandbytes        load_in_4bit (nf4/fp4, blocks of 64, double quantization) or load_in_8bit;
-                          llm_int8_skip_modules
-      modelopt            quant_algo (FP8, NVFP4, INT4_AWQ/W4A16_AWQ, INT8), exclude_modules/ignore;
-                          also read from hf_quant_config.json (NVIDIA ModelOpt checkpoints)
-
-As vLLM loads them: embeddings, the output head (unless a GPTQ checkpoint
-quantizes it), norms, biases and MoE router gates stay 16-bit; MXFP4 quantizes
-only the experts. Scales are charged per weight (a 16-bit scale per group of
-128 is 16/128 bits); per-channel and per-tensor scales are negligible and not
-charged.
-"""
+"""A model's config.json (and its quantization config) -> ModelFacts. Pure, dicts in and facts out
+(`tensorfleet.modelinfo` fetches the files): the architecture from the config's fields, with transformers' defaults
+for its model type, and the weights module by module, each linear module at the bits its quantization stores it
+with, as vLLM loads it. Design: docs/planner.md#reading-the-models-own-config."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""Architecture facts of popular open models, from each model's config.json.
-
-The catalog is the offline fallback: the planner reads a model's own
-config.json when it can (`tensorfleet.modelinfo`, `catalog/modelconfig.py`),
-and these facts when it cannot.
-
-An entry is found by the last path component of `spec.model.name`,
-case-insensitively, after dropping an organisation prefix and the suffixes
-that name a variant of the same architecture (`-Instruct`, `-AWQ-INT4`,
-`-FP8-Dynamic`, `quantized.w4a16`, `-v0.3`, `-2507`, ...). So
-`meta-llama/Llama-3.1-70B-Instruct`,
-`hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4`,
-`RedHatAI/Meta-Llama-3.1-70B-Instruct-quantized.w4a16` and
-`/models/llama-3.1-70b` all find the Llama 3.1 70B facts. Suffixes that name a
-quantization (`catalog/formats.py`, `id_format`) also tell the planner how the
-checkpoint's weights ship: the W4A16 checkpoint above is planned at 4 bits.
-
-Parameter counts are the exact totals of the published checkpoints (all
-experts included for MoE; DeepSeek-V3 without its optional multi-token
-prediction layer, which vLLM loads only for speculative decoding).
-"""
+"""The built-in model catalog, the offline fallback: architecture facts of popular open models from their
+config.json, with the exact parameter totals of the published checkpoints, found by the model id's base name once
+variant suffixes are dropped (`find_model`; quantization markers among them set the weight format). Design:
+docs/planner.md#the-built-in-catalog."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
-"""The roofline figures of one engine step, shared by the simulator and the planner's sizing.
-
-`tensorfleet.sim.profile` times a simulated engine's steps with them and
-`tensorfleet.planner.sizing` sizes fleets for latency targets with them, so
-both answer with one model (sim/profile.py states it):
-
-    step = overhead + max(bytes read / (bandwidth x BANDWIDTH_EFFICIENCY),
-                          FLOPs / (peak x COMPUTE_EFFICIENCY))
-
-Efficiency fractions are typical of vLLM on datacenter GPUs: decode kernels
-reach 70-85% of HBM bandwidth, prefill reaches 40-60% model FLOPs
-utilisation; the step overhead is the scheduler, sampling and kernel launches
-vLLM v1 spends per step (1-3 ms measured).
-"""
+"""The roofline figures of one engine step, shared by the simulator's timing (sim/profile.py) and the planner's sizing
+for latency targets (planner/sizing.py), so that both answer with one model: step = overhead + max(bytes read /
+(bandwidth x BANDWIDTH_EFFICIENCY), FLOPs / (peak x COMPUTE_EFFICIENCY)). Design: docs/simulator.md#timing-a-step."""
 
 from __future__ import annotations
 
+# Typical of vLLM on datacenter GPUs: decode kernels reach 70-85% of HBM bandwidth, prefill 40-60% model FLOPs
+# utilisation; the overhead is the scheduler, sampling and kernel launches vLLM v1 spends per step (1-3 ms measured).
 BANDWIDTH_EFFICIENCY = 0.8
 COMPUTE_EFFICIENCY = 0.5
 STEP_OVERHEAD_SECONDS = 0.002

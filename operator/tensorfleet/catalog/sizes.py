@@ -1,26 +1,7 @@
-"""Bytes of a model's weights and KV cache, from its architecture facts. Pure functions.
-
-The planner sizes a layout's GPUs with them (planner/memory.py), and the
-simulator times its steps with them; neither re-derives them.
-
-Weights (vLLM loads parameters as stored; quantized linear layers keep
-16-bit embeddings and output head). The bits per weight of each format, scales
-included, are in `catalog/formats.py` (16-bit 2 bytes, fp8/int8 1 byte, W4A16
-4.125 bits, AWQ/GPTQ 4.156, MXFP4 4.25, ...). The functions here size the
-catalog's coarse facts (totals only: every non-embedding parameter at the
-format's bits); facts read from a config.json carry their weights per layer
-(`catalog/facts.py`), which the planner sizes a stage with. Tensor parallelism
-shards every linear layer and the vocabulary over `tensor` ranks.
-
-KV cache bytes per token and layer:
-    standard/GQA    2 (K and V) x kv heads on this rank x head dim x element bytes,
-                    kv heads on this rank = max(1, kv_heads / tensor) (vLLM
-                    replicates heads when tensor > kv_heads)
-    MLA (DeepSeek)  (kv_lora_rank + qk_rope_head_dim) x element bytes, the same on
-                    every tensor rank: the latent is not split by head.
-Sliding-window and chunked-attention layers take the same bytes per token; how
-vLLM's KV-cache manager pools and shares them is planner/kvcache.py's.
-"""
+"""Bytes of a model's weights and KV cache from its architecture facts, pure functions that the planner
+(planner/memory.py) and the simulator both size with: the catalog's coarse weights at the format's bits (facts read
+from a config.json carry their own, per layer), sharded over tensor ranks, and the KV cache per token and layer.
+Design: docs/planner.md#kv-cache-bytes-per-token."""
 
 from __future__ import annotations
 
@@ -59,7 +40,10 @@ def total_weight_bytes(arch: ArchitectureSpec, weight_format: str) -> int:
 
 
 def kv_bytes_per_token_layer(arch: ArchitectureSpec, tensor: int, kv_element_bytes: int) -> int:
-    """KV-cache bytes one token needs in one layer on one tensor rank."""
+    """KV-cache bytes one token needs in one layer on one tensor rank: 2 (K and V) x KV heads on the rank x head dim
+    x element bytes, the rank's heads max(1, kv_heads / tensor) (vLLM replicates heads when tensor > kv_heads); for
+    MLA, (kv_lora_rank + qk_rope_head_dim) x element bytes on every rank (the latent is not split by head).
+    Sliding-window and chunked layers take the same; how vLLM pools them is planner/kvcache.py's."""
     if arch.mla is not None:
         return (arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim) * kv_element_bytes
     kv_heads = arch.kv_heads or arch.attention_heads

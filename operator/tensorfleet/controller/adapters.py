@@ -1,27 +1,7 @@
-"""LoRA adapters in running engines: spec.adapters, loaded and unloaded without restarts.
-
-The engines start with LoRA switched on (`--enable-lora` and the plan's
-`--max-loras`, `--max-lora-rank`, `--max-cpu-loras`) and with vLLM's
-`VLLM_ALLOW_RUNTIME_LORA_UPDATING`, but with no adapter on their command line:
-the list of adapters is not part of the pod template, so adding or removing
-one restarts no engine. At each reconcile of an InferenceService with LoRA
-the operator asks every ready leader pod (the OpenAI server of a group) for
-its `/v1/models`, loads each listed adapter it lacks
-(`POST /v1/load_lora_adapter` with the adapter's source as `lora_path`, which
-vLLM reads from the model cache or downloads from the Hub) and unloads each
-adapter it serves that spec.adapters no longer lists (`/v1/unload_lora_adapter`).
-A new or restarted engine gets every adapter as soon as it is Ready, since its
-readiness brings a reconcile.
-
-Loading registers the adapter with the engine and reads it into host memory;
-which adapters hold the engine's GPU slots is the engine's own business
-(least recently used), and the router sends an adapter's requests to the
-engines that used it last (router/scheduling/profiles.py), so a hot adapter spreads
-and a cold one stays on few GPUs.
-
-What each engine answered becomes status.adapters (`adapter_status`, pure);
-an engine's refusal is a Warning event naming the adapter, the pod and the
-engine's own message, and the reconcile comes back soon to try again.
+"""LoRA adapters in running engines: each reconcile of an InferenceService with LoRA asks every ready leader pod for
+its `/v1/models`, loads the adapters of spec.adapters it lacks and unloads those no longer listed (vLLM's runtime
+LoRA endpoints), so adapters come and go without restarting an engine; what the engines answered becomes
+status.adapters (`adapter_status`, pure). Design: docs/lora.md#who-loads-them.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
-"""Applying one child object: the behaviour every kind shares, which a kind may extend.
-
-Nothing is written that is not ours: before a child is applied, the live
-object of that name must be absent or controlled (ownerReferences,
-`controller: true`) by this InferenceService's uid (`controlled_by`).
-Anything else is a conflict the reconciler reports and leaves alone, along
-with whatever would use it (`uses`): a router Deployment never runs under a
-ServiceAccount, and a RoleBinding never grants a Role, that the operator did
-not create.
-
-The reconciler looks each desired object's handler up by kind
-(`reconcile.CHILD_HANDLERS`); kinds not listed there get `ChildHandler`:
-server-side apply, then remember the result in the cache until its watch
-event arrives. A kind with more to do (StatefulSets: recreate on an
-immutable-field change, scale events) subclasses it in a module of its own.
+"""Applying one child object: what every kind shares (`ChildHandler`: server-side apply, the answer kept in the cache
+until its watch event arrives), which a kind with more to do extends in a module of its own, and the ownership
+test before any write: only objects this InferenceService controls are written (`controlled_by`), and nothing is
+made that would use one it does not (`uses`). Design: docs/architecture.md#the-reconcile-loop.
 """
 
 from __future__ import annotations

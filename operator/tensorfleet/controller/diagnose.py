@@ -1,38 +1,7 @@
-"""Why a pod is not Ready, in the kubelet's and the scheduler's own words. Pure functions.
-
-`diagnose(pod)` reads what the kubelet and kube-scheduler wrote on a pod and
-returns a `Diagnosis`: a CamelCase reason (the one `kubectl get pods` shows,
-except that a crash loop caused by the kernel's OOM killer is `OOMKilled`) and
-a one-line detail a person can act on. Only causes that will not go away on
-their own count, the ones `STUCK_REASONS` names, plus the scheduler finding no
-node and a pod that failed for good; a pod still pulling or starting is not
-diagnosed.
-
-Where each cause's words come from (as kubelet and kube-scheduler 1.36 write them):
-
-| reason | read from | detail |
-|---|---|---|
-| `Unschedulable` | `status.conditions[PodScheduled]` False, reason Unschedulable | the scheduler's message, without its `preemption:` sentence |
-| `NodeNotReady` | the Node named by `spec.nodeName`: its `Ready` condition not True, or the Node deleted | the node, since when the operator has seen it so, and the kubelet's (or the node controller's) reason and message, or that it was deleted |
-| `InvalidImageName`, `ErrImagePull`, `ImagePullBackOff` | `containerStatuses[].state.waiting` | the kubelet's message (in 1.36 it names the image and the registry's answer, during back-off too); the image is prefixed when the message does not name it |
-| `CreateContainerConfigError` | `state.waiting` | the kubelet's message: `secret "hf-token" not found`, `couldn't find key token in Secret llm/hf-token` |
-| `CreateContainerError`, `RunContainerError` | `state.waiting` | the kubelet's message |
-| `OOMKilled` | `state.waiting` CrashLoopBackOff and `lastState.terminated.reason` OOMKilled | exit code and the container's memory limit |
-| `CrashLoopBackOff` | `state.waiting` CrashLoopBackOff | `lastState.terminated`: exit code (and signal), reason, the last line of its termination message; the back-off message itself changes with every restart and says nothing of the cause |
-| `ReadinessLost` | `Ready` False, changed after the containers last started: the pod had served | when, and that its readiness probe (the launcher's `/health`: GPUs and engine) fails |
-| `Evicted`, ... | `status.phase` Failed | `status.reason` and `status.message` |
-
-"Worst" is the earliest point in a pod's life a cause stops it (`SEVERITY`):
-no node (or a node that is not Ready), then no image, then no container, then a container that dies, then a
-pod that already failed (its controller replaces it). An earlier cause hides
-whatever would come after it, so it is the one to fix first. Ties go to the
-pod that comes first (lowest group, then stage) and, in a pod, to its init
-containers, which run first.
-
-Every detail is one line: whitespace and newlines are collapsed, gRPC's
-`rpc error: code = ... desc =` wrapper is dropped, and what is longer than
-`DETAIL_LIMIT` characters keeps its head and its tail, which is where the
-kubelet puts the object and the verdict (`... image "X": ... not found`).
+"""Why a pod is not Ready, in the kubelet's and the scheduler's own words: `diagnose(pod)` turns what they wrote on it
+into a `Diagnosis` (the reason `kubectl get pods` shows, and a one-line detail a person can act on) for the causes
+that will not go away on their own, and `SEVERITY` ranks them, the earliest in a pod's life worst. Pure functions.
+Design: docs/architecture.md#status-and-diagnosis.
 """
 
 from __future__ import annotations
@@ -56,7 +25,8 @@ STUCK_REASONS = frozenset({
     "CreateContainerConfigError", "CreateContainerError", "RunContainerError",
 })
 
-# Worst first: the earlier in a pod's life a cause stops it, the worse (see the module docstring).
+# Worst first: the earlier in a pod's life a cause stops it, the worse, since it hides whatever would come after
+# it (docs/architecture.md#status-and-diagnosis).
 # Reasons in one entry rank the same: the kubelet alternates between ErrImagePull and ImagePullBackOff.
 SEVERITY: tuple[tuple[str, ...], ...] = (
     (UNSCHEDULABLE,), (NODE_NOT_READY,),
@@ -204,7 +174,24 @@ def _waiting(pod: dict[str, Any], status: dict[str, Any]) -> tuple[str, str] | N
 
 
 def diagnose(pod: dict[str, Any], nodes: Mapping[str, NodeState] | None = None) -> Diagnosis | None:
-    """Why `pod` cannot become ready without someone acting, or None. NODES: the nodes that are not Ready."""
+    """Why `pod` cannot become ready without someone acting, or None. NODES: the nodes that are not Ready.
+
+    Only causes that will not go away on their own count (STUCK_REASONS, the scheduler finding no node, a node
+    that is not Ready, a pod that failed for good); a pod still pulling or starting is not diagnosed. Where each
+    cause's words come from, as kubelet and kube-scheduler 1.36 write them:
+
+    | reason | read from | detail |
+    |---|---|---|
+    | `Unschedulable` | `status.conditions[PodScheduled]` False, reason Unschedulable | the scheduler's message, without its `preemption:` sentence |
+    | `NodeNotReady` | the Node named by `spec.nodeName`: its `Ready` condition not True, or the Node deleted | the node, since when the operator has seen it so, and the kubelet's (or the node controller's) reason and message, or that it was deleted |
+    | `InvalidImageName`, `ErrImagePull`, `ImagePullBackOff` | `containerStatuses[].state.waiting` | the kubelet's message (in 1.36 it names the image and the registry's answer, during back-off too); the image is prefixed when the message does not name it |
+    | `CreateContainerConfigError` | `state.waiting` | the kubelet's message: `secret "hf-token" not found`, `couldn't find key token in Secret llm/hf-token` |
+    | `CreateContainerError`, `RunContainerError` | `state.waiting` | the kubelet's message |
+    | `OOMKilled` | `state.waiting` CrashLoopBackOff and `lastState.terminated.reason` OOMKilled | exit code and the container's memory limit |
+    | `CrashLoopBackOff` | `state.waiting` CrashLoopBackOff | `lastState.terminated`: exit code (and signal), reason, the last line of its termination message; the back-off message itself changes with every restart and says nothing of the cause |
+    | `ReadinessLost` | `Ready` False, changed after the containers last started: the pod had served | when, and that its readiness probe (the launcher's `/health`: GPUs and engine) fails |
+    | `Evicted`, ... | `status.phase` Failed | `status.reason` and `status.message` |
+    """
     name = pod.get("metadata", {}).get("name", "?")
     status = pod.get("status", {})
     if status.get("phase") == "Failed":

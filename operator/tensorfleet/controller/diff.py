@@ -1,15 +1,6 @@
-"""Does a live object already hold everything we would apply?
-
-The API server adds defaults (ports' protocol, terminationMessagePath, ...)
-and other managers add fields, so "equal" means: every field we render is
-present in the live object with the same value. Quantities compare by value
-("0.5" and "500m" are the same CPU). Skipping applies that would change
-nothing keeps a converged fleet at zero API writes.
-
-The API server serialises Go structs, whose optional fields are `omitempty`:
-a field applied as `false`, `0`, `""`, `[]` or `{}` is stored and returned
-absent (a headless Service's `publishNotReadyAddresses: false`, say). An
-absent field therefore holds a desired zero value.
+"""Does a live object already hold everything we would apply? Every rendered field must be present with the same
+value; defaults and other managers' fields are ignored, quantities compare by value and Go's `omitempty` zeros
+count as absent, so applies that would change nothing are skipped. Design: docs/architecture.md#the-reconcile-loop.
 """
 
 from __future__ import annotations
@@ -30,6 +21,8 @@ def _same_scalar(desired: Any, live: Any) -> bool:
     return False
 
 
+# Go's `omitempty`: a field applied as false, 0, "", [] or {} is stored and returned absent, so an absent
+# field holds a desired zero value.
 def _zero(value: Any) -> bool:
     if value is None or value is False:
         return True

@@ -1,19 +1,7 @@
-"""Scale to zero and back: whether a fleet with autoscaling.minReplicas 0 is idle.
-
-Who writes what, so that nothing is written by two parties:
-- the HPA owns spec.replicas, within [max(1, minReplicas), maxReplicas];
-- the routers own the demand Lease's renewal (router/demand.py): they renew
-  it as requests arrive, at once when one finds no engine;
-- the operator owns status.idleSince: set when no router saw a request for
-  scaleToZeroAfterSeconds, cleared when one did since. While it is set the
-  StatefulSets run no group (render(..., idle=True)), whatever spec.replicas
-  says; when it is cleared they run spec.replicas groups again, which the HPA
-  then moves as the demand signal says.
-
-The decision is a pure function of the spec, the last status, the Lease and
-the clock (`decide`); the reconciler applies it and requeues at the moment it
-could change. It holds for multi-node replicas as for single-node ones: every
-stage's StatefulSet goes to zero and comes back together.
+"""Scale to zero and back: whether a fleet with autoscaling.minReplicas 0 is idle, decided (`decide`, pure) from the
+spec, the last status, the demand Lease the routers renew and the clock. The operator owns status.idleSince, the
+HPA spec.replicas and the routers the Lease, so nothing is written by two parties.
+Design: docs/autoscaling.md#scale-to-zero-and-back.
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
-"""The model's facts at reconcile and at admission: read once per model, then pinned in status.
-
-The planner sizes a model from its facts (catalog/facts.py). The operator reads
-them from the model's config.json on the Hugging Face Hub (`modelinfo`,
-honouring HF_ENDPOINT, HF_HUB_OFFLINE and HF_TOKEN), and pins what it used in
-status.modelFacts, keyed by the model's identity: spec.model.name,
-spec.model.revision and the value of the `tensorfleet.dev/model-facts-refresh`
-annotation. While the identity stays, every reconcile (this operator's, or a
-restarted one's) plans from the pinned facts and never asks the Hub again: a
-Hub that goes down, or answers differently later, cannot change a plan and
-roll GPU pods. A new identity (another model or revision, or a new value of
-the annotation) is read afresh.
-
-At first sight of an identity (`resolve`):
-
-- spec.model.architecture given: it wins; nothing is read or pinned.
-- facts pinned for this identity: those.
-- no pin, but a plan in force that an operator without pins made from the
-  catalog (an upgrade): the catalog's facts are pinned, so the upgrade rolls
-  nothing. The annotation reads config.json.
-- the Hub is off (`--no-hub`) or the name is no repository id: the catalog.
-- otherwise config.json through modelinfo, at most `timeout_seconds` (the
-  blocking read runs in a thread; only this reconcile waits). Facts read are
-  pinned with source `hub` (or `cache`: the Hub unreachable, the operator's own
-  Hugging Face cache had them). When none can be read: the catalog's, pinned
-  with the Hub's error in `hubError` and in PlanValid's message (a warning),
-  until the annotation asks again; a model the catalog does not know either
-  raises FactsUnavailable (PlanValid False naming the model and the error,
-  nothing rendered, retried with backoff).
-
-The webhook (`for_admission`) must answer fast and never refuse because the
-Hub is slow: it plans from the facts pinned in the object's status when they
-match (updates), else reads with a shorter bound (the modelinfo cache answers
-at once for a model read recently), else the catalog; a model no source gives
-in time is admitted with a warning, and the reconcile reports on it.
+"""The model's facts at reconcile and at admission: read from its config.json once per model identity (name,
+revision, the `tensorfleet.dev/model-facts-refresh` annotation), in a thread and bounded in time, then pinned in
+status.modelFacts so that later plans never ask the Hub again (`resolve`; `for_admission` for the webhook).
+Design: docs/architecture.md#model-facts-read-once-then-pinned.
 """
 
 from __future__ import annotations
@@ -168,7 +137,20 @@ async def _read(name: str, revision: str | None, config: ModelFactsConfig, timeo
 
 
 async def resolve(isvc: InferenceService, status: Mapping[str, Any] | None, config: ModelFactsConfig) -> Resolved:
-    """What a reconcile plans ISVC with; see the module docstring. Raises FactsUnavailable."""
+    """What a reconcile plans ISVC with, at first sight of its model identity. Raises FactsUnavailable.
+
+    - spec.model.architecture given: it wins; nothing is read or pinned.
+    - facts pinned for this identity: those.
+    - no pin, but a plan in force that an operator without pins made from the catalog (an upgrade): the
+      catalog's facts are pinned, so the upgrade rolls nothing. The annotation reads config.json.
+    - the Hub is off (`--no-hub`) or the name is no repository id: the catalog.
+    - otherwise config.json through modelinfo, at most `timeout_seconds` (the blocking read runs in a thread;
+      only this reconcile waits). Facts read are pinned with source `hub` (or `cache`: the Hub unreachable,
+      the operator's own Hugging Face cache had them). When none can be read: the catalog's, pinned with the
+      Hub's error in `hubError` and in PlanValid's message (a warning), until the annotation asks again; a
+      model the catalog does not know either raises FactsUnavailable (PlanValid False naming the model and
+      the error, nothing rendered, retried with backoff).
+    """
     if isvc.spec.model.architecture is not None:
         return NOT_PINNED
     found = pinned(isvc, status)
@@ -198,7 +180,11 @@ async def for_admission(isvc: InferenceService, statuses: tuple[Mapping[str, Any
     """(facts to plan with, or None for the planner's own; a warning when the plan must wait for the reconcile).
 
     STATUSES: the object's status and the stored object's (an update). Never
-    waits more than config.admission_timeout_seconds.
+    waits more than config.admission_timeout_seconds, and never refuses because
+    the Hub is slow: the facts pinned in a status when they match, else
+    config.json read within that bound (modelinfo's cache answers at once for a
+    model read recently), else the catalog's; a model no source gives in time is
+    admitted with a warning, and the reconcile reports on it.
     """
     if isvc.spec.model.architecture is not None:
         return None, None

@@ -1,15 +1,6 @@
-"""The nodes under the engine pods that are not Ready, from the operator's watch of Nodes.
-
-Only readiness is kept (a Node's status moves with every heartbeat; nothing
-else of it is read), and only for nodes that are not Ready, so the memory is
-the size of the cluster's trouble, not of the cluster. A reconcile sees them
-through `observe.Observation.nodes`: a pod on such a node is diagnosed
-`NodeNotReady` (Degraded says which node and why), its group does not count as
-ready, and a multi-node group is restarted once the node has been seen not
-Ready for the operator's `--node-not-ready-seconds` (README, "How it behaves").
-A deleted node is kept too, as gone: no kubelet will ever stop or report its
-pods, so the operator deletes them at once with no grace period rather than
-waiting out the pod garbage collector's quarantine, and restarts their group.
+"""The nodes under the engine pods that are not Ready, or were deleted, from the operator's watch of Nodes: only
+their readiness is kept, so the memory is the size of the cluster's trouble, not of the cluster. A reconcile sees
+them through `observe.Observation.nodes`. Design: docs/architecture.md#rollouts-and-group-restarts.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""What the cluster shows about one InferenceService's groups. Pure functions.
-
-A group is ordinal i of every stage StatefulSet: pod NAME-stage-K-i for each
-stage K. It serves only when every one of its pods is Ready on a node that is
-Ready, and it runs the current spec only when every pod carries its stage's
-update revision.
+"""What the cluster shows about one InferenceService's groups (ordinal i of every stage StatefulSet): which serve
+(every pod Ready on a Ready node), which run the current spec (every pod at its stage's update revision), and which
+are broken and must restart. Pure functions. Design: docs/architecture.md#rollouts-and-group-restarts.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The running operator: kopf watches feed a work queue and the cache, workers reconcile.
-
-kopf provides the watch streams (with reconnects and backoff) and, through
-its indexes, the cache reconciles read from (`tensorfleet.kube.cache`). It is
-configured so that it keeps no state in users' objects (no finalizers, no
-progress or diff-base annotations: the handlers used here need none, and the
-storage prefix is ours if that ever changes). Periodic resync, leader
-election, health and metrics are ours.
+"""The running operator: kopf's watches feed the work queue and the cache, workers reconcile; kopf keeps no state in
+users' objects, and the resync, leader election, health and metrics are ours.
+Design: docs/architecture.md#the-reconcile-loop.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""What the cluster's administrators allow, and which names would collide: checks shared by webhook and reconciler.
-
-Both run every check, so an InferenceService admitted before a policy
-changed, or while the webhook was unreachable (failurePolicy), is still held
-to it at reconcile. Pure functions: the caller fetches what they need.
+"""What the cluster's administrators allow, and which names would collide: checks shared by webhook and reconciler,
+both of which run every one, so an InferenceService admitted before a policy changed (or while the webhook was
+unreachable) is still held to it. Pure functions: the caller fetches what they need.
+Design: docs/security.md#people-who-may-create-inferenceservices.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""A work queue of InferenceService keys, the shape controller-runtime uses.
-
-Watch events only name *which* object to look at; the reconciler reads the
-current state itself. So a burst of events for one object collapses into
-one reconcile, a key is never reconciled by two workers at once (an event
-arriving mid-reconcile runs it once more afterwards), and a failing key is
-retried with capped exponential backoff without blocking the others.
+"""A work queue of InferenceService keys, the shape controller-runtime uses: a burst of events for one key is one
+reconcile, no key runs on two workers at once (an event mid-reconcile runs it once more afterwards), and a failing
+key is retried with capped exponential backoff without blocking the others.
+Design: docs/architecture.md#the-reconcile-loop.
 """
 
 from __future__ import annotations

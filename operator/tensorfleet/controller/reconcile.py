@@ -1,19 +1,7 @@
-"""One level-triggered, idempotent reconcile of one InferenceService.
-
-observe the InferenceService -> its model's facts (read once, then pinned
-in status: `modelfacts`) -> plan -> render -> apply what differs
-(server-side apply) -> prune what is no longer wanted -> roll multi-stage
-groups -> write status if it changed. Nothing is remembered between runs
-but what the cluster says: the InferenceService is read with a GET, its
-children and pods from the watch-fed cache (`kube.cache`), so a restarted
-operator picks up exactly where the last one stopped, running it twice
-changes nothing, and a reconcile of an unchanged InferenceService makes one
-GET and no LIST and no write.
-
-How each child kind is applied lives in `children` (the shared behaviour)
-and `statefulsets` (what only engine StatefulSets need), through
-`CHILD_HANDLERS`; conditions and status in `status`; what the pods show in
-`observe`.
+"""One level-triggered, idempotent reconcile of one InferenceService: observe, model facts, plan, render, apply what
+differs, prune, roll groups, write status if it changed; nothing is remembered between runs but what the cluster
+says. Each child kind is applied through `CHILD_HANDLERS` (`children`, `statefulsets`); status is built in
+`status`. Design: docs/architecture.md#the-reconcile-loop.
 """
 
 from __future__ import annotations

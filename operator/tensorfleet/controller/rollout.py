@@ -1,23 +1,6 @@
-"""How a spec change reaches running groups: surge replacements first, then retire old groups. Pure.
-
-Every engine StatefulSet uses the OnDelete strategy, so no pod goes unless
-the operator deletes it, and a group (ordinal i of every stage) is the unit:
-LeaderWorkerSet's semantics, with its maxSurge.
-
-With `spec.rollout.strategy: Surge` (the default), while any group runs an
-old revision the StatefulSets get `maxSurge` extra ordinals, which start at
-the new revision; an old group that serves goes only while at least
-`spec.replicas` other groups are Ready, so serving capacity never drops, not
-even for a one-replica service whose model takes 40 minutes to load. The
-surge ends once every wanted group is updated and Ready; the StatefulSets
-then drop the extra ordinals. Old groups that do not serve cost nothing to
-replace and go at once, which also unsticks a fleet crash-looping on a bad
-version.
-
-When the surge cannot be scheduled (no free GPUs), `Surge` waits and says
-so; `SurgeOrReplace` falls back to replacing in place, one serving group at a
-time; `Replace` always does. Which mode a rollout is in survives restarts
-through the Progressing condition's reason, the only state it needs.
+"""How a spec change reaches running groups (OnDelete StatefulSets, whole groups replaced): a surge of new groups
+first, then old ones retired only while spec.replicas others are Ready, or in place per spec.rollout.strategy.
+Pure. Design: docs/architecture.md#rollouts-and-group-restarts.
 """
 
 from __future__ import annotations

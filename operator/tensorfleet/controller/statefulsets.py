@@ -1,19 +1,6 @@
-"""What only engine StatefulSets need: recreation on immutable changes, scale events, group rollouts.
-
-A StatefulSet's volumeClaimTemplates (and most of its spec) cannot change in
-place. The API server answers 422; the StatefulSet is then deleted with the
-Orphan policy, so its pods keep serving, and re-created: the new one adopts
-the pods and replaces them under its own update strategy.
-
-An engine is one group per ordinal across every stage's StatefulSet; the
-StatefulSet controller would roll each stage on its own (mixing versions
-inside a group) and take a pod down before its replacement loads. So every
-StatefulSet is OnDelete and `roll_groups` replaces whole groups, as
-`rollout.replacements` allows (a surge first, by default). It also restarts a
-group as a whole when one of its members died or left it
-(`observe.Group.broken`): deleting the leader takes the group's endpoint out
-of every router at once (a terminating pod is never a ready endpoint), and
-the StatefulSets bring every stage back together.
+"""What only engine StatefulSets need: recreation (Orphan deletion, pods kept) on a change the API server refuses in
+place, Scaled events, and `roll_groups`, which restarts broken groups and replaces groups as `rollout` allows,
+whole and leader first. Design: docs/architecture.md#rollouts-and-group-restarts.
 """
 
 from __future__ import annotations

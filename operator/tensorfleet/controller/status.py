@@ -1,22 +1,6 @@
-"""InferenceService status from an observation. Pure: the clock comes in as `now`.
-
-The status is built as the typed models of api/models.py (InferenceServiceStatus,
-Condition, PlanStatus), the models the CRD's status schema is generated from,
-so the operator cannot write a field the API server would prune. What goes to
-the API is that model dumped with its camelCase aliases and only the fields
-set here (`exclude_unset`); reconcile.py writes it as a merge patch. The
-previous status is read through the same models: a field they do not know
-cannot be in it, because the API server prunes what the CRD does not declare.
-
-Conditions follow the Kubernetes API conventions: each has a CamelCase
-reason, a message a person can act on, lastTransitionTime that moves only
-when the status does, and the generation it was computed for.
-
-Why pods are not Ready comes from diagnose.py: the worst pod's cause (its
-order of severity is there) gives Degraded its reason and message, in the
-kubelet's or the scheduler's words, and Ready too when no group is ready
-(`kubectl get infsvc` shows Ready's reason). `pod_causes` is the same, one
-entry per distinct cause, for the Warning events reconcile.py posts.
+"""InferenceService status from an observation, built as the typed status models the CRD's schema comes from, with
+conditions that follow the Kubernetes API conventions and take the worst pod's cause from `diagnose`. Pure: the
+clock comes in as `now`. Design: docs/architecture.md#status-and-diagnosis.
 """
 
 from __future__ import annotations

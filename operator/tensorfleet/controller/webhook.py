@@ -1,26 +1,7 @@
-"""The validating admission webhook: refuse at `kubectl apply` what the operator would refuse.
-
-It checks what the reconciler checks (parse, plan, the registry policy) and
-one thing only admission can: that the new InferenceService's children
-would not share a name with another InferenceService's (a Service `foo-engine`
-is both `foo`'s engine Service and `foo-engine`'s router Service). The
-candidates are found by name arithmetic and looked up with a GET each, so
-every operator replica serves it, leader or standby, without a cache: the
-webhook Service can route to any ready pod.
-
-The model's facts (controller/modelfacts.py) never make it slow nor refuse
-because the Hub is: an update is planned from the facts pinned in the
-object's status; a new object or model from config.json read within a short
-bound (modelfacts.ModelFactsConfig.admission_timeout_seconds; the modelinfo
-cache answers at once for a model read recently), else the built-in catalog.
-A model none of them gives in time is admitted with a warning, unchecked, and
-the reconcile reports on it (PlanValid).
-
-Its port is reachable in the cluster, so it bounds what a caller can push:
-the body size, compressed bodies (refused: the API server never compresses
-AdmissionReviews), JSON nesting, and concurrent reviews (beyond which it
-answers 429 rather than queue), so it cannot starve the reconciler that
-shares its process.
+"""The validating admission webhook: refuses at `kubectl apply` what the reconciler would refuse (parse, plan, the
+registry policy) and names whose children would collide with another InferenceService's; every replica serves
+it, it never waits long on the Hub, and it bounds what a caller can push.
+Design: docs/security.md#callers-of-the-admission-webhook.
 """
 
 from __future__ import annotations
@@ -101,7 +82,12 @@ async def validate_request(request: dict[str, Any], *, allowed_registries: Seque
 
 
 async def check_collisions(isvc: InferenceService, plan: Plan, lookup: Lookup) -> None:
-    """Raise SpecError when an existing InferenceService would own an object of the same kind and name."""
+    """Raise SpecError when an existing InferenceService would own an object of the same kind and name (a Service
+    `foo-engine` is both `foo`'s engine Service and `foo-engine`'s router Service).
+
+    The candidates come from name arithmetic (`colliding_owner_names`) and are read with a GET each, so every
+    operator replica, leader or standby, answers without a cache.
+    """
     namespace, name = isvc.metadata.namespace or "default", isvc.metadata.name
     ours = {(obj["kind"], obj["metadata"]["name"]) for obj in render(isvc, plan)}
     for other_name in sorted(colliding_owner_names(name, ours)):

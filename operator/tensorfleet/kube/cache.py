@@ -1,22 +1,6 @@
-"""The operator's informer cache: kopf's indexes of what it watches, plus its own recent writes.
-
-kopf already streams every child kind and the engine pods (filtered by the
-managed-by label on the server). `Cache.register` adds a `kopf.index` per kind,
-keyed by (namespace, owning InferenceService), so a reconcile reads its
-children from memory instead of listing them. kopf fills the indexes from its
-initial listings and holds every handler back until all of them are filled,
-so nothing is reconciled from a half-empty cache. Keys that reach the work queue
-another way (the periodic resync) wait for `synced`: set by the first handler
-kopf runs, which it runs only once every index is filled.
-
-An index lags the API server by one watch event: right after our own apply or
-delete it still shows the old object. Each write is therefore kept in an
-overlay until the watch event carrying it (same or newer resourceVersion, a
-DELETED included) arrives through `observed`, and reads prefer the overlay.
-resourceVersions are compared as integers, which is what etcd-backed API
-servers hand out; where one is not an integer the overlay gives way to the
-next event. An overlay entry also expires after `ttl` seconds, so a lost
-event costs at most one stale read per object, never a permanent ghost.
+"""The operator's informer cache: kopf's indexes of what it watches, keyed by (namespace, owning InferenceService),
+plus its own recent writes, each kept in an overlay until its watch event arrives (or `ttl` passes), so that a
+reconcile reads its children from memory and sees its own writes. Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations
@@ -32,11 +16,14 @@ import kopf
 from tensorfleet import contract
 from tensorfleet.kube.resources import Kind
 
+# An overlay entry expires, so a lost watch event costs at most one stale read per object, never a permanent ghost.
 OVERLAY_TTL_SECONDS = 60.0
 _MANAGED = {contract.LABEL_MANAGED_BY: contract.APP_NAME}
 Owner = tuple[str, str]  # (namespace, InferenceService name)
 
 
+# resourceVersions compare as integers, which is what etcd-backed API servers hand out; where one is not (None),
+# the overlay gives way to the next event.
 def _version(obj: Mapping[str, Any] | None) -> int | None:
     try:
         return int(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")

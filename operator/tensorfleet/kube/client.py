@@ -1,11 +1,7 @@
-"""The async Kubernetes API client every tensorfleet process shares.
-
-One aiohttp session per client; GET, LIST by label, WATCH from a
-resourceVersion, server-side apply, status patches, create, replace and
-delete. API failures become ApiError with the status code callers branch on;
-a watch whose resourceVersion was compacted away raises Gone. Every write is
-counted (the operator's zero-write tests and benchmarks read `writes`), and
-an optional `observe` callback sees each request for the caller's metrics.
+"""The async Kubernetes API client every tensorfleet process shares: one aiohttp session; GET, LIST by label, WATCH
+from a resourceVersion, server-side apply, status patches, create, replace and delete. Failures become ApiError
+(Gone for a compacted watch), every write is counted (`writes`), and an optional `observe` callback sees each
+request. Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations

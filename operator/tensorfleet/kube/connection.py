@@ -1,11 +1,6 @@
-"""Where the API server is and how to authenticate: the one place that builds a connection.
-
-Configuration and credentials come from the `kubernetes` package's loaders,
-so every process authenticates the way kubectl does: the in-cluster service
-account (its projected token re-read as it rotates), else the kubeconfig
-(KUBECONFIG or ~/.kube/config) with client certificates, bearer tokens and
-exec credential plugins. The operator hands the same Connection to kopf's
-login handler, so kopf's watches and our requests present the same identity.
+"""Where the API server is and how to authenticate, from the `kubernetes` package's loaders: the in-cluster service
+account (its token re-read as it rotates), else the kubeconfig, as kubectl does; kopf's login handler gets the
+same Connection, so every request presents one identity. Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Kubernetes Events for the decisions a user wants to see in `kubectl describe`.
-
-Posted through the operator's client (core/v1 Events). The same
-reason and message for the same object are posted once per window, so a
-level-triggered reconcile that keeps seeing the same thing does not spam.
-A failure to post is logged, never fatal: events are best effort.
+"""Kubernetes Events for the decisions a user wants to see in `kubectl describe`: the same reason and message for the
+same object at most once per window, and a failure to post is logged, never fatal.
+Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Leader election on a coordination.k8s.io Lease, so two replicas never both reconcile.
-
-The same protocol client-go's leaderelection uses: the holder renews
-`renewTime` every `renew_seconds`; a candidate takes the Lease over once
-`renewTime + leaseDurationSeconds` has passed without renewal. Every write
-carries the resourceVersion it read, so two candidates cannot both win.
-A leader that cannot renew within the lease duration stops (the process
-exits and restarts as a candidate) rather than risk acting beside a new one.
+"""Leader election on a coordination.k8s.io Lease, client-go's protocol, so two replicas never both reconcile: every
+write carries the resourceVersion it read, and a leader that cannot renew within the lease duration stops rather
+than act beside a new one. Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations

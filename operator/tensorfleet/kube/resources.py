@@ -1,8 +1,6 @@
-"""Every Kubernetes resource the operator touches, and exactly the verbs it uses.
-
-This table is the single source for the API paths the client builds, the
-watches the operator opens, and the RBAC rules the Helm chart grants: a verb
-not listed here is a verb the operator never calls.
+"""Every Kubernetes resource the operator touches, and exactly the verbs it uses: the single source of the client's
+API paths, the operator's watches and the chart's RBAC, so a verb not listed here is a verb the operator never
+calls. Design: docs/architecture.md#the-kubernetes-layer.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Prefill/decode disaggregation: two pools of one model, planned apart and checked to exchange KV.
-
-`plan_disaggregated` plans a spec with spec.prefill (`entry.make_plan`, the
-planner's entry point, sends it here): the spec's own parallelism and
-accelerator describe the decode pool and spec.prefill the prefill pool; each
-is planned as a pool of its own (its GPU type, its tensor size), and the
-decode Plan carries the prefill one (`Plan.prefill`) and the connector
-(`Plan.kv_connector`).
-
-What makes two pools able to exchange KV, checked here so the engines never
-start to find out: the same model and weights (one spec.model, so always),
-the same KV-cache element type (one spec.engine.kvCacheDtype, and the compute
-dtype it follows when `auto`: a prefill pool on a GPU without bfloat16 beside a
-bfloat16 decode pool is refused), and single-stage engines on both sides
-(the operator runs NIXL between tensor-parallel engines; vLLM's compatibility
-matrix supports different tensor sizes on the two sides for dense and MoE
-models, which is allowed), and GPU types on both sides (accelerator CPU serves
-colocated engines only).
-"""
+`plan_disaggregated` (which `entry.make_plan` sends a spec with spec.prefill) plans the decode pool from the spec's
+own parallelism and accelerator and the prefill pool from spec.prefill, each as a pool of its own, and refuses what
+would keep their engines from exchanging KV. Design: docs/disaggregation.md#what-the-planner-checks."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""Hybrid models' state layers as vLLM sizes them: the bytes of one request's Mamba or linear-attention state on one
-GPU, and the attention block size that makes a block of every layer the same bytes. Pure functions, no policy.
-
-It follows vLLM 0.19 (vllm/model_executor/layers/mamba/mamba_utils.py for the state's shapes and element types,
-vllm/model_executor/models/config.py for the block size and the cache mode), held to that code by
-tests/test_planner_hybrid.py. A state layer keeps, per request, a convolution
-state of (kernel - 1) x its convolution channels and a temporal state: Mamba1 width x state size, Mamba2 heads x
-head size x state size (its groups widened to a multiple of the tensor size), Gated DeltaNet value heads x value
-head size x key head size; channels and heads are split over tensor ranks. The attention block is the smallest
-multiple of 16 tokens whose page (block x one token's K and V on one GPU) holds that state; the state's page is
-padded to it. With prefix caching (off by default for hybrid models) vLLM keeps a state per block when the model
-supports it ("all": the block is also a multiple of the scan chunk) and otherwise one aligned copy beside the
-running state ("align").
-"""
+"""Hybrid models' state layers as vLLM 0.19 sizes them: the bytes of one request's Mamba or linear-attention state
+on one GPU, and the attention block size that makes a block of every layer the same bytes. Pure functions, no
+policy; held to vLLM's own code by tests/test_planner_hybrid.py. Design:
+docs/planner.md#hybrid-models-state-layers-beside-attention-plannerhybridpy."""
 
 from __future__ import annotations
 
@@ -38,8 +28,11 @@ def _shard(value: int, tensor: int, what: str) -> int:
 
 
 def state_bytes(mamba: MambaArchitecture, tensor: int, conv_bytes: int, ssm_bytes: int) -> int:
-    """One request's state in one state layer on one GPU: convolution state in CONV_BYTES per element, temporal
-    (SSM) state in SSM_BYTES. Raises ValueError when tensor does not divide what vLLM splits."""
+    """One request's state in one state layer on one GPU, as vllm/model_executor/layers/mamba/mamba_utils.py shapes
+    it: a convolution state of (kernel - 1) x its channels in CONV_BYTES per element, and a temporal (SSM) state in
+    SSM_BYTES (Mamba1 width x state size, Mamba2 heads x head size x state size, Gated DeltaNet value heads x value
+    head size x key head size), channels and heads split over the tensor ranks. Raises ValueError when tensor does
+    not divide what vLLM splits."""
     taps = mamba.conv_kernel - 1
     if mamba.kind == "gated-delta-net":
         assert mamba.heads and mamba.head_dim and mamba.key_heads and mamba.key_head_dim
@@ -98,7 +91,8 @@ def block_size(state: int, token_bytes: int, base_block: int, mode: StateCacheMo
                chunk: int | None = None) -> HybridBlock:
     """The attention block for a state of STATE bytes beside attention layers of TOKEN_BYTES per token on one GPU,
     BASE_BLOCK the engine's block otherwise: the smallest multiple of 16 tokens whose page holds the state (with a
-    state per block, of the scan CHUNK too), never below BASE_BLOCK."""
+    state per block, of the scan CHUNK too), never below BASE_BLOCK; the state page is padded to it
+    (vllm/model_executor/models/config.py)."""
     if mode == "all":
         step = math.lcm(chunk or DEFAULT_CHUNK, KERNEL_BLOCK_ALIGNMENT)
         needed = step * math.ceil(math.ceil(state / token_bytes) / step)

@@ -1,28 +1,7 @@
-"""vLLM's KV-cache manager as the planner sizes it: layers into groups, free bytes into blocks, blocks into the
-two figures vLLM logs at start-up. Pure functions, no policy.
-
-It follows vllm/v1/core/kv_cache_utils.py (v0.19, the default engine image's release) step by step; the
-arithmetic is held to that code by tests/test_planner_kvcache.py, which runs vLLM's own functions where a
-real vLLM is installed. docs/planner.md has the long form.
-
-- Each attention layer has a spec: full attention (MLA too), a sliding window of W tokens, or chunked local
-  attention of C tokens (Llama 4). On one rank a layer's page is `block_size` tokens of its per-token bytes.
-- With the hybrid KV-cache manager (vLLM's default, its CPU backend too) layers of different kinds are grouped: group
-  size is the smallest count of a kind (the largest when it is under 1.5 times the smallest), each kind
-  split into groups of that size, padded (vLLM warns "Add N padding layers"). Every group holds
-  `num_blocks` blocks: num_blocks = free bytes // (page x group size). Without it (a KV
-  connector or KV events, `--disable-hybrid-kv-cache-manager`) every sliding or chunked layer of a model
-  that also has full ones is kept as a full one, and one group holds all layers.
-- "GPU KV cache size: N tokens" is num_blocks // groups x block_size: the pool as if every layer (padding
-  included) kept full attention. Pipeline stages each count their own blocks; the engine takes the fewest.
-- "Maximum concurrency for L tokens per request" is num_blocks over the blocks one request of L tokens takes
-  in every group: full ceil(L / block); sliding ceil(min(W - 1 + B, L) / block) + 1; chunked
-  ceil(min(C + B, L) / block), B the step's token budget (max-num-batched-tokens). The router's per-engine
-  ceiling is this figure at a typical request's length.
-- Hybrid models add state layers (Mamba, linear attention: planner/hybrid.py sizes their state and the block):
-  one state page per request (two when prefix caching keeps an aligned copy, one per block when it keeps
-  all), grouped like any other kind; vLLM refuses them without its hybrid manager.
-"""
+"""vLLM's KV-cache manager as the planner sizes it (vllm/v1/core/kv_cache_utils.py, v0.19): layers into groups, free
+bytes into blocks, blocks into the two figures vLLM logs at start-up. Pure functions, no policy; held to vLLM's own
+functions by tests/test_planner_kvcache.py. Design:
+docs/planner.md#blocks-groups-and-the-two-figures-plannerkvcachepy."""
 
 from __future__ import annotations
 

@@ -1,71 +1,7 @@
-"""GPU memory of LoRA adapters (spec.adapters, spec.engine.lora), and the spec checks they need.
-
-What vLLM reserves (vllm/lora/model_manager.py, vllm/lora/layers/, vLLM 0.19):
-at start, with --enable-lora, the LoRA manager wraps every LoRA-capable module
-of the model and preallocates, for each, `max_loras` GPU slots sized for
-`max_lora_rank`. It wraps all of them whatever modules the adapters target
-(there is no per-adapter sizing: an adapter that touches only q_proj and v_proj
-still lands in a slot that has room for every projection), so the reservation
-depends on the model, the layout, max_loras and max_lora_rank only, and
-neither an adapter's target modules nor its own rank changes it. An adapter's
-rank only decides the max_lora_rank it needs. The slots are allocated while the
-model loads, so vLLM's profiler counts them with the weights and the KV cache
-gets what is left.
-
-One slot at rank r, in the model's compute dtype (--dtype; LoRAConfig.lora_dtype
-`auto` follows it even for quantized weights, so 2 bytes), per layer on one GPU
-of tensor parallelism t (BaseLinearLayerWithLoRA.create_lora_weights):
-
-    column-parallel (lora_a whole: r x input; lora_b split: output/t x r)
-        qkv_proj      3 slices: A 3 x r x hidden; B (heads/t + 2 x max(1, kv_heads/t)) x head_dim x r
-        gate_up_proj  2 slices: A 2 x r x hidden; B 2 x intermediate/t x r
-    row-parallel (lora_a split: r x input/t; lora_b whole: output x r)
-        o_proj        A r x heads x head_dim / t; B hidden x r
-        down_proj     A r x intermediate/t;       B hidden x r
-
-plus, for models that declare embedding modules (Llama, Mistral and most
-decoder-only families do), the input embedding on the first pipeline stage
-(A vocab x r, B hidden x r) and the output head on the last (A r x hidden,
-B vocab x r), neither split by tensor parallelism. For the models that do not,
-this overstates a slot by about a tenth, on the safe side.
-
-Mixture-of-experts layers (FusedMoEWithLoRA) hold the MLP slots once per
-routed expert (every expert is local without expert parallelism), with the
-per-expert width; shared experts count as one MLP of shared x that width, the
-router as a replicated hidden -> experts projection. Every layer is counted as
-an MoE layer (the few dense ones of DeepSeek-V3 are smaller). Multi-head latent
-attention (DeepSeek) is sized from the facts the spec has: q as hidden ->
-heads x head_dim, kv_a as hidden -> kvLoraRank + qkRopeHeadDim (replicated),
-kv_b as kvLoraRank -> heads x 2 x (head_dim - qkRopeHeadDim), o from
-heads x (head_dim - qkRopeHeadDim); DeepSeek's q_a/q_b pair is smaller.
-
-Pipeline parallelism: the layers of the largest stage (memory.stage_layers),
-with the embedding or head it holds; the figure is taken from every stage's
-budget like the activation reserve.
-
-Working memory: each LoRA linear call allocates an fp32 buffer of
-(slices, tokens, max_lora_rank) for the shrink result (punica_gpu.py
-add_lora_linear) and frees it when the layer is done, so the profiling pass of
-max_num_batched_tokens tokens peaks at one such buffer for the widest merged
-projection, qkv with 3 slices (fused MoE: w13's 2 slices x top-k copies of each
-token). Its size does not grow with max_loras, since each token uses one
-adapter: tokens x max_rank x 3 (or 2 x top-k) x 4 bytes, a few MiB.
-
-Defaults (LoraSpec's field descriptions state them for users):
-    max_rank       spec.engine.lora.maxRank, else the smallest vLLM rank that
-                   holds every adapter's rank, an adapter without one counting
-                   as 16 (vLLM's default), and 16 when none is listed
-    max_loras      spec.engine.lora.maxLoras, else 8, at most maxCpuLoras;
-                   lowered, not below 1, while the slots take more than a tenth
-                   of the KV-cache bytes the layout would have without LoRA
-    max_cpu_loras  spec.engine.lora.maxCpuLoras, else twice max_loras (vLLM
-                   evicts from its host cache beyond it, so fewer than the
-                   adapters listed is allowed)
-
-None of them follows the number of adapters listed: they are engine flags,
-and adding or removing an adapter must not restart the engines. Only an
-adapter whose rank raises the default max_rank changes them.
-"""
+"""GPU memory of LoRA adapters (spec.adapters, spec.engine.lora) and the spec checks they need: the max_loras slots
+at max_lora_rank that vLLM preallocates for every LoRA-capable module whatever the adapters target, the shrink
+buffers of the profiling pass, and the LoRA sizes the engines start with, which never follow the number of adapters
+listed. Design: docs/planner.md#lora-adapters-slots."""
 
 from __future__ import annotations
 
@@ -195,7 +131,15 @@ def _replicated(rank: int, inputs: int, output: int) -> int:
 
 
 def layer_slot_elements(arch: ArchitectureSpec, tensor: int, rank: int) -> int:
-    """Elements of one LoRA slot in one transformer layer on one tensor rank."""
+    """Elements of one LoRA slot in one transformer layer on one tensor rank, as vLLM's
+    BaseLinearLayerWithLoRA.create_lora_weights allocates it. Column-parallel projections keep lora_a whole
+    (r x input) and split lora_b (output / t x r): qkv_proj's 3 slices, gate_up_proj's 2; row-parallel ones split
+    lora_a (r x input / t) and keep lora_b whole (output x r): o_proj, down_proj. MoE layers (FusedMoEWithLoRA)
+    hold the MLP's slots once per routed expert, shared experts as one MLP of shared x the width, the router as a
+    replicated hidden -> experts projection; every layer counts as MoE (DeepSeek-V3's few dense ones are smaller).
+    MLA: q as hidden -> heads x head_dim, kv_a as hidden -> kvLoraRank + qkRopeHeadDim (replicated), kv_b as
+    kvLoraRank -> heads x 2 x (head_dim - qkRopeHeadDim), o from heads x (head_dim - qkRopeHeadDim); DeepSeek's
+    q_a/q_b pair is smaller than that q."""
     hidden = arch.hidden_size
     heads = arch.attention_heads
     head_dim = arch.head_dim or hidden // heads
@@ -229,7 +173,11 @@ def layer_slot_elements(arch: ArchitectureSpec, tensor: int, rank: int) -> int:
 
 
 def slot_bytes(arch: ArchitectureSpec, tensor: int, pipeline: int, rank: int) -> int:
-    """Bytes of one LoRA slot on one GPU of the stage that needs the most."""
+    """Bytes of one LoRA slot on one GPU of the stage that needs the most, in the compute dtype (LoRAConfig's
+    lora_dtype `auto` follows --dtype even for quantized weights). Models that declare embedding modules (Llama,
+    Mistral, most decoder-only families) also hold the input embedding on the first stage (A vocab x r, B hidden
+    x r) and the output head on the last, neither split by tensor parallelism; for the others this overstates a
+    slot by about a tenth, on the safe side."""
     per_layer = layer_slot_elements(arch, tensor, rank)
     vocab_term = (arch.vocab_size or DEFAULT_VOCAB) * rank + arch.hidden_size * rank   # embedding or head, whole
     parts = stage_layers(arch.layers, pipeline)
@@ -241,7 +189,10 @@ def slot_bytes(arch: ArchitectureSpec, tensor: int, pipeline: int, rank: int) ->
 
 
 def working_bytes(arch: ArchitectureSpec, batched_tokens: int, rank: int) -> int:
-    """The largest fp32 shrink buffer of one profiling pass (see the module docstring)."""
+    """The largest fp32 shrink buffer of one profiling pass. Each LoRA linear call allocates (slices, tokens,
+    max_lora_rank) in fp32 for the shrink result (punica_gpu.py add_lora_linear) and frees it when the layer is
+    done, so the pass peaks at one buffer for the widest merged projection: qkv's 3 slices, or a fused MoE layer's
+    w13, 2 slices x top-k copies of each token. Each token uses one adapter: it does not grow with max_loras."""
     copies = QKV_SLICES
     if arch.moe is not None:
         copies = max(copies, W13_SLICES * arch.moe.experts_per_token)

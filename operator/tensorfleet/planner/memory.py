@@ -1,48 +1,7 @@
-"""Byte arithmetic for one GPU of a vLLM replica. Pure functions, no policy.
-
-Method (the one vLLM's own start-up profiling follows; see vllm/v1/worker/
-gpu_worker.py `determine_available_memory` and vllm/worker/worker.py before it):
-
-    budget  = total GPU memory x gpu_memory_utilization
-    kv      = budget - weights - peak activations - non-torch memory
-    tokens  = floor(kv / (block_size x kv bytes per token)) x block_size
-
-vLLM logs the result as "GPU KV cache size: N tokens"; with tensor
-parallelism every rank holds the same tokens for its share of the KV heads, and
-with pipeline parallelism the engine takes the smallest stage's figure.
-
-Weights and KV-cache bytes per token are the model's: its ModelFacts
-(`tensorfleet.catalog.facts`, read from config.json by `catalog/modelconfig.py`,
-or the catalog's totals) carry the weights layer by layer, and
-`tensorfleet.catalog.sizes` computes the KV cache (and says how). Pipeline parallelism
-splits layers the way vLLM's `get_pp_indices` does: an even share each, the
-remainder to the stages before the last; the first stage also holds the input
-embedding, the last the output head. The block size is vLLM's default
-(`tensorfleet.vllm_defaults`).
-
-Reserve (what the profiler measures beside weights), calibrated against the
-published vLLM start-up logs cited in tests/test_planner_published.py:
-    activations     peak of one dummy forward pass of max_num_batched_tokens
-                    tokens: MLP gate/up/act buffers on this rank plus a few
-                    hidden-size buffers, plus fp32 logits for max_num_seqs
-                    sampled rows (and the sampler's working copies)
-    non-torch       CUDA context, cuBLAS workspaces; with tensor >= 2 also
-                    NCCL and custom all-reduce buffers
-
-On vLLM's CPU backend (accelerator CPU) the budget is the engine container's
-memory request, nothing is profiled, and the KV cache is what vLLM is told
-(VLLM_CPU_KVCACHE_SPACE, whole GiB; vllm/platforms/cpu.py):
-
-    kv      = floor((request - weights - peak activations - runtime) / GiB) GiB
-    tokens  = floor(kv / (128 x kv bytes per token)) x 128   (the CPU block size)
-
-where runtime (cpu_runtime_bytes) is vLLM's processes themselves: the API
-server and the engine core, with Python, torch, the tokenizer and the compiled
-model, and with tensor parallel one worker process per rank (measured below).
-Under tensor parallel each rank holds its shard of the weights and a KV cache
-of VLLM_CPU_KVCACHE_SPACE (a per-process figure), so the request is shared by
-the ranks: request / tensor is each one's budget.
-"""
+"""Byte arithmetic for one GPU of a vLLM replica, as vLLM's start-up profiling finds it: the budget (GPU memory x
+gpu_memory_utilization) less the weights on the GPU (per pipeline stage, as vLLM splits the layers), the profiling
+pass's activation peak and non-torch memory; on vLLM's CPU backend the container's memory request less vLLM's own
+processes, in whole GiB. Pure functions, no policy. Design: docs/planner.md#free-bytes-per-gpu-plannermemorypy."""
 
 from __future__ import annotations
 
@@ -106,7 +65,8 @@ class Stage:
 
 
 def stage_layers(layers: int, pipeline: int) -> list[int]:
-    """Layers per pipeline stage, as vLLM partitions them."""
+    """Layers per pipeline stage, as vLLM's get_pp_indices partitions them: an even share each, the remainder to
+    the stages before the last."""
     share, remainder = divmod(layers, pipeline)
     parts = [share] * pipeline
     # vLLM gives the extra layers to the stages before the last one.
@@ -153,7 +113,9 @@ def facts_stages(facts: ModelFacts, tensor: int, pipeline: int, kv_element_bytes
 
 
 def activation_peak_bytes(arch: ArchitectureSpec, tensor: int, batched_tokens: int, num_seqs: int) -> int:
-    """Peak activation memory of vLLM's profiling forward pass on one rank."""
+    """Peak activation memory of vLLM's profiling forward pass (BATCHED_TOKENS tokens) on one rank: the MLP's
+    gate, up and activation buffers on this rank, a few hidden-size buffers, and fp32 logits for NUM_SEQS sampled
+    rows with the sampler's working copy. Calibrated against the logs in tests/test_planner_published.py."""
     intermediate = arch.intermediate_size or 4 * arch.hidden_size
     if arch.moe is not None:
         # Routed tokens fan out to experts_per_token expert MLPs.

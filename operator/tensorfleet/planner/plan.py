@@ -1,34 +1,8 @@
-"""Does a model fit on these GPUs, and how many requests can it hold?
-
-`plan_pool(spec, facts)` (through `entry.make_plan`, the entry point) resolves the model and GPU facts, checks the parallel
-layout against the rules vLLM enforces, sizes memory with `memory.py`, and
-either returns a Plan or raises SpecError naming the field and what would fit.
-
-The model's facts, first found wins: spec.model.architecture; FACTS, the
-ModelFacts its caller read from the model's config.json (`tensorfleet.modelinfo`
-does the reading: the planner does no I/O); the built-in catalog, by the
-model id, with the weight format its quantization markers name. The plan
-records which (`Plan.model_source`, status.plan.modelSource).
-
-When `spec.parallelism` leaves tensor or pipeline out, the planner picks the
-smallest layout that fits, following vLLM's distributed-serving guidance:
-grow tensor parallelism inside one node first (up to its GPU count), and only
-then add nodes as pipeline stages, with tensor = GPUs per node.
-
-With LoRA on (spec.adapters, spec.engine.lora), the adapters' GPU slots and
-their working buffers (`lora.py` sizes them) come out of every layout's budget
-before the KV cache, so the layout search picks one with room for both; the
-plan's KV cache is what they leave (Plan.lora, Plan.lora_bytes_per_gpu).
-
-`spec.accelerator.type: CPU` plans vLLM's CPU backend (`_check_cpu` says what
-it takes: engine kind vllm, pipeline 1, no fp8 KV cache; tensor parallel runs
-one worker process per rank in the one pod): the
-device is the engine container's memory request, which must hold the weights,
-the activations, vLLM's own processes and a KV cache of whole GiB (`memory.py`),
-the size the renderer hands vLLM as VLLM_CPU_KVCACHE_SPACE (Plan.cpu_kv_cache_gib).
-A request too small for one sequence of maxModelLen is refused with the
-request that would fit.
-"""
+"""Does a model fit on these GPUs, and how many requests can it hold? `plan_pool(spec, facts)` (through
+`entry.make_plan`) resolves the model's and the GPU's facts, checks the parallel layout against vLLM's rules, picks
+the smallest layout that fits when the spec leaves one open, sizes memory (`memory.py`, LoRA slots from `lora.py`),
+and returns a Plan or raises SpecError naming the field and what would fit. Design:
+docs/planner.md#choosing-the-layout."""
 
 from __future__ import annotations
 

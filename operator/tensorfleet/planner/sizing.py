@@ -1,65 +1,8 @@
-"""Sizing a fleet for a workload and latency targets: colocated or disaggregated, and which to pick.
-
-Pure: no I/O. `size(workload, targets, decode, prefill, arch)` takes the plans of
-one replica (`planner.make_plan`: the decode pool's, and the prefill pool's)
-and answers how many replicas each layout needs, what it costs in GPUs, and
-which one to choose. docs/disaggregation.md ("Sizing the split for a target")
-states the model for users; in brief:
-
-Workload. Mean prompt tokens P, mean output tokens O, and either a request
-rate (requests/s, Poisson arrivals) or N concurrent users, each of whom sends
-a request, waits for the whole answer, then thinks `think_seconds` (default 0:
-every user always has one request in flight, the load tools' "concurrency N")
-before the next. Users become a rate by Little's law, rate = N / (think +
-response time), solved as a fixed point with the response time the sized
-layout delivers (each pass can only add replicas).
-
-Targets. TTFT p99 and ITL p99 in seconds.
-
-One engine step (catalog/roofline.py, the simulator's own figures):
-
-    step(b, ctx, k) = overhead + max((weights + b x ctx x KV bytes/token) / (bandwidth x eff),
-                                     (b + k) x 2 x active params / tensor / (peak FLOPs x eff))
-
-for b decoding sequences of mean context ctx = P + O/2 and a prefill chunk of k
-tokens, per GPU of the replica: a decode step is memory-bound (weights and KV
-read), a prefill chunk compute-bound. Attention FLOPs are left out, as the
-simulator leaves them out.
-
-Decode. The largest batch b_cap with step(b_cap, ctx, k) <= ITL target whose
-sequences fit the KV cache at their longest (P + O tokens each) and
-max_num_seqs. The number of sequences decoding on one engine is about Poisson
-(M/G/inf), so an engine is sized to run a mean batch b with b + 2.33 sqrt(b)
-<= b_cap: its batch stays under b_cap 99% of the time, and so do its steps
-under the ITL target. One request occupies a decode slot for O steps, so the
-decode replicas needed are rate x O x step(b) / b.
-
-Prefill. An engine computes prompts in steps of k tokens (the
-`--max-num-batched-tokens` budget, chosen here): its rate is
-mu = k / (P x step(0, 0, k)) prompts/s, and a prompt's own compute time is
-ceil(P / k) steps. TTFT p99 = that time + the p99 wait of an M/M/c queue of the
-pool's c engines at rate mu (Erlang C: P(wait > t) = C e^-(c mu - rate) t),
-+ the KV transfer (P x KV bytes/token per GPU over one link, each tensor rank
-reading its share over its own) + the decode engine's first step.
-
-Colocated. Each step carries the decode batch b and a prefill chunk k, and
-every step is timed as if the chunk were there (prompts arrive all the time
-under load, so far more than 1% of steps carry one): the chunk that keeps
-step(b_cap, ctx, k) under the ITL target is what caps a colocated engine. The
-planner tries every chunk (multiples of 256 up to the engine's budget) and
-keeps the one that needs the fewest replicas; the TTFT is the prefill's, with
-the same queue.
-
-Pick: the layout that meets both targets with the fewest GPUs (a GPU of any
-type counts one; the counts per type are reported for pricing), the colocated
-one on a tie (one pool is simpler to run).
-
-Limits: mean sizes, not distributions (a long prompt's own chunking and a long
-answer's KV are not modelled beyond the mean); no attention FLOPs; no prefix
-caching (every prompt is computed in full); p99 through the Poisson batch
-margin and the Erlang C wait, not a simulation; the KV link is assumed
-uncontended; one GPU type per pool.
-"""
+"""Sizing a fleet for a workload and latency targets, colocated or disaggregated, and which to pick. Pure:
+`size(workload, targets, decode, prefill, arch)` takes the plans of one replica of each pool and answers how many
+replicas each layout needs, what it costs in GPUs and which to choose, from the roofline of one engine step
+(catalog/roofline.py), a Poisson decode batch and an Erlang C prefill queue. Design:
+docs/disaggregation.md#sizing-the-split-for-a-target."""
 
 from __future__ import annotations
 
@@ -261,7 +204,8 @@ def erlang_c(servers: int, offered: float) -> float:
 
 
 def wait_p99(servers: int, rate: float, mu: float) -> float:
-    """The 99th percentile of the wait in an M/M/c queue (inf when it is overloaded)."""
+    """The 99th percentile of the wait in an M/M/c queue (inf when it is overloaded):
+    P(wait > t) = C e^-(c mu - rate) t, C the Erlang C probability of waiting at all."""
     if rate >= servers * mu:
         return math.inf
     waiting = erlang_c(servers, rate / mu)
@@ -372,7 +316,10 @@ class Sizing:
 
 
 def _colocated(engine: Engine, w: Workload, t: Targets, rate: float) -> tuple[Layout, float]:
-    """The fewest colocated replicas meeting both targets at RATE, and their mean response time."""
+    """The fewest colocated replicas meeting both targets at RATE, and their mean response time. Every step is timed
+    with its prefill chunk (under load prompts arrive all the time, so far more than 1% of steps carry one): the
+    chunk that keeps such a step within the ITL target caps an engine, and each chunk is tried for the fewest
+    replicas. An engine computes prompts at mu = chunk / (P x step) a second."""
     P, O = w.prompt_tokens, w.output_tokens
     options = []
     for chunk in chunks(engine):
@@ -476,7 +423,8 @@ def _disaggregated(prefill: Engine, decode: Engine, w: Workload, t: Targets, rat
 
 
 def _for_workload(sized: Callable[[float], tuple[Layout, float]], w: Workload, t: Targets) -> Layout:
-    """Size at the workload's rate; for users, at the rate their response time gives (a fixed point)."""
+    """Size at the workload's rate; for users, at the rate their response time gives by Little's law, rate =
+    users / (think + response), a fixed point: each pass can only raise the rate, so only add replicas."""
     if w.rate is not None:
         return sized(w.rate)[0]
     assert w.users is not None

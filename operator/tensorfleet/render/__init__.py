@@ -1,8 +1,7 @@
-"""InferenceService + Plan -> the Kubernetes objects that serve it.
-
-Pure: no I/O, no clock, no randomness. The operator applies the output with
-server-side apply, `tensorfleet render` prints it, and the tests validate it
-against the Kubernetes OpenAPI schemas; all three must see the same objects.
+"""InferenceService + Plan -> the Kubernetes objects that serve it. Pure (no I/O, no clock, no randomness), because
+the operator applies the output with server-side apply, `tensorfleet render` prints it and the tests validate it
+against the Kubernetes OpenAPI schemas, and all three must see the same objects.
+Design: docs/architecture.md#layers-one-way-only.
 """
 
 from __future__ import annotations

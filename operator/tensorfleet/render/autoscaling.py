@@ -1,18 +1,6 @@
-"""HorizontalPodAutoscaler on pending requests, and the engine PodDisruptionBudget.
-
-The HPA scales the InferenceService through its /scale subresource on one
-Object metric, contract.HPA_METRIC_PENDING: every request waiting for the
-service, at its routers and inside its engines, summed by prometheus-adapter
-(the chart's rules) and described on the InferenceService itself. With an
-AverageValue target the HPA divides that sum by the replica count, whether
-or not every replica is Ready, so replicas still loading do not skew it, and
-a queue that moved from the engines into the routers (a low
-router.maxConcurrencyPerEngine) is still seen.
-
-The HPA owns spec.replicas within [max(1, minReplicas), maxReplicas]. Zero
-is the operator's (minReplicas 0, controller/idle.py): it records the fleet
-idle in status and renders no groups, leaving spec.replicas to the HPA, so
-the two never write the same field.
+"""The HorizontalPodAutoscaler on pending requests (one Object metric on the InferenceService, an AverageValue target,
+through its /scale subresource; zero is the operator's, not the HPA's), the demand Lease of scale to zero, and the
+engine PodDisruptionBudget. Design: docs/autoscaling.md#the-signal-every-queue-per-replica.
 """
 
 from __future__ import annotations

@@ -1,44 +1,7 @@
-"""Engine StatefulSets: one per pipeline stage; ordinal i of every stage forms group i.
-
-The engine container's env holds one variable per row of
-`tensorfleet.engine_settings`, in the table's order: `_env` gives each row its
-value from the spec and the plan.
-
-Every engine pod meets Pod Security `restricted` (`_pod_security`,
-`_container_security`): it runs as the image's numeric non-root user
-(contract.WORKER_UID for vLLM, the control-plane image's for the simulator),
-without privilege escalation or capabilities, under the RuntimeDefault
-seccomp profile, with emptyDir and PVC volumes only.
-vLLM, Ray and NCCL over TCP and NVLink need nothing more; the NVIDIA device
-plugin hands the GPUs in without privileges.
-
-The launcher (`tensorfleet-worker`) is in no GPU engine image: the pod's init
-container, from the control-plane image, copies its zipapp into an emptyDir
-(`_launcher_init_container`), and the engine container runs it with the
-image's own Python (`contract.LAUNCHER_COMMAND`), so any vLLM image serves.
-Such images have no user WORKER_UID, so HOME and USER point vLLM's, Triton's
-and torch.compile's caches at an emptyDir (`_home_env`). Simulator pods run the
-control-plane image, which has `tensorfleet-worker` installed.
-
-Probes (`_probes`): a GPU pod's readiness is the launcher's `/health` on the
-GPU metrics port, which answers 200 only when every GPU passes the NVML checks,
-the launcher runs its engine or Ray worker, and, on stage 0, vLLM's own
-`/health` answers; it runs in the launcher, so a probe costs no process and
-no NVML start-up. Stage 0's startup and liveness probes stay on vLLM's
-`/health`: a restart would not mend a GPU, only reload the model.
-A simulator pod on a GPU type stands in for a GPU pod the same way: its
-launcher serves `/health` and the GPU gauges on `gpu-metrics` from simulated
-GPUs whose state is the pod's `tensorfleet.dev/simulated-gpu-state`
-annotation, projected by a downward-API volume (`simulates_gpus`,
-worker/simgpu.py).
-
-Accelerator CPU (vLLM's CPU backend; `is_cpu`): the same launcher and pod,
-minus everything GPU: no nvidia.com/gpu request, no GPU node affinity, no GPU
-taint toleration, no `gpu-metrics` port (the launcher's port is named
-`pod-health` and serves only `/health`, which needs no NVML there: the
-launcher reads CPU mode from TF_ACCELERATOR), no --gpu-memory-utilization;
-VLLM_CPU_KVCACHE_SPACE carries the plan's KV cache instead, and the image is
-vLLM's CPU build (Images.cpu_worker).
+"""Engine StatefulSets, one per pipeline stage (ordinal i of every stage forms group i): pods that run the launcher,
+copied in by an init container, in any vLLM image, with one env variable per `engine_settings` row, readiness on
+the launcher's `/health` and Pod Security `restricted`, and their variants for vLLM's CPU backend and for the
+simulator. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -534,7 +497,9 @@ def _volumes(ctx: Context) -> list[dict[str, Any]]:
 def _probes(ctx: Context, stage: int) -> dict[str, Any]:
     engine_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": contract.PORT_NAME_HTTP}}
     # The launcher's verdict on this pod: its GPUs (NVML, or simulated on a simulator; none on CPU), its engine,
-    # Ray worker or stand-in running, and on stage 0 the engine's /health (see the module docstring).
+    # Ray worker or stand-in running, and on stage 0 the engine's /health. It runs in the launcher, so a probe
+    # costs no process and no NVML start-up. Stage 0's startup and liveness stay on vLLM's own /health: a restart
+    # would not mend a GPU, only reload the model.
     port = contract.PORT_NAME_GPU_METRICS if serves_gpu_metrics(ctx) else contract.PORT_NAME_POD_HEALTH
     pod_health: dict[str, Any] = {"httpGet": {"path": contract.HEALTH_PATH, "port": port}}
     startup, readiness, liveness = (engine_health, pod_health, engine_health) if stage == 0 else (pod_health,) * 3

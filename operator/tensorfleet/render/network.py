@@ -1,36 +1,7 @@
-"""NetworkPolicies: who may reach the engines and the router (spec.networkPolicy).
-
-Two policies per InferenceService, both for ingress only:
-
-`NAME-engine`, over every engine pod of every stage, admits
-  - this InferenceService's router pods, to the engine port (the OpenAI API;
-    the router also reads `/health` and `/metrics` there) and, on vLLM
-    engines, to the KV events' two ports (router/kvevents.py);
-  - this InferenceService's engine pods, on every port: Ray's GCS listens on
-    RAY_PORT, but its raylets, object managers and workers pick their ports at
-    start, and NCCL bootstraps and (without InfiniBand) moves tensors over
-    ephemeral TCP ports, so no port list can name them;
-  - pods of `monitoringNamespaces`, to the engine port (vLLM serves `/metrics`
-    beside the API; a NetworkPolicy cannot tell paths apart) and, on GPU
-    engines, the GPU gauges' port.
-  - with LoRA adapters, the Tensorfleet operator's pods (in the operator's
-    namespace when it is known), to the engine port: the operator loads and
-    unloads adapters through the engines' API (controller/adapters.py).
-
-`NAME-router`, over the router pods, admits on the router port pods of the
-InferenceService's own namespace, of `clientNamespaces` and of
-`monitoringNamespaces`, and the addresses in `clientCIDRs`.
-
-Peers are the whole InferenceService, not one group: a policy per group (its
-pods share `apps.kubernetes.io/pod-index`) would be one object per replica,
-created and pruned as the HPA moves spec.replicas, and pruning a group's policy
-on scale-down would cut its Ray and NCCL traffic while its leader is still
-draining in-flight requests. The engine pods of one InferenceService run one
-image and one spec, so the InferenceService is the trust boundary.
-
-Egress stays open: engines download weights from the Hugging Face Hub (or a
-mirror) and the router watches the API server, and neither can be selected by
-labels. Kubelet probes come from the node, which NetworkPolicy always admits.
+"""NetworkPolicies (spec.networkPolicy), ingress only: `NAME-engine` admits the InferenceService's own router, its own
+engine pods on every port (Ray, NCCL), the monitoring namespaces and, with LoRA adapters, the operator; `NAME-router`
+admits its namespace, clientNamespaces, monitoringNamespaces and clientCIDRs.
+Design: docs/security.md#the-clusters-network.
 """
 
 from __future__ import annotations
@@ -90,6 +61,8 @@ def engine_policy(ctx: Context) -> dict[str, Any]:
         {"from": [{"podSelector": {"matchLabels": engine_selector(ctx.name)}}]},
     ]
     if ctx.spec.lora_enabled:
+        # The operator loads and unloads adapters through the engines' API (controller/adapters.py): its pods in
+        # its own namespace when that is known, else in any (a bare podSelector would mean this namespace only).
         operator: dict[str, Any] = {"podSelector": {"matchLabels": {
             contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: contract.COMPONENT_OPERATOR}}}
         operator.update(_namespaces([ctx.operator_namespace]) if ctx.operator_namespace else {"namespaceSelector": {}})

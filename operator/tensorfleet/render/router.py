@@ -1,11 +1,6 @@
-"""The router: its Deployment and the least RBAC it needs to find ready leaders.
-
-Its pod meets Pod Security `restricted`: a numeric non-root user, no
-privilege escalation, every capability dropped, RuntimeDefault seccomp, a
-read-only root filesystem, and no volumes but, with spec.router.auth, the
-Secret of API keys: mounted read-only (a file per tenant, mode 0440, group
-the pod's fsGroup, the router's own group), `optional: false`: a router
-never starts without its keys.
+"""The router: its Deployment (Pod Security `restricted` with a read-only root filesystem and, with spec.router.auth,
+the API-key Secret mounted read-only and never optional) and the least RBAC it needs to find ready leaders.
+Design: docs/security.md#clients-of-the-router.
 """
 
 from __future__ import annotations

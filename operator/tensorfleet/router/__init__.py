@@ -1,11 +1,5 @@
-"""The OpenAI-compatible, load-aware router in front of an InferenceService's engines.
-
-`backends` (pool, circuit breakers, scraped load), `scheduling` (which engine: filters, scorers, profiles),
-`dispatch` (concurrency ceilings, the bounded queue shared fairly among tenants, the request-body
-budget), `tenants` (API keys, per-key rate limits), `discovery` (EndpointSlices), `app` (the HTTP
-server), `admission` (what it refuses itself), `fleet` (the engines' health and discovery), `adapters`
-(their models and LoRA adapters), `forward` (retries, resumption), `proxy` (one attempt on one engine),
-`inflight` (the watchdog, the shutdown), `config`, `metrics`, `cli`.
+"""The OpenAI-compatible, load-aware router in front of an InferenceService's engines, one module per job (each named,
+with what it does, in the layers' table). Design: docs/architecture.md#layers-one-way-only.
 """
 
 # Retry-After (seconds) of the router's 503 when it knows no engine at all (none ready or starting, or discovery

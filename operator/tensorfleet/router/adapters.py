@@ -1,12 +1,6 @@
-"""What the engines serve, from their /v1/models: the union GET /v1/models answers, and the LoRA adapters.
-
-A request's `model` may name an adapter rather than the served model; the router knows the adapters only from
-what the healthy engines list (entries with a `parent`), asked when a request names a model it does not know
-(rounds shared by every request waiting, at most once a second) and, once some are known, every
-ADAPTERS_REFRESH_SECONDS, so one unloaded is forgotten. Which engines list an adapter steers its requests there
-(RequestInfo.hosts); whether the router holds any healthy engine's list at all decides between a 404 and waiting
-(router/app.py, router/forward.py). Owned by router/fleet.py, whose health loop keeps it fresh. The behaviour:
-docs/routing.md (LoRA adapters); the layers: docs/architecture.md.
+"""What the engines serve, from their /v1/models: the union GET /v1/models answers, and the LoRA adapters, learnt when a
+request names a model the router does not know and refreshed while any are known; which engines list an adapter
+steers its requests there. Owned by router/fleet.py. Design: docs/routing.md#lora-adapters.
 """
 
 from __future__ import annotations

@@ -1,56 +1,7 @@
-"""What the router answers itself before an engine sees a request: the API key, the key's limits, the body.
-
-Admission reads a request for router/app.py: its tenant (the API key), its body within the router's bounds (size,
-the in-flight budget, the body timeout, JSON nesting and size), and its tenant's requests and tokens per minute;
-each refusal is an OpenAI-style error the router answers itself, counted against no engine, and a request refused
-unread has its connection closed. Nothing here talks to an engine. The behaviour: docs/routing.md; the layers:
-docs/architecture.md.
-
-API keys (--api-keys; router/tenants.py has the file format, the reload and
-the buckets): the forwarded endpoints and GET /v1/models need
-`Authorization: Bearer KEY` with a key in force, else 401 (`code`
-invalid_api_key, WWW-Authenticate: Bearer), answered before the body is read.
-GET /health and /metrics need none (the probes and Prometheus carry no key;
-/metrics names tenants, never keys), and the 404/405 of other paths say
-nothing a key would change.
-The key's tenant then pays, in this order: one request from its
---requests-per-minute bucket (before the body is read), then the request's
-token estimate from its --tokens-per-minute bucket (once parsed); either
-refusal is 429 with `code` rate_limit_exceeded and Retry-After (the seconds
-until that bucket holds enough). The token charge is settled once the answer
-is done (tenants.UsageMeter): to the engine's usage, for a stream the counts
-it reported on every event (router/proxy.py). While waiting for an engine, a
-tenant's requests queue apart from other tenants' and slots go round them (see
-dispatch.py), so a tenant at its limits, or flooding within them, does not
-delay the others' requests behind its own.
-
-Refused by the router, never forwarded, never counted against an engine:
-  415  a compressed body (Content-Encoding other than identity), unread. vLLM
-       does not decode compressed request bodies and OpenAI clients do not
-       send them, so nothing legitimate is lost, and refusing unread costs
-       nothing: no decompression bomb can cost CPU or memory.
-  413  a body over --max-body-bytes (by Content-Length, unread, or as it arrives)
-  408  a body not complete within --body-timeout of its head
-  503  a body the in-flight budget (--max-body-bytes-in-flight) cannot hold
-       now, with Retry-After: the client should retry, not wait connected
-  400  not JSON, not an object, nested deeper than --max-json-depth, or with
-       more than --max-json-values values (a cheap upper bound taken on the
-       bytes before parsing, so no body can inflate into millions of objects)
-  404  a model other than the served one and the LoRA adapters a healthy
-       engine lists (their /v1/models, as asked after the request came:
-       an adapter loaded a moment ago is found). While the router holds no healthy
-       engine's list (a cold start, every engine ejected, the router just
-       started), such a name may be an adapter it has not heard of yet: it
-       waits for an engine as the served model's requests do (and gets their
-       503 when none comes within the bound, or is unavailable), and the 404
-       comes once that engine's list lacks it (should its list not be had,
-       the request goes to it, and the engine answers).
-A request refused before its body was read also has its connection closed
-(after at most app.LINGER_SECONDS of reading and dropping the rest of it).
-
-Memory: request bodies are read into one buffer each, charged to a global
-budget as their bytes arrive (dispatch.BodyBudget) and given back once the
-answer's first byte reached the client or the request ended.
+"""What the router answers itself before an engine sees a request: the API key (401), the tenant's requests and tokens
+per minute (429), and the body within the router's bounds (size, the in-flight budget, the body timeout, JSON nesting
+and size). Each refusal is an OpenAI-style error counted against no engine, and a request refused unread has its
+connection closed. Design: docs/security.md#clients-of-the-router.
 """
 
 from __future__ import annotations
@@ -63,8 +14,8 @@ from typing import Any
 from aiohttp import hdrs, web
 
 from tensorfleet.httpapi import rate_limited_logger
+from tensorfleet.router.budget import BodyBudget
 from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.dispatch import BodyBudget
 from tensorfleet.router.metrics import RouterMetrics
 from tensorfleet.router.proxy import GENERATION_PATHS, RETRY_AFTER_SECONDS, Body, estimate_prompt_tokens, reject
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
@@ -117,6 +68,8 @@ class Admission:
     def head(self, request: web.Request, tenant: str | None) -> web.Response | None:
         """What the request's head alone refuses, its body unread: a compressed body (415), one longer than the
         limit (413), a tenant out of requests (429)."""
+        # vLLM does not decode compressed request bodies and OpenAI clients do not send them: refused unread, they
+        # lose nothing legitimate, and no decompression bomb can cost CPU or memory.
         encoding = request.headers.get(hdrs.CONTENT_ENCODING, "").strip().lower()
         if encoding not in ("", "identity"):
             return reject(self.metrics, 415, "compressed request bodies are not accepted (Content-Encoding must be "
@@ -206,6 +159,7 @@ class Admission:
     def _parse(self, raw: bytearray) -> dict[str, Any] | web.Response:
         """The body as a JSON object, or a 400 that says which limit it broke."""
         cfg = self.config
+        # An upper bound on the values, taken on the bytes before parsing: no body can inflate into millions of objects.
         containers = raw.count(b"[") + raw.count(b"{")
         if containers + raw.count(b",") >= cfg.max_json_values:
             return reject(self.metrics, 400, f"request body has more than {cfg.max_json_values} JSON values")

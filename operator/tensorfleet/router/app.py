@@ -1,55 +1,7 @@
-"""The router's HTTP server: OpenAI API in, the chosen engine's answer out.
-
-Request path: refuse what the router can refuse itself, read the body
-(bounded), parse it once (model check, routing keys, prompt size), take an
-engine slot from the dispatcher (maybe queueing), forward the bytes unchanged
-(but for one addition: the token counts a tracked stream asks its engine for,
-router/proxy.py), relay the answer. Streams are relayed chunk by chunk as the
-engine writes them; the client's headers are sent only once the engine's first
-byte is in hand, so until then a failed engine can be replaced by another one
-without the client noticing. After that, a generation's stream whose engine
-stalls, stops answering or breaks is resumed on another engine where a
-continuation is the same answer (router/forward.py). Any other engine failure
-after the first byte ends the client's stream with an explicit SSE error event:
-never a silent truncation. A client that disconnects cancels its handler (see
-httpapi.start_site), which closes the engine connection, which aborts the
-request in the engine.
-
-This module is the HTTP face: the routes, the inference handler's steps, the
-app's start, stop and drain. The rest (the layers: docs/architecture.md, the
-behaviour: docs/routing.md): router/admission.py, the API keys, the per-key
-limits, and the body's bounds, refused with OpenAI-style errors;
-router/fleet.py, the engines: discovery, health checks, and when a request
-finds no engine to wait for (a cold start, or 503 at once), with
-router/adapters.py for the engines' model lists and LoRA adapters;
-router/forward.py, the retries before the first byte and the resumption of a
-broken stream; router/proxy.py, one attempt on one engine, the relay, token
-counts and health accounting; router/inflight.py, the timeouts the router owns
-and what the watchdog, ejections and the shutdown end; router/config.py, the
-settings.
-
-Endpoints (an allow-list): POST /v1/chat/completions, /v1/completions,
-/v1/embeddings, /tokenize and /detokenize are forwarded; GET /v1/models is the
-union of the engines' lists; GET /health and /metrics are the router's own.
-Anything else is an OpenAI-style 404, or 405 for a listed path with another
-method. Left out on purpose: /v1/responses (stateful: a stored response lives
-on one engine, and a later GET or `previous_response_id` may land on another),
-the audio endpoints (multipart uploads, not JSON), and vLLM's operational
-endpoints (LoRA adapter loading, sleep/wake, cache resets), which no client of
-a shared fleet may reach. The engine always gets the route's own path: an
-absolute-form target (`POST http://host/v1/completions`, which HTTP/1.1 servers
-must accept) is served like the origin form, and the client's target string
-never reaches an engine. Of the client's headers only Authorization (vLLM's
---api-key), X-Request-Id, traceparent and tracestate are forwarded, with
-Content-Type: application/json; with --api-keys, Authorization carries the
-client's key for the router and stays here too.
-
-Shutdown (`drain`): on SIGTERM the router keeps accepting and serving for
---drain-delay seconds, every answer with `Connection: close`, while the
-endpoints controller takes the pod out of the Service; then it stops
-accepting, closes idle connections, and lets in-flight requests finish for up
-to --shutdown-grace seconds. What is still running then ends: streams with an
-SSE error event, requests without an answer yet and queued ones with 503.
+"""The router's HTTP face: the routes (an allow-list), the inference handler's steps (refuse what the router can
+itself, read and parse the body once, take an engine slot, forward the bytes, relay the answer), and the app's start,
+stop and drain; the engines, placement and the relay are the other modules'. Design:
+docs/architecture.md#layers-one-way-only.
 """
 
 from __future__ import annotations
@@ -67,8 +19,8 @@ from tensorfleet.httpapi import ServerLimits, error_response
 from tensorfleet.prompts import goes_on, opening_chars, prompt_text
 from tensorfleet.router.adapters import REQUEST_ADAPTER, adapter_key
 from tensorfleet.router.admission import CLIENT_LOG, Admission
+from tensorfleet.router.budget import BodyBudget
 from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.dispatch import BodyBudget
 from tensorfleet.router.fleet import Fleet
 from tensorfleet.router.forward import Forwarder, NoSuchModel
 from tensorfleet.router.inflight import InFlight
@@ -95,8 +47,11 @@ __all__ = ["CLIENT_LOG", "Router", "RouterConfig"]
 
 log = logging.getLogger("tensorfleet.router")
 
+# The forwarded routes, an allow-list: /v1/responses (stateful), the audio endpoints (multipart) and vLLM's operational
+# ones are left out on purpose (docs/security.md#clients-of-the-router).
 INFERENCE_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/tokenize", "/detokenize")
-# The client headers an engine gets; everything else stays at the router.
+# The client headers an engine gets; everything else stays at the router (Authorization too, with API keys: it
+# carries the router's key then).
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
 LINGER_SECONDS = 2.0  # a refused request's unread body is drained (and dropped) this long at most
@@ -287,9 +242,13 @@ class Router:
         return response
 
     async def _inference(self, request: web.Request, start: float, tenant: str | None) -> web.StreamResponse:
+        """Refuse what the router can itself (the head, then the body), parse the body once (the model, the routing
+        keys, the prompt's size), and forward it: the bytes as they came but for the token counts a tracked stream
+        asks its engine for (router/proxy.py), to an engine the dispatcher gives (maybe after queueing)."""
         cfg = self.config
         resource = request.match_info.route.resource
         assert resource is not None
+        # The route's own path: the client's target string (an absolute-form one, say) never reaches an engine.
         path = resource.canonical
         refused = self.admission.head(request, tenant)
         if refused is not None:

@@ -1,18 +1,7 @@
-"""`tensorfleet router`: the load-aware OpenAI-compatible router.
-
-The operator renders it as
-`tensorfleet router --service NAME-engine --namespace NS --strategy S --port 8080
- --max-concurrency-per-backend N --model SERVED_NAME`; `--backend URL`
-(repeatable) replaces discovery with a fixed list. The timeout, limit and
-shutdown flags have defaults meant for production (router/inflight.py and
-router/admission.py say what each bounds); the pod's
-terminationGracePeriodSeconds must exceed --drain-delay + --shutdown-grace.
-With spec.router.auth it adds `--api-keys /etc/tensorfleet/api-keys` (the
-Secret, mounted) and the per-key limits (router/tenants.py).
-
-With no engine healthy the router answers 503 at once with Retry-After,
-unless a cold start is underway, when it queues (up to --queue-timeout); the
-description below and router/fleet.py define a cold start.
+"""`tensorfleet router`: the command line of the load-aware OpenAI-compatible router, as the operator renders it (the
+engine Service, the strategy, the ceiling, the served model; with spec.router.auth the API keys and per-key limits)
+or as run by hand against `--backend` engines; each flag's help says what it bounds. Design:
+docs/architecture.md#processes-and-what-crosses-between-them.
 """
 
 from __future__ import annotations

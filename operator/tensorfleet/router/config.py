@@ -1,8 +1,6 @@
-"""The router's settings: one RouterConfig, made from router/cli.py's flags (or by tests), read by every part.
-
-Each part of the router (router/app.py, fleet.py, proxy.py, forward.py, inflight.py, adapters.py) takes this one
-object rather than its own subset, so a setting keeps the name and the default its flag documents; the layers
-and what each one owns: docs/architecture.md, the routing behaviour the settings tune: docs/routing.md.
+"""The router's settings: one RouterConfig, made from router/cli.py's flags (or by tests) and read by every part, which
+takes this one object rather than its own subset, so a setting keeps the name and the default its flag documents.
+Design: docs/architecture.md#layers-one-way-only.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
-"""Demand, told to the operator through a Lease, for fleets that scale to zero.
-
-With `autoscaling.minReplicas: 0` the operator takes an idle fleet to zero
-and renders a Lease, `NAME-demand` (contract.demand_lease_name), whose only
-writers are this service's routers (their Role may get and patch that one
-Lease and no other object). A router renews it (`spec.renewTime`, with its
-pod name as `holderIdentity`) whenever requests arrive, at most once per
-REFRESH_SECONDS, and at once (within URGENT_SECONDS) when a request finds
-no engine at all: the fleet is at zero, or about to be. The operator watches
-the Lease and wakes the fleet on that write, without waiting for a metrics
-scrape, and counts the idle period from the last renewal.
-
-The write is server-side apply of `spec.renewTime` and `spec.holderIdentity`
-under the router's own field manager: the operator owns the Lease's
-metadata, the routers its renewal, and neither overwrites the other. The
-write runs in the background; a request never waits for it. Failures are
-logged (rate-limited) and retried at the next request.
+"""Demand, told to the operator through the Lease `NAME-demand` of a fleet that scales to zero: a router renews it as
+requests arrive, at most every REFRESH_SECONDS, and within URGENT_SECONDS when a request finds no engine, in the
+background, so no request waits for the write. Design: docs/autoscaling.md#scale-to-zero-and-back.
 """
 
 from __future__ import annotations
@@ -73,7 +59,10 @@ class DemandLease:
         self._task = asyncio.get_running_loop().create_task(self._write(), name="router-demand-lease")
 
     async def _write(self) -> None:
-        """One server-side apply of the renewal; failures are logged, never raised."""
+        """One server-side apply of `spec.renewTime` and `spec.holderIdentity` (the pod's name) under the router's own
+        field manager: the operator owns the Lease's metadata, the routers its renewal, and neither overwrites the
+        other. Failures are logged (at most once a FAILURE_LOG_SECONDS), never raised, and retried at the next
+        request."""
         if self._kube is None:
             self._kube = Kube(self.connection, component=contract.ROUTER_COMPONENT,
                               field_manager=contract.ROUTER_COMPONENT)

@@ -1,24 +1,6 @@
-"""Engine discovery from the EndpointSlices of the headless `NAME-engine` Service.
-
-List, then watch from the list's resourceVersion; a watch that ends is
-resumed from the last version seen, a 410 Gone (history compacted) relists,
-and errors back off exponentially. Only endpoints whose `ready` condition is
-not false are engines to route to (the API defines an absent condition as
-ready); terminating pods are never ready. The endpoints that are listed but
-not ready and not terminating (`ready: false`, `terminating` absent or false)
-are kept apart as *starting*: the EndpointSlice controller lists a pod once it
-has an address, so these are engine pods that run but have not passed their
-readiness probe yet (loading the model, forming their group, restarting after
-a crash). The router queues requests rather than refusing them while any
-exists (see router/fleet.py). Pods without an address yet (Pending: scheduling,
-pulling the image) are in no EndpointSlice and cannot be seen here. The Role
-the operator renders grants get/list/watch on endpointslices in the namespace
-and nothing else.
-
-The requests go through `tensorfleet.kube`, the client every process shares:
-in a pod it authenticates as the router's service account (the projected
-token re-read as it rotates), elsewhere with the kubeconfig, or through a
-plain URL such as `kubectl proxy`.
+"""Engine discovery from the EndpointSlices of the headless `NAME-engine` Service, listed then watched through
+`tensorfleet.kube`: the ready endpoints are the engines to route to, and those neither ready nor terminating are
+engine pods still starting (a cold start). Design: docs/routing.md#admission-and-the-queue.
 """
 
 from __future__ import annotations
@@ -65,6 +47,8 @@ def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> SliceEndpoints:
         host = f"[{addresses[0]}]" if family == "IPv6" else addresses[0]
         url = f"http://{host}:{port}"
         conditions = endpoint.get("conditions") or {}
+        # The API defines an absent `ready` as ready; a terminating pod's endpoint is never ready. Pods with no
+        # address yet (Pending) are in no slice at all.
         if conditions.get("ready") is not False:
             ready.append(url)
         elif conditions.get("terminating") is not True:
@@ -153,7 +137,9 @@ class EndpointSliceWatcher:
 
     # --- loop ------------------------------------------------------------------------------
     async def run(self) -> None:
-        """List and watch until cancelled; never raises for API trouble, it backs off and relists."""
+        """List, then watch from the list's resourceVersion, until cancelled: a watch that ends is resumed from the
+        last version seen, a 410 Gone (history compacted) relists, and any other failure backs off exponentially
+        (BACKOFF_START to BACKOFF_MAX) and relists; never raises for API trouble."""
         backoff = BACKOFF_START
         async with Kube(self.connection, component=contract.ROUTER_COMPONENT) as kube:
             while True:

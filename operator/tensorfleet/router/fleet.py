@@ -1,45 +1,7 @@
-"""The router's engines: which there are, which are healthy, and whether a request can wait for one.
-
-Fleet owns the engine pool (router/backends.py) and the dispatcher that places requests on it
-(router/dispatch.py): it learns the engines (--backend, EndpointSlice discovery of the engine and prefill
-Services, router/discovery.py), checks each one every health interval (scraping its load), ejects what fails, and
-says when no engine is coming (`unavailable`) or a cold start is underway (`cold_start`). It also keeps the
-engines' LoRA adapters (router/adapters.py), the demand Lease of a fleet that scales to zero
-(router/demand.py), the other router replicas' placements and load (router/peers.py) and the engines' KV events
-(router/kvfleet.py) in step with the pool. It knows nothing of HTTP clients: router/app.py and router/forward.py
-ask it. The behaviour: docs/routing.md; the layers: docs/architecture.md.
-
-No engine to wait for: a request that finds no engine healthy (every one
-ejected, joining or gone) is answered 503 at once, with Retry-After, instead
-of waiting --queue-timeout for an engine the router already knows is not
-coming, unless a cold start is underway: then it queues, as it does when
-the engines are busy, and gets 503 once --queue-timeout passes. A cold start
-is underway while any of these holds:
-  - discovery (--service) has not listed the engine Service's EndpointSlices
-    yet, and has not failed to: the router does not know its engines yet;
-  - the EndpointSlices list an endpoint that is neither ready nor terminating:
-    an engine pod that runs but has not passed its readiness probe yet
-    (loading the model, its group forming, restarting after a crash);
-  - an engine is joining (in the pool, no health check answered 200 yet; see
-    backends.py) and was named with --backend, or its first health check is
-    still out. A static engine has no readiness probe to say it is starting,
-    so one never yet seen up is taken as starting while it answers (its
-    /health says 503 while it loads) or does not answer in time; one whose
-    health check cannot connect (refused: nothing listens there; the name
-    does not resolve) is down or misnamed, not starting, and a request
-    finding only such engines gets 503 at once. A discovered engine
-    joins when its pod is Ready and is checked at once: if the router then
-    cannot reach it (a NetworkPolicy, a wrong port) that is a fault to report,
-    not a start to wait for.
-Requests already queued are refused the same way the moment this becomes
-true while they wait (the last engine ejected, the last starting pod gone).
-Retry-After says when the soonest engine may serve again: the end of its
-ejection (plus one --health-interval when only a health check may probe it:
-ejected as unresponsive), or the next health check for a joining engine or a
-probe in flight; rounded up, at least 1 s. With no engine at all (the Service
-lists none ready or starting, or discovery fails) it is NO_ENGINE_RETRY_SECONDS.
-A request that already failed on an engine and finds no other one gets its
-502/504 as before, with that Retry-After (or the engine's own 5xx, as it came).
+"""The router's engines: which there are (`--backend`, EndpointSlice discovery), which are healthy (a health check and
+load scrape each interval, ejections), and whether a request can wait for one (`unavailable`, `cold_start`); it keeps
+the engines' adapters, the demand Lease, the peers and the KV events in step with the pool, and knows nothing of HTTP
+clients. Design: docs/routing.md#engine-health.
 """
 
 from __future__ import annotations
@@ -56,7 +18,16 @@ from tensorfleet import contract
 from tensorfleet.kube.connection import Connection, in_cluster_namespace
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 from tensorfleet.router.adapters import Adapters
-from tensorfleet.router.backends import CLOSED, HALF_OPEN, JOINING, OPEN, Backend, BackendPool, parse_engine_metrics
+from tensorfleet.router.backends import (
+    CLOSED,
+    HALF_OPEN,
+    JOINING,
+    OPEN,
+    Backend,
+    BackendPool,
+    Load,
+    parse_engine_metrics,
+)
 from tensorfleet.router.config import RouterConfig
 from tensorfleet.router.demand import REFRESH_SECONDS as DEMAND_REFRESH_SECONDS
 from tensorfleet.router.demand import DemandLease
@@ -64,10 +35,10 @@ from tensorfleet.router.discovery import EndpointSliceWatcher
 from tensorfleet.router.dispatch import Dispatcher, Unavailable
 from tensorfleet.router.inflight import InFlight
 from tensorfleet.router.kvfleet import KVEventFleet
-from tensorfleet.router.peers import Load, Peers, Placement
+from tensorfleet.router.peers import Loads, Peers, Placement
 from tensorfleet.router.prefill import PrefillStage
-from tensorfleet.router.resume import CHARS_PER_TOKEN
 from tensorfleet.router.scheduling import RequestInfo, make_profile
+from tensorfleet.router.tokencount import CHARS_PER_TOKEN
 from tensorfleet.router.tokens import fetch_tokens, tokenize_request
 
 log = logging.getLogger("tensorfleet.router")
@@ -138,16 +109,16 @@ class Fleet:
         load = self.peers.load(self.in_flight.now())
         freed = False
         for backend in self.pool:
-            n, chars, context, queued = load.get(backend.url, (0, 0.0, 0.0, 0.0))
-            freed = freed or n < backend.peer_in_flight or queued < backend.peer_queued_prompt_chars
-            backend.others, backend.peer_prefill_chars, backend.peer_in_flight = n, chars, n
-            backend.peer_context_chars, backend.peer_queued_prompt_chars = context, queued
+            told = load.get(backend.url) or Load()
+            freed = (freed or told.requests < backend.peers.requests
+                     or told.queued_prompt_chars < backend.peers.queued_prompt_chars)
+            backend.peers, backend.others = told, told.requests
         if freed:
             self.dispatcher.drain()  # the peers freed slots or prompt room on an engine: waiters here may take them
 
-    def _own_load(self) -> Load:
+    def _own_load(self) -> Loads:
         """This replica's load on each engine, as the peers are told it."""
-        return {b.url: (b.in_flight, b.prefill_chars, b.context_chars, b.queued_prompt_chars) for b in self.pool}
+        return {b.url: b.own for b in self.pool}
 
     def _block_chars(self) -> int:
         return self.strategy.block_chars
@@ -232,9 +203,9 @@ class Fleet:
                 await asyncio.gather(*checks, return_exceptions=True)
             self.pool.tick()
             self._peer_load()
-            self.strategy.align(b.kv_block_size for b in self.pool)
+            self.strategy.align(b.engine.kv_block_size for b in self.pool)
             if self.prefill is not None:
-                self.prefill.strategy.align(b.kv_block_size for b in self.prefill.pool)
+                self.prefill.strategy.align(b.engine.kv_block_size for b in self.prefill.pool)
             if self.adapters.due():
                 await self.adapters.refresh()  # on schedule, or an engine joined or left: an adapter may be gone
             self.dispatcher.reevaluate()  # a joining engine's first check may have ended a cold start
@@ -250,14 +221,14 @@ class Fleet:
         time, and joins on its first 200."""
         pool = pool or self.pool
         if backend.state in (OPEN, HALF_OPEN):
-            if not backend.probe_due(pool.clock()):
+            if not backend.breaker.probe_due(pool.clock()):
                 return  # ejected, or a probe is already out: nothing to learn yet
             # Past its ejection time: this check is the half-open probe.
             pool.begin_probe(backend)
         try:
             await self._check(backend, pool, dispatcher or self.dispatcher)
         finally:
-            backend.checked = True
+            backend.breaker.checked = True
 
     async def _check(self, backend: Backend, pool: BackendPool, dispatcher: Dispatcher) -> None:
         session = self.in_flight.session
@@ -274,10 +245,10 @@ class Fleet:
             refused = True
         except Exception:  # noqa: BLE001 - a check that fails in any way has failed
             ok = False
-        if refused and not backend.unreachable and backend.state == JOINING and backend.url in self._static_urls:
+        if refused and not backend.breaker.unreachable and backend.state == JOINING and backend.url in self._static_urls:
             log.warning("engine %s refuses connections: not taken as starting, requests get 503 until it answers",
                         backend.url)
-        backend.unreachable = refused
+        backend.breaker.unreachable = refused
         if refused:
             pool.record_failure(backend, fatal=True)
             return
@@ -303,10 +274,10 @@ class Fleet:
             pool.record_success(backend)
 
     def _on_ejected(self, backend: Backend) -> None:
-        log.warning("ejected engine %s%s for %.1fs", backend.url, " (unresponsive)" if backend.unresponsive else "",
-                    backend.open_until - self.pool.clock())
+        log.warning("ejected engine %s%s for %.1fs", backend.url, " (unresponsive)" if backend.breaker.unresponsive else "",
+                    backend.breaker.open_until - self.pool.clock())
         self.dispatcher.reevaluate()  # the last healthy engine gone: the queued requests have nothing to wait for
-        if backend.unresponsive:
+        if backend.breaker.unresponsive:
             self.in_flight.engine_unresponsive(backend)
 
     # --- availability ---------------------------------------------------------------------
@@ -324,7 +295,11 @@ class Fleet:
         return await fetch_tokens(self.in_flight.session, engine.url, request)
 
     def cold_start(self) -> str | None:
-        """What makes a cold start underway (see the module docstring), in words; None when none is."""
+        """What makes a cold start underway, in words; None when none is. One is while discovery has not listed
+        the engines yet (and has not failed to), while an engine pod is starting (listed, neither ready nor
+        terminating), while a fleet scaled to zero has no engine, or while an engine is joining: a static one
+        never yet up that does not refuse connections, or a discovered one before its first check completes (it
+        joined Ready, so failing then is a fault, not a start)."""
         watcher = self.watcher
         if watcher is not None:
             if not watcher.listed and not watcher.failing:
@@ -335,14 +310,15 @@ class Fleet:
             if self.demand is not None and not watcher.failing and not len(self.pool):
                 return "the fleet is scaled to zero; waking it"
         joining = sum(1 for b in self.pool if b.state == JOINING
-                      and (b.url in self._static_urls and not b.unreachable or not b.checked))
+                      and (b.url in self._static_urls and not b.breaker.unreachable or not b.breaker.checked))
         if joining:
             return f"{joining} engine(s) not up yet"
         return None
 
     def unavailable(self, exclude: frozenset[str]) -> Unavailable | None:
         """Why a request (that already failed on `exclude`) cannot wait for an engine: none healthy or about to
-        be probed, no cold start underway. None when it may queue."""
+        be probed, no cold start underway. None when it may queue. Its Retry-After is when the soonest engine may
+        serve again (Breaker.back_in), at least 1 s; NO_ENGINE_RETRY_SECONDS with no engine at all."""
         now = self.pool.clock()
         candidates = [b for b in self.pool if b.url not in exclude]
         if any(b.state == CLOSED or b.routable(now) for b in candidates):
@@ -350,11 +326,11 @@ class Fleet:
         if self.cold_start() is not None:
             return None
         if candidates:
-            seconds = min(b.back_in(now, self.config.health_interval) for b in candidates)
+            seconds = min(b.breaker.back_in(now, self.config.health_interval) for b in candidates)
             ejected = sum(1 for b in candidates if b.state in (OPEN, HALF_OPEN))
             parts = [f"{ejected} ejected after failures"] if ejected else []
             unreachable = sum(1 for b in candidates
-                              if b.state == JOINING and b.unreachable and b.url in self._static_urls)
+                              if b.state == JOINING and b.breaker.unreachable and b.url in self._static_urls)
             if unreachable:
                 parts.append(f"{unreachable} not accepting connections (down, or a wrong --backend address)")
             if len(candidates) > ejected + unreachable:

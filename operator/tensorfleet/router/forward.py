@@ -1,21 +1,7 @@
-"""A call's way through the engines: which engine next, retries before the first byte, resumption after it.
-
-Forwarder takes a Call that router/app.py has admitted, waits for an engine from the dispatcher (router/fleet.py
-owns it), has router/proxy.py attempt it there, and charges each failure to its engine as it deserves (FATAL,
-COUNTED, SUSPECT). A failure before the first byte goes to another engine, up to --retries times; a resumable
-stream that breaks after it goes on as a continuation (below); a disaggregated request runs its prefill phase
-first (router/prefill.py). The router's own refusals on the way (a full queue, no engine in time, none at all)
-are its answers. The behaviour: docs/routing.md (Retries before the first byte, Stream resumption and token
-accounting, Prefill/decode disaggregation, LoRA adapters); the layers: docs/architecture.md.
-
-Once the client has bytes, a generation's stream whose engine stalls, stops answering or breaks is resumed:
-re-issued to another engine as a continuation of the answer already sent (prompt + text, or the chat's assistant
-message with continue_final_message; max_tokens less the tokens sent), whose events are relayed rewritten to the
-first stream's id, created and model, without a second role delta, usage counting the original prompt and every
-token sent; the client sees one uninterrupted stream. At most --stream-resumptions times per stream, never on an
-engine it broke on, and only where a continuation is the same answer (router/resume.py lists what is not: n > 1,
-logprobs, echo, guided decoding, tool calls or reasoning already sent, ...; counted in
-ROUTER_METRIC_STREAM_RESUMPTIONS).
+"""A call's way through the engines: which engine next, retries before the first byte (each failure charged to its
+engine as it deserves: FATAL, COUNTED, SUSPECT), a broken stream resumed as a continuation after it, and a
+disaggregated request's prefill phase first (router/prefill.py). Design:
+docs/routing.md#stream-resumption-and-token-accounting.
 """
 
 from __future__ import annotations
@@ -30,8 +16,9 @@ from aiohttp import web
 from tensorfleet.httpapi import error_response
 from tensorfleet.router.adapters import REQUEST_ADAPTER, adapter_key
 from tensorfleet.router.backends import Backend
+from tensorfleet.router.budget import BodyBudget
 from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.dispatch import BodyBudget, NoBackend, QueueFull, QueueTimeout, ShuttingDown, Unavailable
+from tensorfleet.router.dispatch import NoBackend, QueueTimeout, ShuttingDown, Unavailable
 from tensorfleet.router.fleet import Fleet
 from tensorfleet.router.inflight import InFlight
 from tensorfleet.router.metrics import CLIENT_CLOSED, RouterMetrics
@@ -52,6 +39,7 @@ from tensorfleet.router.proxy import (
     reject,
     stream_error,
 )
+from tensorfleet.router.waitqueue import QueueFull
 
 log = logging.getLogger("tensorfleet.router")
 

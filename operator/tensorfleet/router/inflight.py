@@ -1,31 +1,6 @@
-"""What the router has in flight with its engines: the connections, the requests, and each attempt on an engine.
-
-One InFlight is shared by the router's parts (router/app.py counts requests and drains, fleet.py interrupts the
-attempts of an engine ejected as unresponsive, proxy.py registers each attempt and streams through it), so the
-watchdog, the ejections and the shutdown can end an attempt wherever it is: before its first byte through its
-timer, mid-stream through its reader, or by dropping a client that reads nothing. The layers:
-docs/architecture.md; what each timeout means for a client: docs/routing.md (Stream resumption and token
-accounting).
-
-Timeouts the router owns:
-  first byte   an attempt that has received nothing from its engine within
-               --first-byte-timeout + prompt tokens / --prefill-tokens-per-second
-               (for a non-streamed generation also + max_tokens /
-               --decode-tokens-per-second; none when it sets no max_tokens)
-               is abandoned, the engine connection closed, and the request
-               retried elsewhere. Not counted against the engine: its health
-               checks answer for its health.
-  health       a health check unanswered within --health-timeout ejects the
-               engine at once as unresponsive; requests waiting for its first
-               byte move to other engines then, and its streams are resumed
-               elsewhere (or end with an error event) once they have been quiet
-               as long.
-  stall        a stream that gets nothing from its engine for
-               --stream-idle-timeout is resumed on another engine, or ends with
-               an SSE error event when it cannot be; a client that reads
-               nothing for as long is disconnected.
-  clients      request heads (--header-timeout), bodies (--body-timeout) and
-               idle keep-alive connections (--idle-timeout); see ServerLimits.
+"""What the router has in flight with its engines: the connections, the requests (for the drain) and each attempt on an
+engine, so the watchdog, an ejection as unresponsive or the shutdown can end an attempt wherever it is: before its
+first byte, mid-stream, or by dropping a client that reads nothing. Design: docs/routing.md#timeouts-and-shutdown.
 """
 
 from __future__ import annotations
@@ -79,7 +54,9 @@ class Attempt:
 
 class InFlight:
     """The engine connections (one session, open while the app runs), the inference requests being handled (for
-    the drain and the demand Lease) and their attempts on engines."""
+    the drain and the demand Lease) and their attempts on engines. One is shared by the router's parts: router/app.py
+    counts requests and drains, fleet.py interrupts the attempts of an engine ejected as unresponsive, proxy.py
+    registers each attempt and streams through it."""
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -159,6 +136,6 @@ class InFlight:
                 quiet = now - attempt.last
                 if quiet > limit:
                     attempt.interrupt("stalled")
-                elif (quiet >= hung and not attempt.writing and attempt.backend.unresponsive
+                elif (quiet >= hung and not attempt.writing and attempt.backend.breaker.unresponsive
                       and not attempt.backend.healthy):
                     attempt.interrupt("unresponsive")

@@ -1,8 +1,8 @@
 """The router's subscription to one engine's KV events (vLLM's ZeroMQ publisher, `--kv-events-config`):
 batches in order into the KV index (router/kvindex.py), with the publisher's replay socket filling any gap,
 catching a new subscriber up and noticing a restarted engine. What cannot be recovered clears that engine's
-part of the index, so the index may miss blocks but never claims one the engine lost. Wire format and
-recovery: docs/routing.md#kv-events.
+part of the index, so the index may miss blocks but never claims one the engine lost. Design:
+docs/routing.md#the-kv-cache-index.
 """
 
 from __future__ import annotations

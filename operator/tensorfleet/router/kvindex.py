@@ -1,9 +1,7 @@
-"""Which engine holds which KV-cache blocks, as the engines themselves report it (vLLM's KV events:
-BlockStored, BlockRemoved, AllBlocksCleared), and the longest leading run of a prompt's blocks each engine
-holds. Pure: the events come in through router/kvevents.py. Blocks are keyed by their content (the parent's
-key, the block's token ids, the LoRA adapter) rather than by vLLM's hash, so the index needs neither the
-engine's hash algorithm nor its seed and reads every vLLM release alike; each engine's own hashes map to those
-keys for its removals. Design: docs/routing.md#the-kv-cache-index.
+"""Which engine holds which KV-cache blocks, as the engines themselves report it (vLLM's KV events: BlockStored,
+BlockRemoved, AllBlocksCleared), and the longest leading run of a prompt's blocks each engine holds. Pure: the events
+come in through router/kvevents.py. Blocks are keyed by their content, not by vLLM's hash, so any vLLM release reads
+alike. Design: docs/routing.md#the-kv-cache-index.
 """
 
 from __future__ import annotations

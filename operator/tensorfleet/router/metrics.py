@@ -1,14 +1,6 @@
-"""The router's Prometheus metrics (names in contract.ROUTER_METRIC_*).
-
-Per-engine gauges (in flight, healthy) are read from the pool at scrape time,
-so an engine that leaves the pool leaves /metrics too; the per-engine counters
-are removed with it. Pod IPs change on every restart, and series kept for
-every address ever seen would grow without bound.
-
-With API keys, the per-tenant series are labelled with tenant names from the
-keys' Secret only (never a key, never anything a client sent), and a tenant
-removed from the Secret leaves /metrics at the next reload (`forget_tenants`).
-Failed authentications are counted by reason alone.
+"""The router's Prometheus metrics (names in contract.ROUTER_METRIC_*): requests, attempts, retries and resumptions, per
+engine, per tenant and per adapter, and the gauges read from the pool and the queue at scrape time, the autoscaling
+signal's among them. Design: docs/autoscaling.md#the-signal-every-queue-per-replica.
 """
 
 from __future__ import annotations
@@ -64,7 +56,7 @@ class _PoolCollector(Collector):
         healthy = GaugeMetricFamily(contract.ROUTER_METRIC_BACKEND_HEALTHY,
                                     "1 when the engine's circuit breaker is closed, else 0.", labels=[backend])
         for b in self.pool:
-            in_flight.add_metric([b.url], b.in_flight)
+            in_flight.add_metric([b.url], b.own.requests)
             healthy.add_metric([b.url], 1.0 if b.healthy else 0.0)
         yield in_flight
         yield healthy
@@ -210,12 +202,16 @@ class RouterMetrics:
         self._auth_failures.labels(reason).inc()
 
     def forget_tenants(self, keep: frozenset[str]) -> None:
-        """Drop the series of tenants no longer in the keys."""
+        """Drop the series of tenants no longer in the keys (tenant labels come from the keys' Secret only, never
+        from anything a client sent)."""
         for metric, labels in [key for key in self._tenant_children if key[1][0] not in keep]:
             del self._tenant_children[metric, labels]
             metric.remove(*labels)
 
     def forget(self, backend: Backend) -> None:
+        """Drop the per-engine series of an engine that left the pool: pod IPs change on every restart, and series
+        kept for every address ever seen would grow without bound. (Its gauges are read from the pool at scrape
+        time, so they go by themselves.)"""
         for key in [k for k in self._request_children if k[0] == backend.url]:
             del self._request_children[key]
             self._requests.remove(*key)

@@ -1,50 +1,6 @@
-"""Router replicas tell each other where they send prompts, so every replica's prefix view covers them all.
-
-A profile that indexes prompts (prefix-aware, cache-aware: router/scheduling/)
-knows which engine holds a conversation's KV from the prompts it sent there
-itself. With several router replicas behind one Service, a conversation's turns
-land on different replicas, and a replica that did not send the previous turn
-guesses: cache-aware sends it to the conversation's home by rendezvous hashing,
-which is where it is unless the home was busy when the conversation started or
-later turns moved it. A wrong guess recomputes the whole history, and those
-requests are the tail of the first-token latency (benchmarks/README.md, section
-7).
-
-So each replica tells its peers the placements it made: per request, the
-engine, the prompt's block hashes and its conversation's opening hash (a few
-hundred bytes). A peer takes them into its index as if it had routed them
-(`Strategy.learn`), and later turns of the conversation follow it wherever it
-went.
-
-The same message carries the sender's load on each engine: its requests in
-flight there, the prompt characters they have yet to compute (no first byte
-back yet), the prompt characters of all of them (what their KV takes of the
-engine's cache), and of the first, those of streamed answers (what the prompt
-queue bound counts: router/dispatch.py). A message from an older replica with
-two or three numbers counts the missing ones as 0, so a rolling upgrade mixes
-versions without refusing anything. A replica's view of the others' load on an
-engine is otherwise the engine's last scrape (every health interval, 2 s),
-stale next to requests that get their first token in a fraction of a second. A
-peer's load counts for PEER_STALE seconds after its last message.
-
-A message goes out as soon as there is news (a placement, a request's first
-byte or its end), not on a timer: a view even 0.1 s old misses the requests the
-peer placed meanwhile, and can put a prompt on an engine the peer has just
-filled (the measurements: benchmarks/README.md, section 7). One message is in
-flight at a time and the next goes at least PEER_GAP after it, so under load
-news is batched by the round trip rather than sent a request at a time; with no
-news, a heartbeat every PEER_HEARTBEAT seconds keeps the load from going stale.
-No shared store, no new Service: the peers are the ready endpoints of the
-router's own Service (the router already watches EndpointSlices), less its own
-address (`POD_IP`); or a static list.
-
-Trust: a placement can only steer a request between engines within the load
-bound, as a forged prefix collision could. Even so, the endpoint takes posts
-only from the peers' addresses, and bounded: at most PEER_MAX_BYTES a message
-and MAX_PLACEMENTS placements in it. A message that fails to reach a peer is
-dropped, not retried: placements are hints, and the next ones are on their way.
-The outbox holds at most MAX_OUTBOX placements between messages; past that the
-oldest are dropped (counted).
+"""Router replicas tell each other where they send prompts and their load on each engine, so every replica's prefix view
+and load cover them all: a message as soon as there is news (a heartbeat without), taken only from the peers'
+addresses and bounded in size, never sent again. Design: docs/routing.md#cache-aware-the-default.
 """
 
 from __future__ import annotations
@@ -61,6 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from tensorfleet import contract
+from tensorfleet.router.backends import Load
 
 log = logging.getLogger("tensorfleet.router.peers")
 
@@ -70,16 +27,14 @@ PEER_STALE = 1.5        # seconds a peer's load counts after its last message
 PEER_TIMEOUT = 1.0      # seconds a post to a peer may take
 PEER_MAX_BYTES = 1 << 20
 MAX_PLACEMENTS = 4096   # per message
-MAX_OUTBOX = 4096       # placements held between messages
+MAX_OUTBOX = 4096       # placements held between messages; past it the oldest are dropped (counted)
 MAX_HASHES = 256        # block hashes per placement (the router hashes at most 256 blocks of a prompt)
 _HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits (+1 bit for an adapter's name)
 
 OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer_placements{outcome}
 
 Placement = tuple[str, int | None, tuple[int, ...]]   # engine URL, opening hash, block hashes
-# engine URL -> requests in flight, prompt chars to compute, prompt chars in flight, prompt chars queued (streamed
-# answers with no first token back)
-Load = dict[str, tuple[int, float, float, float]]
+Loads = dict[str, Load]   # engine URL -> one replica's load there (or the peers' together)
 
 
 class PeerMessageError(ValueError):
@@ -103,9 +58,9 @@ class Peers:
         self._own = own_address
         self._outbox: deque[Placement] = deque(maxlen=MAX_OUTBOX)
         self._dropped = 0
-        self._sent_load: Load | None = None
+        self._sent_load: Loads | None = None
         self._sent_at = -PEER_HEARTBEAT
-        self._loads: dict[str, tuple[float, Load]] = {}  # peer instance -> when its last message came, its load
+        self._loads: dict[str, tuple[float, Loads]] = {}  # peer instance -> when its last message came, its load
         self._news = asyncio.Event()  # set when there is something to tell: run() sends it
         self._on_outcome = on_outcome or (lambda _outcome, _count: None)
         self._update()
@@ -141,7 +96,7 @@ class Peers:
         if self._urls:
             self._news.set()
 
-    def message(self, block_chars: int, load: Load, now: float) -> bytes | None:
+    def message(self, block_chars: int, load: Loads, now: float) -> bytes | None:
         """The outbox and LOAD as one message (emptying the outbox), or None when there is nothing new to send
         (no placements, the load as last sent, the heartbeat not due)."""
         if self._dropped:
@@ -153,8 +108,9 @@ class Peers:
         self._outbox.clear()
         self._sent_load, self._sent_at = load, now
         return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
-                           "load": {url: [n, round(chars), round(context), round(queued)]
-                                    for url, (n, chars, context, queued) in load.items()}},
+                           "load": {url: [x.requests, round(x.prefill_chars), round(x.context_chars),
+                                          round(x.queued_prompt_chars), x.prefilling]
+                                    for url, x in load.items()}},
                           separators=(",", ":")).encode()
 
     @property
@@ -162,19 +118,18 @@ class Peers:
         """Whether any peer's load is kept (it may have gone stale since)."""
         return bool(self._loads)
 
-    def load(self, now: float) -> Load:
+    def load(self, now: float) -> Loads:
         """The other replicas' load per engine: the sum over the peers heard from within PEER_STALE."""
-        total: Load = {}
+        total: Loads = {}
         for instance, (heard, load) in list(self._loads.items()):
             if now - heard > PEER_STALE:
                 del self._loads[instance]
                 continue
-            for url, (n, chars, context, queued) in load.items():
-                before = total.get(url, (0, 0.0, 0.0, 0.0))
-                total[url] = (before[0] + n, before[1] + chars, before[2] + context, before[3] + queued)
+            for url, told in load.items():
+                total[url] = total[url] + told if url in total else told
         return total
 
-    async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Load],
+    async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Loads],
                   clock: Callable[[], float]) -> None:
         """Send every peer the outbox and this replica's LOAD whenever there is news (`nudge`), one message at a
         time and PEER_GAP apart, and at least every PEER_HEARTBEAT seconds; until cancelled."""
@@ -229,10 +184,10 @@ class Peers:
             return []
         load = doc.get("load", {})
         if not (isinstance(load, dict) and len(load) <= MAX_PLACEMENTS
-                and all(isinstance(v, list) and 2 <= len(v) <= 4 and all(_is_count(x) for x in v)
+                and all(isinstance(v, list) and 2 <= len(v) <= 5 and all(_is_count(x) for x in v)
                         for v in load.values())):
             raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters to compute, "
-                                   "prompt characters in flight, prompt characters queued]}")
+                                   "prompt characters in flight, prompt characters queued, requests with no first byte back]}")
         self._loads[sender] = (now, {url: _load_entry(v) for url, v in load.items()})
         if doc.get("blockChars") != block_chars:
             return []
@@ -250,10 +205,11 @@ class Peers:
         return placements
 
 
-def _load_entry(value: list[int]) -> tuple[int, float, float, float]:
+def _load_entry(value: list[int]) -> Load:
     """One engine's load in a message: the numbers an older replica leaves out count as 0."""
-    n, chars, context, queued = (*value, 0, 0)[:4]
-    return int(n), float(chars), float(context), float(queued)
+    n, chars, context, queued, prefilling = (*value, 0, 0, 0)[:5]
+    return Load(requests=n, prefilling=min(prefilling, n), prefill_chars=float(chars), context_chars=float(context),
+                queued_prompt_chars=float(queued))
 
 
 def _is_count(value: Any) -> bool:

@@ -1,20 +1,8 @@
-"""The prefill half of a disaggregated request: the first of the router's two phases (issue 15).
-
-With prefill engines (`--prefill-backend`, `--prefill-service`), a chat or completion request goes first to a
-prefill engine, as vLLM's disaggregated-serving proxy sends it: the client's request with `max_tokens` 1, not
-streamed, and `kv_transfer_params: {"do_remote_decode": true}`. The engine computes the prompt, holds its KV
-and answers with the `kv_transfer_params` that name it. The router then sends the client's request with those
-params to a decode engine (the router's usual pool and strategy), which reads the KV instead of computing the
-prompt and streams the answer back. Usage, errors and metrics stay those of the one request the client sent:
-the prefill answer never reaches it.
-
-The prefill engine is chosen by prefix affinity bounded by load (cache-aware: the same conversation goes to
-the engine that holds its prefix), among those with a free slot. The decode pool can always do the prefill
-itself, so the prefill half never makes a request fail or wait: when no prefill engine has a slot free now
-(`saturated`), none is healthy (`unavailable`), the one tried fails or times out (`failed`), it answers without
-params (`no-params`: no KV connector), or the request is one the two phases cannot split (`unsupported`: several
-choices, an echoed prompt), the request goes to a decode engine as it is, which computes its prompt. Each
-outcome is counted (ROUTER_METRIC_PREFILL: `remote` when the KV was handed over).
+"""The prefill half of a disaggregated request, the first of the router's two phases: the client's request, with
+`max_tokens` 1 and `do_remote_decode`, to a prefill engine chosen by prefix affinity within the load bound, whose
+`kv_transfer_params` then go with it to a decode engine. It never makes a request fail or wait: whatever goes wrong,
+the decode engine computes the prompt itself (each outcome counted). Design:
+docs/routing.md#prefilldecode-disaggregation.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from tensorfleet.prompts import opening_chars, prompt_text
-from tensorfleet.router.backends import CLOSED, Backend, BackendPool, BreakerPolicy
+from tensorfleet.router.backends import Backend, BackendPool, BreakerPolicy
 from tensorfleet.router.dispatch import Dispatcher
 from tensorfleet.router.scheduling import CacheAware, RequestInfo, hash_prompt
 
@@ -89,7 +77,7 @@ class PrefillStage:
         half = prefill_body(body)
         if half is None:
             return "unsupported", None
-        if not any(b.state == CLOSED for b in self.pool):
+        if not any(b.healthy for b in self.pool):
             return "unavailable", None
         backend = self.dispatcher.try_acquire(info)
         if backend is None:

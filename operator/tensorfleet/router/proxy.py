@@ -1,28 +1,7 @@
-"""One call on one engine: send it, wait for the first byte, relay the answer whole or as a stream.
-
-A Call is a request the router has read, parsed and admitted (router/app.py); Proxy.attempt sends it to the
-engine the dispatcher gave and relays what comes back, and says by what it raises how the attempt failed: Failed
-before any byte reached the client (router/forward.py tries another engine), Resume when a resumable stream broke
-after that (forward.py continues it elsewhere), Stopped when the shutdown grace ended first, ClientGone when the
-client left. A stream that breaks and cannot be resumed ends here, with an SSE error event, never a silent
-truncation. Each attempt registers with router/inflight.py, where the watchdog, ejections and the shutdown can
-interrupt it. The behaviour: docs/routing.md (Retries before the first byte, Stream resumption and token
-accounting); the layers: docs/architecture.md.
-
-Token counts: an engine event may carry several tokens, so the router counts
-none itself. A stream it tracks (resumable, or with per-key token limits) asks
-its engine for `stream_options: {include_usage, continuous_usage_stats}` (added
-to the body; router/resume.py), reads the engine's running counts from every
-event, and relays only the usage its client asked for. Those counts give the
-continuation's max_tokens, the usage after a resumption and the key's charge.
-
-Health accounting (backends.py) counts only the engine's faults: refused or
-reset connections, failed health checks, 5xx answers. A 4xx answer is the
-client's doing and is neutral. A 5xx counts against its engine only once
-another engine has answered the same request without one: a request that
-fails on every engine it is tried on is likelier the cause than every engine
-at once, and must not be able to eject them all. Client-facing messages never
-name an engine; the log does.
+"""One attempt of a call on one engine: send it, wait for the first byte, relay the answer whole or as a stream, and say
+by what it raises how the attempt failed (Failed before any byte reached the client, Resume for a resumable stream
+that broke after, Stopped, ClientGone); a stream that breaks and cannot be resumed ends here with an SSE error event.
+Design: docs/routing.md#retries-before-the-first-byte.
 """
 
 from __future__ import annotations
@@ -41,13 +20,15 @@ from tensorfleet import contract
 from tensorfleet.httpapi import SSE_CONTENT_TYPE, error_body, error_response, post_resending_once
 from tensorfleet.prompts import content_text
 from tensorfleet.router.backends import Backend, BackendPool
+from tensorfleet.router.budget import BodyBudget
 from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.dispatch import BodyBudget, Dispatcher
+from tensorfleet.router.dispatch import Dispatcher
 from tensorfleet.router.inflight import Attempt, InFlight, Interrupted
 from tensorfleet.router.metrics import NO_BACKEND, RouterMetrics
-from tensorfleet.router.resume import CHARS_PER_TOKEN, StreamState, ask_usage, usage_asked
+from tensorfleet.router.resume import StreamState, ask_usage, usage_asked
 from tensorfleet.router.scheduling import RequestInfo
 from tensorfleet.router.tenants import UsageMeter
+from tensorfleet.router.tokencount import CHARS_PER_TOKEN
 
 log = logging.getLogger("tensorfleet.router")
 

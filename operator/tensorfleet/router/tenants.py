@@ -1,46 +1,7 @@
-"""API keys and per-key limits at the router (spec.router.auth, `--api-keys`).
-
-Keys. `--api-keys PATH` is either a directory with one file per tenant, the
-file's name the tenant and its content the API key (what Kubernetes mounts for
-a Secret whose data keys are tenant names: `kubectl create secret generic
-llm-keys --from-literal=team-a=KEY --from-literal=team-b=KEY`), or a file of
-`tenant:key` lines (`#` comments and blank lines ignored). A tenant name is 1
-to 253 of `-._a-zA-Z0-9` (what a Secret's data keys may be; a directory's
-entries starting with a dot, a mounted Secret's own `..data` links, are not
-tenants); a key is its file or line with surrounding whitespace stripped, 1 to
-MAX_KEY_BYTES bytes. A key listed for two tenants names neither, so both are
-refused until it is fixed. Problems are logged naming the tenant or the line,
-never a key; what is valid loads. A tenant name reaches /metrics as a label,
-so the labels are bounded by the Secret.
-
-Keys are kept only as HMAC-SHA256 digests under a random per-process salt, and
-a presented key is checked by comparing its digest with every stored one with
-hmac.compare_digest, without stopping at a match: how long the check takes
-says nothing about which key, if any, matched.
-
-Reload. Every `--api-keys-reload-interval` seconds the router stats the path
-(each entry's name, inode, size and mtime; a Secret update replaces the
-mount's `..data` link, so the fingerprint always changes) and reads it again
-when anything changed. A read that fails keeps the keys in force and logs why;
-a read that succeeds is the new truth, so a key deleted from the Secret stops
-working at the next reload. The kubelet brings Secret changes to a mounted
-volume within its sync period (about a minute by default); no restart.
-
-Limits. Per tenant, per router process: a token bucket for requests and one
-for tokens, each holding at most a minute's worth (the burst) and refilled
-evenly. A request takes one request at once (before its body is read), and
-its token estimate once parsed: the prompt estimated from its characters plus,
-for a generation, max_tokens (or `--default-max-tokens` when unset) times `n`.
-It is admitted while the bucket holds the estimate, or a full minute's worth
-for an estimate larger than that, so every request can pass eventually. Once
-its answer is done the charge is settled to what it used: the engine's `usage`
-of a whole answer; for a stream, the counts the router asked the engine for on
-every event (router/resume.py: the original prompt and every completion token
-the client got, across the engines of a resumed stream), or where an engine
-gave none, the prompt estimate and the completion estimated from the text
-streamed (resume.estimate_tokens); nothing for an answer that is an error. The
-bucket may go below zero (a debt the refill pays off first). A refusal says
-when the bucket will hold enough, as Retry-After.
+"""API keys and per-key limits at the router (spec.router.auth, `--api-keys`): the keys read from the mounted Secret (or
+a `tenant:key` file), reloaded when it changes and kept only as salted digests, and per tenant a token bucket of
+requests and one of tokens a minute, charged an estimate at admission and settled to the usage. Design:
+docs/security.md#clients-of-the-router.
 """
 
 from __future__ import annotations
@@ -60,6 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger("tensorfleet.router.auth")
 
+# What a Secret's data keys may be; a tenant name reaches /metrics as a label, so the Secret bounds the labels.
 TENANT_PATTERN = re.compile(r"[-._a-zA-Z0-9]{1,253}")
 MAX_KEY_BYTES = 4096
 MAX_KEYS_FILE_BYTES = 4 * 1024 * 1024
@@ -75,8 +37,13 @@ class KeysError(Exception):
 
 
 def read_keys(path: Path) -> tuple[dict[str, bytes], list[str]]:
-    """The tenants and keys at PATH (a directory or a `tenant:key` file), and what was wrong, in words that
-    never include a key. KeysError if PATH cannot be read at all."""
+    """The tenants and keys at PATH, and what was wrong, in words that never include a key (what is valid loads).
+    KeysError if PATH cannot be read at all.
+
+    PATH is a directory with one file per tenant, the file's name the tenant and its content the key (a Secret as
+    Kubernetes mounts it; entries starting with a dot, the mount's own `..data` links, are not tenants), or a file of
+    `tenant:key` lines (`#` comments and blank lines ignored). A key is its file or line stripped of surrounding
+    whitespace, 1 to MAX_KEY_BYTES bytes; a key listed for two tenants names neither, so both are refused."""
     found: list[tuple[str, bytes, str]] = []  # tenant, key, where
     problems: list[str] = []
     try:
@@ -129,7 +96,7 @@ def read_keys(path: Path) -> tuple[dict[str, bytes], list[str]]:
 
 def _fingerprint(path: Path) -> tuple[tuple[str, int, int, int], ...]:
     """What changes when PATH's content may have: its entries' names, inodes, sizes and mtimes (links
-    followed)."""
+    followed). A Secret update replaces the mount's `..data` link, so it always changes this."""
     def one(name: str, target: Path) -> tuple[str, int, int, int]:
         st = target.stat()
         return name, st.st_ino, st.st_size, st.st_mtime_ns
@@ -227,7 +194,8 @@ class TokenBucket:
             self.updated = now
 
     def wait(self, amount: float, now: float) -> float:
-        """Seconds until the bucket holds AMOUNT (a full bucket for more than it holds); 0 if it does."""
+        """Seconds until the bucket holds AMOUNT (a full bucket for more than it holds, so every request can pass
+        eventually); 0 if it does."""
         self._refill(now)
         need = min(amount, self.capacity)
         return 0.0 if self.level >= need else (need - self.level) / self.rate
@@ -362,7 +330,8 @@ class UsageMeter:
         self.total = (self.prompt if prompt_tokens is None else prompt_tokens) + completion_tokens
 
     def used(self) -> int | None:
-        """Tokens to charge; None when an engine answered but said nothing of them (the estimate stands)."""
+        """Tokens to charge; None when an engine answered but said nothing of them (the estimate stands); 0 when
+        none answered without an error."""
         if self.total is not None:
             return self.total
         return None if self.answered else 0

@@ -1,99 +1,7 @@
-"""`tensorfleet sim calibrate`: measure a running vLLM, fit the simulator's step time to it, write a profile.
-
-The roofline of sim/profile.py times a step from catalog facts; a calibrated
-profile times it from what one real engine (any vLLM: GPU, CPU) was measured
-to do. The sweep is short and bounded (`Sweep`: a minute or two, cut off at
-`time_limit_s`, fitting what was measured by then), and every request is a
-/v1/completions stream of random token ids (distinct per request, so the
-prefix cache never hits) with `ignore_eos`, so lengths are exact, and
-`stream_options.continuous_usage_stats`, so each event says how many tokens it
-carries (a CPU engine merges several tokens into one event when its HTTP side
-falls behind):
-
-  capacity  `vllm:cache_config_info` on /metrics (block_size, num_gpu_blocks:
-            the KV cache in tokens), `max_model_len` of the model on
-            /v1/models, the release on /version. vLLM publishes neither
-            max-num-seqs nor max-num-batched-tokens; the command records them
-            when told (`--max-num-seqs`, `--max-num-batched-tokens`: what the
-            engine was started with), and learns max-num-seqs when a decode
-            point asks for more sequences than the engine runs at once
-            (`vllm:num_requests_running` stays below the concurrency while
-            `vllm:num_requests_waiting` is above 0).
-  prefill   one request at a time with max_tokens 1, for each prompt length,
-            `prefill_repeats` times, each after a random pause (up to
-            `probe_pause_s`: requests arrive at any moment of a step, and an
-            engine's host idle for a while answers later than one that has
-            just answered): the median time to the first token. Twice: on an
-            idle engine, and while `prefill_background` other requests decode
-            (the engine busy, as it is under load: the request waits for the
-            step in progress, then shares a step with them; and where the API
-            server shares the host's CPU with the engine core, as on vLLM's
-            CPU backend, it is slower while the engine computes). Those are
-            restarted as they finish (a fast engine decodes a whole context
-            window in seconds), and a probe during which one finished is sent
-            again, up to PROBE_ATTEMPTS times.
-  decode    N requests at once (N from `concurrencies`, for each prompt length
-            in `contexts`), each generating `decode_tokens`: in the window
-            where all N have their first token and none has finished, every
-            engine step is a decode step of batch N, so the slope of each
-            request's tokens over time (a least-squares line through its
-            events) is the step time at batch N and that context. A window
-            holding under a quarter of a request's tokens is one burst of
-            the engine's HTTP side, not a measurement: the point is dropped.
-            Each point is measured `repeats` times and the fit takes the
-            median (a stall of the engine's host moves one repeat by half).
-  sustained a closed loop of N requests at all times (N a quarter, half and
-            all of the largest batch swept), prompts and answers of mixed
-            lengths (prompts over the `contexts` range, answers up to twice
-            `decode_tokens`), for `sustained_s` after a warm-up: the engine's
-            own step count (`vllm:iteration_tokens_total`), generated and
-            prompt tokens over the window give its mean step and what a mean
-            step held (decoding sequences, prefill tokens, context). This is
-            the engine as it runs under load, prefill chunks beside decodes
-            and requests coming and going; on a host whose CPU the engine
-            shares with its API server (vLLM's CPU backend) steps there are
-            slower than the clean decode steps above, and these rows pull the
-            fit toward them.
-
-The fitted model (profile.StepModel) is linear in what a vLLM step holds:
-
-    ITL  (decode point)       = overhead + per_decode_seq x N + per_context_token x context tokens
-    TTFT (prefill point)      = first_token + chunks x overhead + per_prefill_token x prompt tokens
-    TTFT (prefill, B decode)  = first_token_busy + (chunks + 0.5) x (overhead + per_decode_seq x B
-                                + per_context_token x context) + per_prefill_token x prompt tokens
-    mean step (sustained)     = overhead + per_decode_seq x decoding seqs + per_prefill_token x prefill
-                                tokens + per_context_token x context, each per step
-
-`chunks` is the number of steps a prompt takes (ceil(prompt / max-num-batched-
-tokens) when that is known, less the B decode tokens when busy, else 1); with
-B requests decoding, a request waits on average half the step in progress and
-then shares its steps with them. Why these terms: a step's cost on any
-backend is a fixed part (the scheduler, sampling, kernel launches, Python,
-reading the weights once: `overhead`), a part per sequence (its sampling, its
-output's trip to the API server, and on a GPU nothing else until the batch is
-compute-bound), a part per token computed (the matmuls: prefill) and a part
-per token attended over (the KV a decoding sequence reads). `first_token` is
-what a client waits outside the engine loop: the HTTP request, tokenization,
-the hop to the engine core and back; it is identified because decode points
-have no such term and prefill points do (`first_token_busy`, the same with the
-engine busy, by the prefill points measured with a background). The fit is least squares on relative
-errors (each row divided by its measurement: a 5 ms ITL counts as much as a
-500 ms TTFT, as a "within 20%" goal counts them), with non-negative
-coefficients: a term whose coefficient comes out negative (noise on a term
-that does not matter on that engine) is dropped and the rest refitted, and a
-term the sweep cannot tell apart (one context length only: context tokens move
-with N) is dropped as well. What it leaves out: prefill attention, which grows
-with the square of the prompt (small next to the matmuls for prompts of a few
-thousand tokens), and a batch large enough to become compute-bound (the
-per-sequence term averages it over the concurrencies measured: sweep up to the
-batch sizes the simulator will run). The profile records every measurement,
-the fit's prediction for each, and its largest relative error.
-
-The profile file is JSON: `kind` PROFILE_KIND, `version` PROFILE_VERSION, the
-engine's identity (URL, release, model, cache config), its capacity, the sweep,
-the raw measurements and the fitted constants. `load()` reads it back and
-`Calibration.profile()` makes the simulator's Profile from it.
-"""
+"""`tensorfleet sim calibrate`: measure a running vLLM (any: GPU or CPU) with a short, bounded sweep of prefill,
+decode and sustained-load points, fit the simulator's step time to it (relative least squares, non-negative terms)
+and write the profile `tensorfleet sim --profile` loads. Design:
+docs/real-engine.md#calibrating-the-simulator-against-a-real-engine."""
 
 from __future__ import annotations
 
@@ -146,7 +54,9 @@ class CalibrationError(Exception):
 
 @dataclass(frozen=True)
 class Sweep:
-    """What the calibration measures (module docstring); the defaults take a minute or two."""
+    """What the calibration measures: prefill probes (idle, and behind `prefill_background` decoding requests),
+    decode points (N requests at once per context) and sustained closed loops; the defaults take a minute or two,
+    and no new point starts after `time_limit_s`."""
 
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     contexts: tuple[int, ...] = (64, 1024)        # prompt tokens of the decode points
@@ -264,8 +174,19 @@ def solve(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[flo
 
 def fit_rows(decode: Sequence[DecodePoint], prefill: Sequence[PrefillPoint],
              sustained: Sequence[SustainedPoint] = ()) -> list[FitRow]:
-    """One row per decode point (the median of its repeats) and per prefill length, its features in TERMS order
-    (module docstring)."""
+    """One row per decode point (the median of its repeats), prefill length and sustained point, its features in
+    TERMS order, for a model linear in what a vLLM step holds:
+
+        decode point        overhead + per_decode_seq x N + per_context_token x context
+        prefill, idle       first_token + chunks x overhead + per_prefill_token x prompt
+        prefill, B decoding first_token_busy + (chunks + 0.5) x (overhead + per_decode_seq x B
+                            + per_context_token x context) + per_prefill_token x prompt
+        sustained           overhead + per_decode_seq x decoding + per_prefill_token x prefill
+                            + per_context_token x context, each per step
+
+    `chunks` is the steps a prompt takes (ceil(prompt / max-num-batched-tokens) when that is known, less the B
+    decode tokens when busy, else 1); behind B decoding requests a probe waits half the step in progress, then
+    shares its steps with them."""
     repeats: dict[tuple[int, int], list[DecodePoint]] = {}
     for point in decode:
         repeats.setdefault((point.concurrency, point.prompt_tokens), []).append(point)
@@ -286,7 +207,10 @@ def fit_rows(decode: Sequence[DecodePoint], prefill: Sequence[PrefillPoint],
 
 def fit(decode: Sequence[DecodePoint], prefill: Sequence[PrefillPoint],
         sustained: Sequence[SustainedPoint] = ()) -> Fit:
-    """The StepModel that best fits the measurements (module docstring: relative least squares, non-negative)."""
+    """The StepModel that best fits the measurements: least squares on relative errors (each row divided by its
+    measurement, so a 5 ms ITL counts as much as a 500 ms TTFT), with non-negative coefficients: a term that fits
+    negative (noise on a term that does not matter on that engine) is dropped and the rest refitted, and so is a
+    term no measurement tells apart (one context length only: context tokens move with N)."""
     rows = [r for r in fit_rows(decode, prefill, sustained) if r.measured_s > 0]
     if not rows:
         raise CalibrationError("nothing was measured: no decode or prefill point to fit")
@@ -368,7 +292,9 @@ class Calibration:
 def document(engine: Mapping[str, Any], capacity: Capacity, sweep: Sweep, decode: Sequence[DecodePoint],
              prefill: Sequence[PrefillPoint], result: Fit, notes: Sequence[str] = (),
              sustained: Sequence[SustainedPoint] = ()) -> dict[str, Any]:
-    """The profile file's content (module docstring)."""
+    """The profile file's content: `kind` PROFILE_KIND, `version` PROFILE_VERSION, the engine's identity (URL,
+    release, model, cache config), its capacity, the sweep, the raw measurements and the fitted constants with
+    each measurement's prediction and the largest relative error. `load` reads it back."""
     return {
         "kind": PROFILE_KIND,
         "version": PROFILE_VERSION,
@@ -788,7 +714,7 @@ async def identify(client: _Client, model: str | None) -> tuple[dict[str, Any], 
 async def measure(url: str, model: str | None = None, sweep: Sweep | None = None, *,
                   max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                   api_key: str | None = None, say: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Run the sweep against the engine at URL and fit it; the profile document (module docstring)."""
+    """Run the sweep against the engine at URL and fit it; the profile document (`document`)."""
     import aiohttp
 
     sweep = sweep or Sweep()

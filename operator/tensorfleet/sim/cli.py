@@ -1,15 +1,6 @@
-"""`tensorfleet sim`: run the engine simulator where vLLM would run.
-
-The worker launcher execs it in `engine.kind: simulator` pods with vLLM-style
-flags and appends the user's `engine.args`, so flags it does not know are
-ignored (and logged once) instead of failing the pod.
-
-`tensorfleet sim calibrate --url URL -o PROFILE.json` measures a running vLLM
-and writes a profile (sim/calibrate.py) that `tensorfleet sim --profile
-PROFILE.json` times its steps by. It is a word after `sim` rather than an
-argparse subcommand: the simulator's parser must keep unknown flags' values
-(`--gpu-memory-utilization 0.9`), which argparse would take for a subcommand.
-"""
+"""`tensorfleet sim`: run the engine simulator where vLLM would run, taking vLLM-style flags and ignoring (and
+logging once) those it does not know; `tensorfleet sim calibrate` is a word after `sim`, not an argparse subcommand,
+so that unknown flags keep their values. Design: docs/simulator.md#running-where-vllm-runs."""
 
 from __future__ import annotations
 

@@ -1,69 +1,7 @@
-"""The simulated engine: vLLM v1's continuous-batching scheduler, on a clock.
-
-One asyncio task runs the scheduler loop. Each iteration is one engine step:
-
-1. Running requests are scheduled first, in admission order: a decoding
-   request needs one token of the step's budget (max_num_batched_tokens) and,
-   when its context crosses a block boundary, one more KV block. When no block
-   is free, the most recently admitted request is preempted (vLLM's default
-   "recompute" mode: its blocks are freed and it goes back to the front of the
-   waiting queue, to prefill prompt + generated tokens again).
-2. Waiting requests are admitted first-come first-served while fewer than
-   max_num_seqs run, the step has token budget left, and the KV cache has the
-   blocks for the request's whole uncached prompt. The first request that does
-   not fit stops admission (head-of-line, as vLLM does), so
-   `vllm:num_requests_waiting` is real queueing behind KV blocks and batch slots.
-   A long prompt is prefilled in chunks over several steps (chunked prefill).
-3. The step lasts `Profile.step_seconds(...)` simulated seconds (x time_scale
-   on the wall clock; `EngineStats.step_seconds` adds them up). At its end
-   every decoding request gains one token, and a request whose prefill
-   completed gains its first token.
-
-With a calibrated profile (`Profile.fitted`, sim/calibrate.py) a request joins
-the waiting queue `first_token_s` after it is submitted (`first_token_busy_s`
-when requests are running): the latency a real engine's API server adds
-before its engine core sees the request.
-
-Prefix caching is block-hashed like vLLM's: each full block of 16 prompt
-token ids (sim/tokenizer.py) is named by a hash chained over all tokens before
-it and the request's LoRA adapter, so a block is shared only when the whole
-prefix matches under the same adapter. Blocks no request references stay
-cached and are evicted least-recently-used when new blocks are needed. As in
-vLLM, the last prompt token is always computed (its logits give the first
-token), so a fully cached prompt hits on all whole blocks before it. Blocks
-filled by generated tokens are cached too, so the next turn of a conversation,
-which re-sends the answer, hits on it. With a KV-event publisher attached
-(`publish_kv_events`, sim/kvevents.py) the cache reports what enters it
-(BlockStored: a run of new blocks, its parent, token ids and adapter) and what
-it evicts (BlockRemoved), one batch per engine step, as vLLM's scheduler does.
-
-A request's answer is drawn when it is submitted (the same request, the same
-answer): words, or the text the server asks for (structured output), cut at
-max_tokens. Words are picked as a greedy model picks tokens: each one is a
-function of the seed and of all the text before it, prompt and answer so far
-(a running CRC over them). So a request whose prompt is another's plus the
-first k words of its answer is answered with the rest of that answer, as a
-model at temperature 0 continues its own text: a router that resumes a broken
-stream on another engine (prompt + text sent, or the chat's assistant message
-with `continue_final_message`) yields exactly the uninterrupted answer. Each of a
-request's `n` choices is its own engine request (as vLLM's parallel sampling
-makes child requests): its own batch slot and KV blocks, sharing the prompt's
-blocks through the prefix cache, seeded with seed + its index. Stop strings are
-looked for in the text as each token is sampled, as vLLM's detokenizer does:
-the first one found ends the request there (finish_reason "stop") and cuts the
-text before it (after it with include_stop_str_in_output), so the tokens after
-it are never generated and their time and KV blocks never spent.
-
-Prefill/decode disaggregation (sim/kvtransfer.py), as vLLM's KV connectors
-behave: a request submitted with `remote_decode` (the prefill engine's half)
-runs as usual, and when it finishes its KV blocks are not freed but held for
-transfer under a handle (`held`), until the decode engine has read them
-(`release_transfer`) or the hold expires. A request submitted with
-`remote_tokens` (the decode engine's half) has that many leading prompt tokens
-whose KV arrived from elsewhere: at admission they count as computed, like a
-prefix-cache hit, but in blocks of its own, so only the rest of the prompt
-(the last token, for its logits) is computed here.
-"""
+"""The simulated engine: vLLM v1's continuous-batching scheduler on a clock (admission, chunked prefill, preemption
+by recompute), a block-hashed prefix cache that can publish its KV events, answers drawn deterministically so a
+resumed stream continues its own text, and the two halves of a disaggregated request. Design:
+docs/simulator.md#the-scheduler."""
 
 from __future__ import annotations
 
@@ -427,7 +365,7 @@ class Engine:
         `index` is the choice's (seeds differ per choice); `output` the tokens of the answer to give, whole
         (structured output: it ends with "stop" unless max_tokens cuts it), instead of words drawn at random;
         `wakeup` an event to share with other requests (a request's choices, one waiter); `remote_decode` and
-        `remote_tokens` the halves of a disaggregated request (module docstring); `arrival` when it reached the
+        `remote_tokens` the halves of a disaggregated request (sim/kvtransfer.py); `arrival` when it reached the
         server, if earlier than now (a decode half that waited for its KV); `lora` the adapter to run with;
         `max_tokens_param` what the request called max_tokens (chat's max_completion_tokens), for vLLM's errors;
         `token_ids` the prompt's ids when it came as ids (else those of PROMPT_TOKENS, sim/tokenizer.py)."""

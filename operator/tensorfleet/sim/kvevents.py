@@ -1,15 +1,7 @@
-"""The simulator's KV-cache events, published as vLLM publishes them (`--kv-events-config`).
-
-vLLM's ZeroMQ publisher, on the wire: a PUB socket sends each batch as three frames, [topic, sequence number
-(8 bytes, big-endian, from 0), msgpack payload]; the payload is the batch as an array, [timestamp, events,
-data-parallel rank], each event a tagged array (["BlockStored", hashes, parent hash, token ids, block size,
-LoRA id, medium, LoRA name], ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]). A ROUTER replay socket
-answers a request [b"", start (8 bytes)] with [seq, payload] for every batch still buffered (the last
-`buffer_steps`) from `start` on, then [-1 (8 bytes, signed), b""]. An endpoint naming `*` (or `::`, ipc://,
-inproc://) is bound, any other connected to; the replay endpoint is always bound. The engine (sim/engine.py)
-makes the events from its own cache; the router reads them as it reads vLLM's (router/kvevents.py,
-docs/routing.md#the-kv-cache-index). pyzmq and msgspec are imported only when events are on.
-"""
+"""The simulator's KV-cache events, published as vLLM publishes them (`--kv-events-config`): msgpack batches over a
+ZeroMQ PUB socket, numbered from 0, with a ROUTER socket replaying the last `buffer_steps`. The engine makes the
+events from its own cache; pyzmq and msgspec are imported only when events are on. Design:
+docs/simulator.md#the-prefix-cache-and-kv-events."""
 
 from __future__ import annotations
 

@@ -1,23 +1,7 @@
-"""KV-cache transfer between simulated engines: prefill/decode disaggregation as vLLM's NixlConnector does it.
-
-vLLM runs a disaggregated request in two halves, which a proxy (our router) chains:
-
-1. The prefill engine gets the request with `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true}`.
-   It computes the prompt, answers with one token, and instead of freeing the prompt's KV blocks holds them,
-   answering with the `kv_transfer_params` a decode engine needs to read them: its engine id, the block ids,
-   and the host and port of its side channel (`VLLM_NIXL_SIDE_CHANNEL_HOST` / `_PORT`).
-2. The decode engine gets the original request with those params (`do_remote_prefill: true`). It reads the
-   blocks from the prefill engine (NIXL: GPU to GPU over RDMA), which then frees them, and decodes without
-   computing the prompt again. Blocks it cannot read (the hold expired: `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
-   480 s; the engine is gone) are computed locally instead.
-
-Here the side channel is a small HTTP server on the side-channel port: `POST /kv/read` with the engine id and
-block ids frees the hold and answers how many prompt tokens it covered, or 404. The read itself takes the KV
-bytes of those tokens (per GPU: each tensor-parallel rank reads its share over its own link) over
-`--kv-transfer-gbps`, on the simulated clock. The decode half waits for it before it is queued, so its TTFT
-includes the transfer, as vLLM's does; its blocks are not held while the bytes move, which vLLM does hold
-(a small difference for a cache with room).
-"""
+"""KV-cache transfer between simulated engines: prefill/decode disaggregation as vLLM's NixlConnector does it, the
+prefill half holding the prompt's blocks under a handle until the decode half reads them over a side channel (here a
+small HTTP server), the read timed on the simulated clock over `--kv-transfer-gbps`. Design:
+docs/simulator.md#prefilldecode-disaggregation."""
 
 from __future__ import annotations
 

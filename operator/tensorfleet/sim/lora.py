@@ -1,14 +1,6 @@
-"""LoRA adapters on a simulated engine, as vLLM serves them (`--enable-lora`).
-
-An engine knows a set of adapters (`--lora-modules`, or loaded at runtime through `/v1/load_lora_adapter` when
-VLLM_ALLOW_RUNTIME_LORA_UPDATING is set) and serves any of them by name as the OpenAI `model`. At most
-`--max-loras` distinct adapters can be in one batch: vLLM's scheduler leaves a waiting request whose adapter
-would be one too many in the queue, and goes on with the requests behind it. An adapter's weights live in a
-GPU slot (`max_loras` of them) and, once read from disk, in a CPU cache (`--max-cpu-loras`); making an adapter
-that is not in a GPU slot active costs the step that first runs it the time to bring it in, from the CPU cache
-(`--lora-swap-seconds`) or from disk (`--lora-load-seconds`), as vLLM's model runner loads adapters in the
-step. Slots and the cache are least-recently-used.
-"""
+"""LoRA adapters on a simulated engine, as vLLM serves them (`--enable-lora`): adapters known by name, at most
+`--max-loras` of them in a batch, GPU slots and a CPU cache kept least recently used, and the time to bring an
+adapter in charged to the step that first runs it. Design: docs/simulator.md#lora-adapters."""
 
 from __future__ import annotations
 

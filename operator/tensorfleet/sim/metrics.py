@@ -1,8 +1,5 @@
-"""vLLM's /metrics, with its names, labels and bucket edges, from the engine.
-
-Gauges are computed when scraped (exact, not sampled). Each server gets its
-own registry, so several simulators can share one test process.
-"""
+"""vLLM's /metrics, with its names, labels and bucket edges, from the engine: gauges computed when scraped, one
+registry per server. Design: docs/simulator.md#metrics."""
 
 from __future__ import annotations
 

@@ -1,24 +1,7 @@
-"""A completion request's sampling parameters, checked the way vLLM's OpenAI server checks them.
-
-The body has been validated as vLLM validates it first (sim/validation.py: types, in pydantic's lax mode, and
-vLLM's `before` validators). What the simulator honours (see server.py for the answers' shapes): `n`, `stop`
-(with `include_stop_str_in_output`), `logprobs` (completions: how many alternatives per token; chat:
-`logprobs: true` with `top_logprobs`), `echo` (completions: the prompt before the answer, `max_tokens: 0` for
-the prompt alone; chat: vLLM's extension, the last message's content before the answer when it is the
-assistant's), `response_format` (`text`, `json_object`, `json_schema`) and vLLM's `structured_outputs` (`json`,
-`choice`, `json_object`), `seed`.
-
-What it refuses with 400 as vLLM 0.19.1 does, with vLLM's messages (`check_sampling`, vLLM's SamplingParams
-checks, in their order): `n` below 1 or above VLLM_MAX_N_SEQUENCES (16384), penalties out of range, a negative
-temperature, top_p outside (0, 1], top_k below -1, min_p outside [0, 1], min_tokens below 0 or above
-max_tokens, empty stop strings, logprobs above MAX_LOGPROBS (vLLM's default --max-logprobs), `suffix`. And what
-only the simulator cannot do, refused rather than ignored: beam search, `prompt_logprobs`, `stop_token_ids` (it
-has no token ids), structured outputs by `regex`, `grammar` or structural tag, and schemas outside what
-structured.py can generate. vLLM 0.19.1 ignores fields it no longer has (`best_of`, the `guided_*` family), and
-so does the simulator. Other sampling parameters (temperature, top_p, penalties, ...) change which tokens a
-model picks, not the shape or the cost of the answer; the simulator's words are random either way, so it checks
-them as vLLM does and takes them as given.
-"""
+"""A completion request's sampling parameters, checked the way vLLM's OpenAI server checks them, after the body
+passed `validation.py`: what the simulator honours, what it refuses with 400 as vLLM 0.19.1 does (with vLLM's
+messages, in its order), and what only the simulator cannot do, refused rather than ignored. Design:
+docs/simulator.md#requests-refused-as-vllm-refuses-them."""
 
 from __future__ import annotations
 

@@ -1,58 +1,6 @@
-"""Capacity and timing of the simulated engine.
-
-Capacity is what the simulator is handed, never re-derived: in a pod the
-operator passes its plan's figures (`--kv-cache-tokens`, `--max-num-seqs`,
-`--max-model-len`, `--tensor-parallel-size`, `--accelerator`; see
-tensorfleet.engine_settings), and a user's `engine.args` may add vLLM's
-`--max-num-batched-tokens` and `--block-size`. What is not handed defaults as
-vLLM would (`tensorfleet.vllm_defaults`: max-num-seqs and the batched-token
-budget by GPU, the block size, one GPU), except two figures vLLM derives
-itself, for which a standalone `tensorfleet sim` takes:
-
-  max-model-len     DEFAULT_MAX_MODEL_LEN (8192), or the model's context length if shorter
-  kv-cache-tokens   DEFAULT_KV_CACHE_TOKENS (32768): about what the operator
-                    plans for Llama 3.1 8B on one L4 at maxModelLen 8192
-
-Timing comes from the catalog's facts about the model and the GPU, as a
-roofline model of one engine step (one forward pass over the whole batch):
-
-    step = overhead + max(bytes read / (bandwidth x BANDWIDTH_EFFICIENCY),
-                          FLOPs / (peak x COMPUTE_EFFICIENCY))
-
-  bytes read  the weights of one GPU (every step reads all of them; for MoE
-              only the experts the batch routes to), plus the KV cache of
-              every decoding sequence's context
-  FLOPs       2 x active parameters per token (the matmuls; attention FLOPs
-              are left out), for every token in the step: one per decoding
-              sequence plus the prefill chunk, divided over tensor ranks
-
-so a small decode batch is memory-bound (time ~ weights / bandwidth and it
-grows with context through the KV reads), a large batch or a long prefill is
-compute-bound (time ~ tokens). Weights and KV bytes per token are those of
-the checkpoint as it ships, split over the tensor ranks
-(`tensorfleet.catalog.sizes`); a pipeline's stages run one after another, so
-a step reads the same bytes per rank as one stage holding every layer.
-Efficiency fractions are typical of vLLM on datacenter GPUs: decode kernels
-reach 70-85% of HBM bandwidth, prefill reaches 40-60% model FLOPs
-utilisation; the step overhead is the scheduler, sampling and kernel launches
-vLLM v1 spends per step (1-3 ms measured).
-
-A calibrated profile (`tensorfleet sim --profile FILE`, written by `tensorfleet
-sim calibrate`; sim/calibrate.py) replaces the roofline with a step time fitted
-to a real engine's measurements, a `StepModel` on `Profile.fitted`:
-
-    step = overhead + per_decode_seq x decode sequences + per_prefill_token x prefill tokens
-                    + per_context_token x context tokens of the decoding sequences
-
-plus `first_token_s`, the latency a request spends outside the engine loop
-before its first step (vLLM's API server: HTTP, tokenization, the hop to the
-engine core and back), which the engine adds before a request joins the
-waiting queue; `first_token_busy_s` is the same while the engine is running
-other requests (where the API server shares the host's CPU with a busy engine
-core, it is slower then). The capacity then comes from the profile (the engine's own
-block size, KV blocks and max-model-len) unless flags say otherwise. Without a
-profile nothing here changes.
-"""
+"""Capacity and timing of the simulated engine: the capacity it is handed (vLLM's defaults for what is not), and the
+time of one step, from the catalog's roofline or from a StepModel fitted to a real engine (a calibrated profile).
+Design: docs/simulator.md#timing-a-step."""
 
 from __future__ import annotations
 
@@ -86,7 +34,10 @@ KV_CACHE_DTYPE = "auto"
 
 @dataclass(frozen=True)
 class StepModel:
-    """A step time fitted to a real engine (module docstring; the fit is sim/calibrate.py's)."""
+    """A step time fitted to a real engine (the fit is sim/calibrate.py's): overhead + per decoding sequence + per
+    prefill token + per context token of the decoding sequences, and the latency a request spends outside the
+    engine loop before its first step (vLLM's API server: HTTP, tokenization, the hop to the engine core and back),
+    slower while the engine is busy where the API server shares the host's CPU with the engine core."""
 
     overhead_s: float          # per step, whatever it holds
     per_decode_seq_s: float    # per decoding sequence in the step
@@ -130,7 +81,7 @@ class Profile:
     active_fraction: float           # active / total parameters (1 for dense models)
     experts_touched_per_token: float  # experts_per_token / experts (MoE), else 1
     overhead_s: float
-    fitted: StepModel | None = None  # a calibrated step time, instead of the roofline (module docstring)
+    fitted: StepModel | None = None  # a calibrated step time, instead of the roofline
     source: str = ""                 # where a calibrated profile came from (the engine it measured)
     vocab_size: int = DEFAULT_VOCAB  # the model's (the catalog's vocabSize): what the simulator's token ids range over
 
@@ -148,7 +99,10 @@ class Profile:
         return self.weight_bytes_per_gpu * min(share, 1.0)
 
     def step_seconds(self, decode_seqs: int, context_tokens: int, prefill_tokens: int) -> float:
-        """Simulated duration of one step (see the module docstring)."""
+        """Simulated duration of one step: the fitted model's, else the roofline's, overhead + max(bytes read /
+        effective bandwidth, FLOPs / effective peak), the bytes being this GPU's weights (for MoE, the experts the
+        batch routes to) and the decoding sequences' KV, the FLOPs 2 x active parameters per token over the tensor
+        ranks (attention FLOPs left out)."""
         if self.fitted is not None:
             return self.fitted.step_seconds(decode_seqs, context_tokens, prefill_tokens)
         tokens = decode_seqs + prefill_tokens
@@ -176,7 +130,9 @@ def make_profile(model: str | None = None, accelerator: str | None = None, *, te
                  max_model_len: int | None = None, max_num_seqs: int | None = None,
                  kv_cache_tokens: int | None = None, max_num_batched_tokens: int | None = None,
                  block_size: int | None = None) -> Profile:
-    """A profile for MODEL on ACCELERATOR x TENSOR with the capacity it is handed (see the module docstring).
+    """A profile for MODEL on ACCELERATOR x TENSOR with the capacity it is handed, vLLM's defaults
+    (tensorfleet.vllm_defaults) for what is not, except DEFAULT_MAX_MODEL_LEN (or the model's context when shorter)
+    and DEFAULT_KV_CACHE_TOKENS, about what the planner gives Llama 3.1 8B on one L4 at maxModelLen 8192.
 
     Raises SpecError (naming the flag) when the catalog does not know the
     model or the GPU, whose facts the timing needs.

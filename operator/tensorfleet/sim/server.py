@@ -1,92 +1,6 @@
-"""vLLM's OpenAI-compatible HTTP surface over the simulated engine.
-
-Shapes follow vLLM's server: `/v1/chat/completions` and `/v1/completions`
-(JSON with `usage`, or SSE; a completion's prompt may be token ids),
-`/tokenize` (a prompt, or messages rendered by the chat template chat
-completions use: the ids the engine hashes into its prefix cache for that
-prompt, sim/tokenizer.py), `/v1/models`, `/health` (503 while the "model
-loads"), `/metrics`; with `--kv-events-config`, vLLM's KV-cache events
-(sim/kvevents.py). A client that disconnects aborts its request in the
-engine, as vLLM does, so the KV blocks and batch slots are freed at once.
-tests/test_sim_vs_vllm.py holds all of it to a real vLLM of the release the
-default engine image pins: the same requests, the same status codes, fields
-(an answer has every field vLLM's has: those the simulator has no value for,
-such as token ids, are null) and errors (validation.py: vLLM's request
-validation, its messages, types and params), and it lists the differences
-left, each with its reason (docs/real-engine.md).
-
-Streams are written as vLLM writes them. An event carries every token of its
-choice produced since that choice's last event: one per engine step while the
-handler keeps up (the simulator's handler always does unless the client reads
-slowly), several when it falls behind, as vLLM's output collector merges the
-outputs its HTTP handler has not taken yet (a real CPU engine sends up to four
-tokens in one event). `SimConfig.stream_interval` (vLLM's `--stream-interval`,
-the same flag) makes that deterministic: a choice's first token goes alone,
-then an event once that many tokens are pending, and the rest with the finish.
-The finish_reason rides on the event of the choice's last token, not an event
-of its own; a chat stream opens each choice with its role delta (content ""),
-as vLLM does. `stream_options.include_usage` adds the final usage event
-(`choices: []`); with `continuous_usage_stats` too, every event carries the
-running `usage` of its choice (prompt_tokens, total_tokens, completion_tokens:
-the tokens of that choice so far, exact), as vLLM sends it.
-
-Sampling parameters that shape an answer are honoured, or refused with 400 (as
-vLLM refuses what it cannot do, and where only the simulator cannot), never
-ignored; params.py checks them and lists the refusals:
-  n                 n choices, `choices[i].index` i, each its own engine request
-                    (a batch slot and KV blocks, the prompt's shared through the
-                    prefix cache; seeded seed + i). `usage` counts the prompt
-                    once and every choice's tokens. A stream interleaves the
-                    choices' events, each naming its index, and ends each
-                    choice with its own finish_reason event.
-  stop              a choice ends at the first stop string its text shows:
-                    finish_reason "stop", stop_reason the string, the text cut
-                    before it (after it, with include_stop_str_in_output). The
-                    tokens are checked as they are sampled, so the request
-                    stops there in the engine too. A stream holds back the last
-                    len(longest stop string) - 1 characters until the choice
-                    ends, as vLLM's detokenizer does, so no part of a stop
-                    string that is cut is ever sent.
-  logprobs          completions (an integer k): `logprobs` {tokens,
-                    token_logprobs, top_logprobs (dicts of max(k, 1) tokens, the
-                    chosen one first), text_offset}; chat (`logprobs: true`,
-                    `top_logprobs` k): `logprobs.content` [{token, logprob,
-                    bytes, top_logprobs (k of them)}]. Streamed with each token.
-                    The values are drawn, not computed: deterministic per answer
-                    and position, the chosen token always the likeliest.
-  echo              completions: the prompt before the answer, with its tokens'
-                    logprobs (the first one null); `max_tokens: 0` gives the
-                    prompt alone (vLLM still samples, and counts, one token).
-                    Chat (vLLM's extension): the last message's content before
-                    the answer when that message is in the answer's role.
-  add_generation_prompt, continue_final_message
-                    chat (vLLM's extensions; `chat_prompt`): the assistant
-                    header after the messages (default), none (the answer in
-                    the last message's role), or the last message, whoever's
-                    it is, left open and continued in its role (with the
-                    assistant's, a prefill: what the router sends to resume a
-                    broken stream). continue_final_message needs
-                    `add_generation_prompt: false`: both sent true, or
-                    add_generation_prompt left at its default, is a 400, as
-                    vLLM answers.
-  response_format, structured_outputs
-                    `json_object`: a small JSON object; `json_schema` (vLLM's
-                    `structured_outputs.json`): an instance of the schema, for
-                    the schemas structured.py can generate (others get 400);
-                    `structured_outputs.choice`: one of the choices. The
-                    document is written whole and then emitted token by token:
-                    valid, with finish_reason "stop", unless max_tokens cuts it
-                    ("length"), as vLLM's guided decoding is. A regex, a grammar
-                    or a structural tag is refused (400). vLLM 0.19.1 ignores
-                    the old `guided_*` fields, and so does the simulator.
-  kv_transfer_params
-                    with --kv-transfer-config (sim/kvtransfer.py): the prefill
-                    half (`do_remote_decode`) answers with the params naming its
-                    held KV; the decode half (`do_remote_prefill`) reads that KV
-                    over the side channel instead of computing the prompt, or
-                    computes it when the KV is gone. Without the flag they are
-                    ignored, as vLLM ignores them without a connector.
-"""
+"""vLLM's OpenAI-compatible HTTP surface over the simulated engine: chat and completions (JSON or streamed as vLLM
+streams), /tokenize, /v1/models, /health, /metrics and the LoRA endpoints, with every sampling parameter that shapes
+an answer honoured or refused with 400, never ignored. Design: docs/simulator.md#the-http-surface."""
 
 from __future__ import annotations
 
@@ -156,7 +70,7 @@ class SimConfig:
     lora: LoraConfig | None = None  # --enable-lora
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
     runtime_lora_updating: bool = False  # VLLM_ALLOW_RUNTIME_LORA_UPDATING: the load and unload endpoints
-    stream_interval: int = 1  # vLLM's --stream-interval: tokens per stream event after the first (module docstring)
+    stream_interval: int = 1  # vLLM's --stream-interval: tokens per stream event after the first
     prompt_tokens_details: bool = False  # vLLM's --enable-prompt-tokens-details: usage names the prefix-cache hit
     kv_events: KVEventsConfig | None = None  # --kv-events-config: publish the KV cache's events (sim/kvevents.py)
 
@@ -614,7 +528,7 @@ def chat_prompt(body: Mapping[str, Any], messages: list[Mapping[str, Any]]) -> t
 
 @dataclass
 class _ChoiceStream:
-    """One choice's events in a stream (module docstring): each carries the tokens produced since the last one
+    """One choice's events in a stream, as vLLM writes them: each carries the tokens produced since the last one
     (the first token alone, then `interval` at a time, the rest with the finish reason), and with continuous
     usage (PROMPT set) the choice's running usage."""
 

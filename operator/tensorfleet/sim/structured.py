@@ -1,26 +1,6 @@
-"""Structured output for the simulator: JSON text that `response_format` (or vLLM's `structured_outputs` json,
-choice and json_object) asks for, drawn from the request's random generator so it is as deterministic as any answer.
-
-vLLM constrains decoding with a grammar (xgrammar, guidance): the text is valid by construction, and only
-max_tokens can cut it short. The simulator writes a valid document first and then emits its tokens, so the
-same holds: complete and valid when the answer ends with `stop`, cut at max_tokens (and then not valid JSON,
-as with vLLM) when it ends with `length`.
-
-`json_object` gives a small object of string, number and boolean values. `json_schema` gives an instance of
-the schema, which must keep to what the simulator can generate (checked whole before anything is generated;
-anything else is refused with 400, as vLLM refuses schemas its grammar backend cannot compile):
-
-  type (one or a list), enum, const, anyOf (the first branch that is not null), local $ref (`#...`, into
-  $defs or definitions; recursion ends once only required properties and minItems items are left);
-  objects: properties, required, additionalProperties (never used: only listed properties are written);
-  arrays: items, minItems, maxItems; strings: minLength, maxLength, format (date, date-time, time, email,
-  uuid, uri, hostname, ipv4, ipv6); integer and number: minimum, maximum, exclusiveMinimum,
-  exclusiveMaximum (numbers); annotations (title, description, default, examples, $schema, $id, ...).
-
-Refused: pattern, patternProperties, propertyNames, multipleOf, uniqueItems, contains, prefixItems, allOf,
-oneOf, not, if/then/else, dependent*, unevaluated*, min/maxProperties, remote $ref, other formats, and
-bounds no value can meet.
-"""
+"""Structured output for the simulator: the JSON that `response_format` (or vLLM's `structured_outputs` json, choice
+and json_object) asks for, written whole and valid from the request's random generator and then emitted token by
+token; schemas outside what it can generate are refused with 400. Design: docs/simulator.md#structured-output."""
 
 from __future__ import annotations
 

@@ -1,19 +1,6 @@
-"""vLLM's request-body validation, so the simulator refuses the bodies vLLM refuses with the errors vLLM gives.
-
-vLLM's OpenAI server parses each body into a pydantic model before it reads it: in lax mode (the string "2" is
-the integer 2, "yes" is true, 2.0 is 2), with `before` validators that refuse some combinations
-(`continue_final_message` with `add_generation_prompt`, `stream_options` without `stream`, ...). What fails is
-answered with 400, error type "Bad Request" (FastAPI's, not "BadRequestError"), `param` the parameter a
-VLLMValidationError names (else null), and as message pydantic's list of errors, each as Python writes the
-dict (`1 validation error:\\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), 'msg': ..., 'input': ...}`),
-which vLLM follows with where in its own source the error was raised (a file path the simulator does not have).
-The models here declare the fields the simulator reads, with vLLM 0.19.1's types and its validators in its order
-(vllm/entrypoints/openai/{chat_completion,completion}/protocol.py, vllm/entrypoints/serve/tokenize/protocol.py),
-so the same bodies fail with the same errors.
-
-Errors raised later, once the request is read (sampling parameters, lengths), come as vLLM's plain ValueError
-(`param` null) or its VLLMValidationError, whose text names the parameter and the value: `validation_text`.
-"""
+"""vLLM's request-body validation, so the simulator refuses the bodies vLLM refuses with the errors vLLM gives:
+pydantic models of the fields it reads with vLLM 0.19.1's types and `before` validators, in lax mode, and vLLM's
+error bodies. Design: docs/simulator.md#requests-refused-as-vllm-refuses-them."""
 
 from __future__ import annotations
 

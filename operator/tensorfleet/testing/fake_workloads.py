@@ -1,13 +1,6 @@
-"""The StatefulSet and Deployment controllers and the kubelet, as far as the operator can tell.
-
-The emulator has no controllers; these stand in for them so the operator's
-reaction to pods (readiness, rollout, scaling) can be tested. Pods appear
-for every StatefulSet ordinal with the template's labels plus
-`controller-revision-hash` and `apps.kubernetes.io/pod-index`; RollingUpdate
-StatefulSets replace outdated pods themselves, OnDelete ones leave that to
-the operator; pods turn Ready when `ready(pod)` says so, and the leader of a
-multi-stage group not before its workers are (a vLLM leader serves only after
-every stage joined its Ray cluster).
+"""The StatefulSet and Deployment controllers and the kubelet, as far as the operator can tell: the emulator has no
+controllers, so `FakeWorkloads` makes and readies pods for the operator's reaction to them (readiness, rollout,
+scaling) to be tested. Design: docs/architecture.md#how-it-is-tested.
 """
 
 from __future__ import annotations
@@ -23,6 +16,11 @@ from tensorfleet.testing.kube_emulator import ClusterEmulator, revision_of, rfc3
 
 
 class FakeWorkloads:
+    """Pods appear for every StatefulSet ordinal with the template's labels plus `controller-revision-hash` and
+    `apps.kubernetes.io/pod-index`; RollingUpdate StatefulSets replace outdated pods themselves, OnDelete ones
+    leave that to the operator; pods turn Ready when `ready(pod)` says so, and the leader of a multi-stage group
+    not before its workers are (a vLLM leader serves only after every stage joined its Ray cluster)."""
+
     def __init__(self, emulator: ClusterEmulator, ready: Callable[[dict[str, Any]], bool] | None = None,
                  interval: float = 0.05) -> None:
         self.emulator = emulator

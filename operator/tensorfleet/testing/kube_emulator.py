@@ -1,47 +1,6 @@
-"""kmock's KubernetesEmulator, extended once with the API-server behaviour the operator relies on.
-
-kmock 0.8 stores objects as plain dicts and merges patches. The real API
-server does more, and the operator's code is written for the real one, so
-each gap is filled here, each as the Kubernetes API documents it:
-
-- object metadata: `uid`, `resourceVersion` (bumped on every write, a
-  deletion included: the DELETED event carries the deletion's version),
-  `generation` (1 on create, +1 when anything outside metadata and status
-  changes) and `creationTimestamp` are set by the server;
-- server-side apply (PATCH with application/apply-patch+yaml) creates a
-  missing object, and removes fields its field manager applied before and
-  omits now (field ownership, for a single manager);
-- status subresource: writes to the main resource ignore `status`, writes to
-  `/status` change only `status`;
-- scale subresource: `GET/PATCH/PUT .../scale` speak autoscaling/v1 Scale,
-  mapped through specReplicasPath / statusReplicasPath / labelSelectorPath;
-- PUT replaces the object and fails with 409 when the body's
-  resourceVersion is stale (optimistic concurrency);
-- DELETE honours `preconditions.uid` (409 on mismatch) and garbage-collects
-  dependents by ownerReferences (Background/Foreground: deleted;
-  Orphan: their ownerReference is removed). An Orphan deletion is not
-  immediate, as with the real garbage collector: the object first gets the
-  `orphan` finalizer and a deletionTimestamp and stays readable (writes to it
-  are still validated), and goes ORPHAN_DELAY later, after its dependents were
-  released (kube-apiserver 1.36 answered a StatefulSet re-applied at once
-  with 422, the old one still there);
-- StatefulSet spec fields other than replicas, template, updateStrategy,
-  minReadySeconds, ordinals, revisionHistoryLimit and
-  persistentVolumeClaimRetentionPolicy are immutable (422 Invalid, as
-  kube-apiserver 1.36 answers);
-- defaults from the InferenceService CRD's structural schema are written into
-  stored objects, as the API server does for custom resources;
-- Go's `omitempty`: a plain (non-pointer) bool written as `false` is stored and
-  returned absent (OMITTED_WHEN_FALSE; seen on kube-apiserver 1.36 with the
-  headless Service's `publishNotReadyAddresses: false`). Pointer bools such as
-  `enableServiceLinks` or `automountServiceAccountToken` keep their `false`;
-- LIST and WATCH honour equality-based `labelSelector`s;
-- `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces
-  that objects live in, as kopf expects when it watches chosen namespaces.
-
-It also injects faults on a share of one client's writes (HTTP 500, 409,
-and timeouts after which the write may or may not have happened),
-deterministic per seed.
+"""kmock's KubernetesEmulator, extended once with the API-server behaviour the operator relies on, each gap filled as
+the Kubernetes API documents it (`ClusterEmulator` lists them), and with faults injected into a share of one
+client's writes (`Faults`). Design: docs/architecture.md#how-it-is-tested.
 """
 
 from __future__ import annotations
@@ -91,7 +50,8 @@ _RAW_REQUEST: contextvars.ContextVar[aiohttp.web.BaseRequest] = contextvars.Cont
 
 @dataclass
 class Faults:
-    """Fail a share of writes. `kinds` picks among 500, 409 and timeout."""
+    """Fail a share of one client's writes (`user_agent`), deterministically per `seed`. `kinds` picks among 500,
+    409 and timeout, after which the write may or may not have happened."""
 
     rate: float
     seed: int = 7
@@ -205,7 +165,39 @@ def _matches(labels: dict[str, str], selector: str) -> bool:
 
 
 class ClusterEmulator(KubernetesEmulator):
-    """See the module docstring for what this adds to kmock's emulator."""
+    """kmock 0.8's emulator stores objects as plain dicts and merges patches. The real API server does more, and
+    the operator's code is written for the real one, so each gap is filled here, as the Kubernetes API documents it:
+
+    - object metadata: `uid`, `resourceVersion` (bumped on every write, a deletion included: the DELETED event
+      carries the deletion's version), `generation` (1 on create, +1 when anything outside metadata and status
+      changes) and `creationTimestamp` are set by the server;
+    - server-side apply (PATCH with application/apply-patch+yaml) creates a missing object, and removes fields
+      its field manager applied before and omits now (field ownership, for a single manager);
+    - status subresource: writes to the main resource ignore `status`, writes to `/status` change only `status`;
+    - scale subresource: `GET/PATCH/PUT .../scale` speak autoscaling/v1 Scale, mapped through specReplicasPath /
+      statusReplicasPath / labelSelectorPath;
+    - PUT replaces the object and fails with 409 when the body's resourceVersion is stale (optimistic
+      concurrency);
+    - DELETE honours `preconditions.uid` (409 on mismatch) and garbage-collects dependents by ownerReferences
+      (Background/Foreground: deleted; Orphan: their ownerReference is removed). An Orphan deletion is not
+      immediate, as with the real garbage collector: the object first gets the `orphan` finalizer and a
+      deletionTimestamp and stays readable (writes to it are still validated), and goes ORPHAN_DELAY later,
+      after its dependents were released (kube-apiserver 1.36 answered a StatefulSet re-applied at once with
+      422, the old one still there);
+    - StatefulSet spec fields other than STATEFULSET_MUTABLE are immutable (422 Invalid, as kube-apiserver 1.36
+      answers);
+    - defaults from the InferenceService CRD's structural schema are written into stored objects, as the API
+      server does for custom resources;
+    - Go's `omitempty`: a plain (non-pointer) bool written as `false` is stored and returned absent
+      (OMITTED_WHEN_FALSE; seen on kube-apiserver 1.36 with the headless Service's
+      `publishNotReadyAddresses: false`). Pointer bools such as `enableServiceLinks` or
+      `automountServiceAccountToken` keep their `false`;
+    - LIST and WATCH honour equality-based `labelSelector`s;
+    - `/api/v1/namespaces` (which kmock 0.8 cannot parse) lists the namespaces that objects live in, as kopf
+      expects when it watches chosen namespaces.
+
+    `faults` (a Faults) fails a share of one client's writes.
+    """
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

@@ -1,19 +1,7 @@
-"""Real simulator and router servers on 127.0.0.1 for tests, on free ports.
-
-Servers run in the test's event loop (fast, and their state can be inspected);
-`router` serves with the limits the real router process has (Router.limits),
-and is handed over once its first health round is done (every engine it
-starts with checked once), so which engine takes the first requests does not
-depend on which check happened to answer first; `first_round=False` hands it
-over at once.
-`spawn_sim` starts a separate `tensorfleet sim` process for tests that must
-kill or stop an engine the way a node failure would (`sim_process`: on a free
-port, once healthy), `spawn_router` a router
-process for tests that signal it; `raw_exchange` sends bytes no HTTP client
-library would (malformed heads, absolute-form targets, slow senders).
-`fake_engine` serves an engine that misbehaves the way its handler says (with
-`engine_error`, the 500 of a CUDA fault), and `post_chat` sends a chat
-completion and reads the whole answer (a `Reply`).
+"""Real simulator and router servers on 127.0.0.1 for tests, on free ports: in the test's event loop (`sim`, `router`:
+fast, their state can be inspected) or as processes a test can kill or signal (`spawn_sim`, `sim_process`,
+`spawn_router`), with helpers to talk to them (`post_chat`, `raw_exchange`) and misbehaving engines (`fake_engine`).
+Design: docs/architecture.md#how-it-is-tested.
 """
 
 from __future__ import annotations
@@ -99,6 +87,10 @@ async def sim(*, profile: Profile | None = None, time_scale: float = FAST, start
 @asynccontextmanager
 async def router(backends: list[str], *, first_round: bool = True, port: int = 0,
                  **options: Any) -> AsyncIterator[RunningRouter]:
+    """A router in front of BACKENDS, serving with the limits the real router process has (Router.limits), handed
+    over once its first health round is done (every engine it starts with checked once), so which engine takes
+    the first requests does not depend on which check happened to answer first; `first_round=False` hands it
+    over at once."""
     options.setdefault("model", MODEL)
     options.setdefault("health_interval", 0.1)
     options.setdefault("breaker", BreakerPolicy(failure_threshold=3, ejection_seconds=0.3, max_ejection_seconds=1.0))
@@ -109,7 +101,7 @@ async def router(backends: list[str], *, first_round: bool = True, port: int = 0
     bound = runner.addresses[0][1]
     try:
         if first_round:
-            await eventually(lambda: all(b.checked for b in instance.pool), timeout=10)
+            await eventually(lambda: all(b.breaker.checked for b in instance.pool), timeout=10)
         yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
     finally:
         await runner.cleanup()
@@ -244,7 +236,8 @@ def spawn_router(port: int, backends: list[str], *args: str, log: Any = subproce
 
 async def raw_exchange(url: str, data: bytes, *, timeout: float = 10.0) -> bytes:
     """Send DATA as is on a new connection to URL's host and port, and return every byte received until the
-    server closes the connection (or TIMEOUT passes: then what came, and b"<open>" appended)."""
+    server closes the connection (or TIMEOUT passes: then what came, and b"<open>" appended): bytes no HTTP client
+    library would send (malformed heads, absolute-form targets, slow senders)."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
     try:

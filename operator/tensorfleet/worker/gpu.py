@@ -1,12 +1,6 @@
-"""GPU health through NVML (pynvml, from the `nvidia-ml-py` package).
-
-`sample()` reads every visible GPU; `evaluate()` applies the thresholds and
-returns findings a person can read; the metrics exporter and
-`tensorfleet-worker health` share both. Every pynvml call goes through the
-module attribute (`pynvml.nvmlX`), so tests replace them one by one.
-
-A value NVML does not expose on a GPU (ECC on consumer parts, row remapping
-before Ampere) is reported as unknown, never as a failure.
+"""GPU health through NVML (pynvml, from the `nvidia-ml-py` package): `sample()` reads every visible GPU, `evaluate()`
+applies the thresholds and returns findings a person can read; the metrics exporter and `tensorfleet-worker health`
+share both. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -102,6 +96,7 @@ class Report:
         }
 
 
+# Every pynvml call goes through the module attribute (`pynvml.nvmlX`), so tests replace them one by one.
 def _pynvml() -> Any:
     try:
         import pynvml
@@ -115,7 +110,8 @@ def _text(value: Any) -> str:
 
 
 def _optional(fn: Callable[[], Any], nvml: Any) -> Any:
-    """fn(), or None when this GPU does not expose the value."""
+    """fn(), or None when this GPU does not expose the value (ECC on consumer parts, row remapping before Ampere):
+    reported as unknown, never as a failure."""
     try:
         return fn()
     except nvml.NVMLError:

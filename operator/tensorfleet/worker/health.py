@@ -1,33 +1,6 @@
-"""The engine pod's health: `tensorfleet-worker health`, and the launcher's `/health`.
-
-Checks, in order: the launcher's state (when it runs in this container: it
-must be running its engine or Ray worker, not still waiting), then, when
-asked (`engine_port`), that the engine answers its own `/health` on this pod,
-then every GPU through NVML (in CPU mode none; a simulator pod's GPUs are
-simulated, worker/simgpu.py, where its pod names their state, else none).
-
-CPU mode is a vLLM pod planned for vLLM's CPU backend (spec.accelerator.type
-CPU, which the renderer passes on as TF_ACCELERATOR=CPU): it has no GPU, so
-its health is the launcher's state and vLLM's own `/health`, and NVML is not
-needed. The mode comes from the plan, never from NVML failing: a GPU pod whose
-NVML cannot be read stays unhealthy (exit 3).
-
-`judge` is the one check. The launcher serves it on the GPU metrics port as
-`/health` (200 healthy, 503 not, the lines below as the body): that is the
-readiness probe of every GPU pod, with the engine's `/health` included on
-stage 0, so the serving leader is ready only while its GPUs are healthy. It
-runs inside the long-lived launcher, which keeps NVML loaded (its XID watcher
-holds it), so a probe costs a few NVML reads and no process start. The command
-`tensorfleet-worker health` runs the same check from the state file, for
-people; each run pays Python's start-up and NVML's initialisation (about
-100 ms on a GPU node), which is why no probe uses it. Exit codes:
-
-  0  healthy (warnings may be printed)
-  1  unhealthy: a threshold crossed, an XID, fewer GPUs than tensor parallel
-     needs, the launcher not (yet) running its engine, or the engine not answering
-  2  bad flags
-  3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked
-     (a GPU pod only: CPU mode checks none, a simulator its simulated GPUs)
+"""The engine pod's health, `judge`: the launcher's state, the engine's own `/health` when asked, then every GPU
+(none in CPU mode, simulated ones on a simulator pod). The launcher serves it as the pod's `/health`, its readiness
+probe, and `tensorfleet-worker health` runs it by hand. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -141,10 +114,20 @@ def judge(
     warmup: Callable[[], tuple[bool, str]] | None = None,
     simulated_gpus: bool = False,
 ) -> HealthResult:
-    """The verdict on one engine pod (see the module docstring); engine_port: also ask the engine; cpu: the pod
-    runs vLLM's CPU backend (no GPUs to check); warmup: asked once the engine answers healthy, (done, line)
-    (worker/warmup.py); simulated_gpus: a simulator pod whose SAMPLER reports simulated GPUs (worker/simgpu.py),
-    checked as real ones are."""
+    """The verdict on one engine pod. Checks, in order: the launcher's state (when it runs in this container, it
+    must be running its engine or Ray worker, not still waiting), the engine's own /health (engine_port: ask it),
+    then every GPU through NVML. cpu: the pod runs vLLM's CPU backend (no GPUs to check; the mode comes from the
+    plan, never from NVML failing, so a GPU pod whose NVML cannot be read stays unhealthy); warmup: asked once
+    the engine answers healthy, (done, line) (worker/warmup.py); simulated_gpus: a simulator pod whose SAMPLER
+    reports simulated GPUs (worker/simgpu.py), checked as real ones are.
+
+    The code is `tensorfleet-worker health`'s exit code (2, bad flags, is the command line's):
+      0  healthy (warnings may be printed)
+      1  unhealthy: a threshold crossed, an XID, fewer GPUs than tensor parallel needs, the launcher not (yet)
+         running its engine, or the engine not answering
+      3  NVML unavailable: no driver or GPU in this container, so GPUs cannot be checked (a GPU pod only: CPU
+         mode checks none, a simulator its simulated GPUs)
+    """
     launcher_ok, launcher_line = _launcher_check(state, state_path)
     lines = [launcher_line]
     doc: dict[str, Any] = {"engine": kind, "launcher": {"ok": launcher_ok, "state": state}}

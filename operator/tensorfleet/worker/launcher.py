@@ -1,4 +1,4 @@
-"""The launcher's flows, one per role (see the package docstring)."""
+"""The launcher's flows, one per role (docs/architecture.md#the-engine-pod)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""GPU health gauges in Prometheus format, next to vLLM's own /metrics, and the pod's /health.
-
-The collector reads NVML at scrape time (no background polling), so the
-values are as fresh as the scrape. When NVML is unavailable only
-`tensorfleet_gpu_nvml_up 0` and the expected count are exported.
-
-`serve` answers `/metrics` (and `/`) with the gauges and, when the launcher
-hands it a check, `/health` with that check's verdict: 200 or 503, the
-check's lines as a plain-text body (the readiness probe of vLLM engine pods;
-see `health.py`). On a CPU engine pod (vLLM's CPU backend) the launcher
-serves `/health` alone: no collector, so no NVML, and `/metrics` is 404.
+"""GPU health gauges in Prometheus format, read from NVML at scrape time, next to vLLM's own /metrics, and the pod's
+`/health` served beside them (alone, without NVML, on a CPU engine pod). Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -30,6 +21,9 @@ LABELS = ("gpu", "uuid", "device")
 
 
 class GpuCollector(Collector):
+    """Reads NVML at scrape time (no background polling), so the values are as fresh as the scrape. When NVML is
+    unavailable only `tensorfleet_gpu_nvml_up 0` and the expected count are exported."""
+
     def __init__(
         self,
         thresholds: gpus.Thresholds,
@@ -157,7 +151,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve(port: int, collector: GpuCollector | None, addr: str = "0.0.0.0",
           health: HealthCheck | None = None) -> MetricsServer:
-    """Serve /metrics (with a collector) and /health (when given) on port in a daemon thread; .shutdown() stops it."""
+    """Serve /metrics and / (with a collector) and /health (when given) on port in a daemon thread; .shutdown()
+    stops it. /health answers 200 or 503 with the check's lines as a plain-text body; without a collector (a CPU
+    engine pod: no NVML) /metrics is 404."""
     server = MetricsServer((addr, port), registry_for(collector) if collector is not None else None, health)
     threading.Thread(target=server.serve_forever, name="gpu-metrics", daemon=True).start()
     return server

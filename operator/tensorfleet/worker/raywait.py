@@ -1,8 +1,6 @@
-"""Forming a multi-node group: the leader waits for Ray to hold every stage,
-a worker waits for its leader, then watches it.
-
-Ray is driven through its CLI (`ray start`, `ray status`, `ray stop`), the
-same commands a person would type, so tests replace it with scripts on PATH.
+"""Forming a multi-node group: the leader waits for Ray to hold every stage, a worker waits for its leader, then
+watches it. Ray is driven through its CLI (`ray start`, `ray status`, `ray stop`), the commands a person would
+type, so tests replace it with scripts on PATH. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The launcher's role, parsed from the env the renderer writes.
-
-Every variable, the field it fills and where the operator takes it from are
-rows of `tensorfleet.engine_settings`; `ENV_FIELDS` is that table's complete
-list of what the launcher reads, and a test checks it against what the
-renderer sets, both ways. Values are checked here, so a bad value stops
-the pod with one line naming the variable instead of a vLLM traceback later.
+"""The launcher's role, parsed from the env the renderer writes (the rows of `tensorfleet.engine_settings`) and
+checked here, so that a bad value stops the pod with one line naming the variable instead of a vLLM traceback
+later. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations
@@ -20,7 +16,8 @@ from tensorfleet import contract, vllm_defaults
 from tensorfleet.engine_settings import SETTINGS
 from tensorfleet.worker.errors import EXIT_CONFIG, WorkerError
 
-# env var -> Role field: everything the launcher reads from its env.
+# env var -> Role field: everything the launcher reads from its env. A test checks it against what the renderer
+# sets, both ways.
 ENV_FIELDS: dict[str, str] = {setting.env: setting.field for setting in SETTINGS}
 FIELD_ENV = {field: env for env, field in ENV_FIELDS.items()}
 

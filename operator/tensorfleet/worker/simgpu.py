@@ -1,23 +1,6 @@
-"""Simulated GPUs for simulator engine pods, so that they run the launcher's GPU health path as GPU pods do.
-
-A simulator pod holds no GPU, yet it stands in for one that does: its launcher
-serves the same `/health` (the readiness probe) and GPU gauges from
-`SimulatedGpus.sample`, which reports `tensor` healthy GPUs of the planned type
-and lays over them the state set on the pod as the annotation
-`tensorfleet.dev/simulated-gpu-state`. The kubelet projects the annotation into
-a downward-API file, which is read at every sample, so
-`kubectl annotate pod ... tensorfleet.dev/simulated-gpu-state='{"xids": [{"gpu": 0, "xid": 79}]}'`
-makes that engine fail its GPU check within a readiness period, as an XID from
-NVML would. The state is one JSON object (docs/architecture.md, "Simulated
-GPUs"):
-
-    {"gpus": [{"index": 0, "temperature_c": 97.0, "error": "GPU is lost"}],
-     "xids": [{"gpu": 0, "xid": 79}]}
-
-`gpus` entries set any field of `gpu.GpuSample` on the GPU of that index;
-`xids` are XID events, reported once each, in order, as NVML's event set does.
-A state that cannot be read as this fails the check with the reason, as NVML
-failing to start does.
+"""Simulated GPUs for simulator engine pods, so that they run the launcher's GPU health path as GPU pods do: `tensor`
+healthy GPUs of the planned type, overlaid with the faults the pod's `tensorfleet.dev/simulated-gpu-state`
+annotation sets (read from its downward-API file at every sample). Design: docs/architecture.md#simulated-gpus.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The launcher's state file: its phase and the GPU XID errors it saw.
-
-The launcher writes it (atomically: write, then rename); `tensorfleet-worker
-health`, run by hand in the same container, reads it.
+"""The launcher's state file, its phase and the GPU XID errors it saw: the launcher writes it (atomically: write,
+then rename); `tensorfleet-worker health`, run by hand in the same container, reads it.
+Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

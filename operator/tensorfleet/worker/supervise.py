@@ -1,15 +1,6 @@
-"""Running the engine as a child of the launcher, which stays PID 1.
-
-Why not exec: the launcher must (1) hold SIGTERM until in-flight requests have
-drained, since vLLM aborts them on SIGTERM unless told otherwise, (2) reap the
-Ray daemons that `ray start` leaves behind as orphans, and (3) watch the leader
-from a worker. Signals: the first SIGTERM/SIGINT starts the drain and then
-forwards SIGTERM; a second forwards SIGTERM at once; a third sends SIGKILL.
-An engine still running `kill_after` seconds after its SIGTERM (vLLM loading
-weights or compiling does not act on it) is sent SIGKILL too. SIGKILL goes to
-the engine's whole process group: vLLM's engine-core and worker processes
-would otherwise outlive it. The pod's termination grace period bounds the
-whole sequence.
+"""Running the engine as a child of the launcher, which stays PID 1 rather than exec it, to drain in-flight requests
+before the engine's SIGTERM, reap Ray's orphaned daemons and watch the leader; the signal sequence ends in SIGKILL
+of the engine's whole process group. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

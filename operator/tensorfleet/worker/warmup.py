@@ -1,13 +1,6 @@
-"""The engine's warm-up before the pod turns Ready: a few generations the launcher sends itself.
-
-vLLM's CPU backend compiles its model and sampler (torch.compile) on the first generation of each kind, not at
-start-up as the GPU backend captures its graphs: on a 2-core node the first sampled request took 20 to 35 s,
-past the router's first-byte timeout, and the request that paid it failed. So on the CPU backend the pod's
-`/health` stays 503 ("warming up") after vLLM's own `/health` turns 200 until one sampled and one greedy
-generation of the served model have answered; the first real request then meets a warm engine. A warm-up
-that fails (an engine whose model cannot generate, say) or takes longer than its bound is logged and the pod
-turns Ready all the same: the warm-up may make the first request faster, never keep a working engine out of
-its Service. docs/real-engine.md has the measurements.
+"""The engine's warm-up on vLLM's CPU backend, before the pod turns Ready: one sampled and one greedy generation the
+launcher sends itself, so the first real request does not pay the compile. A warm-up that fails or runs past its
+bound is logged and the pod turns Ready all the same. Design: docs/architecture.md#the-engine-pod.
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ KV_HIGH_WATER = 0.9
 
 
 def own_requests(backend: Backend) -> float:
-    return backend.in_flight
+    return backend.own.requests
 
 
 def all_requests(backend: Backend) -> float:
     """Requests on the engine from every router replica: ours (exact) and the others' (as last scraped)."""
-    return backend.in_flight + backend.others
+    return backend.own.requests + backend.others
 
 
 def load_bound(routable: Sequence[Backend], requests: Callable[[Backend], float] = own_requests) -> float:
@@ -60,12 +60,13 @@ def has_room(backend: Backend, info: RequestInfo) -> bool:
     capacity. An engine whose cache is full keeps only the running requests' blocks: it evicts the idle
     conversations' caches, whose next turns then compute their whole history again, and it holds new requests
     until blocks free. True while its capacity is unknown."""
-    if not backend.kv_cache_tokens:
+    capacity = backend.engine.kv_cache_tokens
+    if not capacity:
         return True
-    if backend.kv_usage >= KV_HIGH_WATER:
+    if backend.engine.kv_usage >= KV_HIGH_WATER:
         return False
-    context = backend.context_chars + backend.peer_context_chars + info.prompt_chars
-    return context < KV_HIGH_WATER * backend.kv_cache_tokens * CHARS_PER_TOKEN
+    context = backend.own.context_chars + backend.peers.context_chars + info.prompt_chars
+    return context < KV_HIGH_WATER * capacity * CHARS_PER_TOKEN
 
 
 def with_room(candidates: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> list[Backend]:

@@ -29,8 +29,9 @@ class SentPrefixes:
         self._epoch = next(_EPOCHS)   # a new one whenever _index changes (match)
 
     def capacity(self, backend: Backend) -> int:
-        if backend.kv_cache_tokens:
-            return max(backend.kv_cache_tokens * CHARS_PER_TOKEN // self.block_chars, 1)
+        tokens = backend.engine.kv_cache_tokens
+        if tokens:
+            return max(tokens * CHARS_PER_TOKEN // self.block_chars, 1)
         return DEFAULT_INDEX_BLOCKS
 
     def matched(self, backend: Backend, hashes: Sequence[int]) -> int:

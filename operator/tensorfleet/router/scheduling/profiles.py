@@ -16,7 +16,14 @@ from tensorfleet.router.scheduling.held import HeldPrefixes
 from tensorfleet.router.scheduling.picker import MaxScore, Picker, RoundRobin
 from tensorfleet.router.scheduling.prefixes import SentPrefixes
 from tensorfleet.router.scheduling.request import RequestInfo
-from tensorfleet.router.scheduling.scorers import LeastLoad, PrefixMatch, Rendezvous, Scorer, SessionRing
+from tensorfleet.router.scheduling.scorers import (
+    FewestDecodes,
+    LeastLoad,
+    PrefixMatch,
+    Rendezvous,
+    Scorer,
+    SessionRing,
+)
 
 # A conversation's first turn goes to its home unless the home has this much more prompt to compute ahead of
 # it than the least busy engine (about 512 tokens: a short prompt's prefill).
@@ -37,7 +44,7 @@ class Profile:
 
     A profile declares what it needs of the router and the dispatcher: the session key (`needs_session_key`),
     the prompt's block hashes (`needs_prefix`), its token ids (`needs_tokens`), the prompt
-    work charged to engines (`places_by_prefill`: it reads Backend.prefill_chars, and the prompt queue bounds
+    work charged to engines (`places_by_prefill`: it reads the engines' queued prompt work, and the prompt queue bounds
     it), the queue offered cheapest first (`orders_queue`)."""
 
     name = "base"
@@ -152,6 +159,7 @@ class CacheAware(Profile):
         super().__init__(SentPrefixes(openings=True))
         self.bounded = UnderLoadBound(all_requests)
         self.least = Scored("least-loaded", scorers=[Weighted(LeastLoad(Backend.estimated_load))])
+        self.fewest_decodes = FewestDecodes()
         self.adapter_order = Rendezvous(lambda info: info.adapter)
         self.conversation_order = Rendezvous(lambda info: info.opening)
 
@@ -205,9 +213,14 @@ class CacheAware(Profile):
             # its home whenever the home is not busy computing other prompts, so router replicas agree wherever
             # the load leaves the choice.
             roomy = [b for b in under if has_room(b, info)] or under
-            costs = [(b.prefill_chars + b.peer_prefill_chars + self.prefill_cost(b, info), b) for b in roomy]
+            costs = [(b.own.prefill_chars + b.peers.prefill_chars + self.prefill_cost(b, info), b) for b in roomy]
             least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
-            return self.conversation_order.first([b for cost, b in costs if cost <= least], opening)
+            near = [b for cost, b in costs if cost <= least]
+            # Of those, the ones running the fewest decodes: its prompt slows every decode in the engine's steps
+            # while it is computed, and its own decodes share steps with theirs (the ITL target).
+            calm = self.fewest_decodes.scores(near, routable, info)
+            top = max(calm)
+            return self.conversation_order.first([b for b, s in zip(near, calm, strict=True) if s >= top], opening)
         # A later turn of a conversation new to this router (another replica served its start): its home by
         # rendezvous, or the next engine in its order.
         return self.conversation_order.first(under, opening)

@@ -1,6 +1,5 @@
 """What the scheduler may know about one request, parsed once by the router (the prompt's block hashes, its
-conversation, its adapter) and the charges the dispatcher puts on the engine it goes to. Design:
-docs/routing.md#the-scheduling-framework.
+conversation, its adapter). Design: docs/routing.md#the-scheduling-framework.
 """
 
 from __future__ import annotations
@@ -19,15 +18,10 @@ class RequestInfo:
     # turn, or more, after the first user message): a first turn's KV is on no engine yet.
     prompt_chars: int = 0
     continues: bool = False
-    # Prompt characters charged to the engine picked for this request (dispatch.py): its uncached part until its
-    # first byte (prefill), all of it until it ends (context).
-    prefill_charge: float = 0.0
-    context_charge: float = 0.0
     # Whether the prompt counts in its engine's prompt queue (dispatch.py): its answer is streamed, so its first
     # token comes back as soon as the prompt is computed, and the engine computes it (a disaggregated request's
-    # KV comes from a prefill engine instead). queue_charge: the part of prefill_charge counted there.
+    # KV comes from a prefill engine instead).
     queues_prompt: bool = False
-    queue_charge: float = 0.0
     # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
     # follows it; valid while the prefix memory is as it was (`matches_epoch`, see SentPrefixes.match).
     matches: dict[str, int] = field(default_factory=dict)

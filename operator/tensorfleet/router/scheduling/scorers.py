@@ -1,5 +1,5 @@
 """Scorers: each rates every candidate engine for a request, 0 (worst) to 1 (best), from one signal: load, the
-prompt's blocks the engine holds, a session's or an adapter's place on a consistent-hashing order. A profile
+decodes it runs, the prompt's blocks the engine holds, a session's or an adapter's place on a consistent-hashing order. A profile
 weighs them (router/scheduling/profiles.py). Design: docs/routing.md#the-scheduling-framework.
 """
 
@@ -34,6 +34,18 @@ class LeastLoad:
         loads = [self.load(b) for b in backends]
         top = max(loads, default=0.0)
         return [1.0 - value / (top + 1.0) for value in loads]
+
+
+@dataclass(frozen=True)
+class FewestDecodes:
+    """The fewer requests decoding on the engine the better (this router's exactly, the other replicas' as they
+    last told: Backend.decoding). Every step of an engine decodes all of them, and a prompt computed there joins
+    those steps (vLLM's chunked prefill), so a new prompt slows the fewest decodes where the fewest run."""
+
+    def scores(self, backends: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> list[float]:
+        counts = [b.decoding() for b in backends]
+        top = max(counts, default=0)
+        return [1.0 - count / (top + 1.0) for count in counts]
 
 
 @dataclass(frozen=True)

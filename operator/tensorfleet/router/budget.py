@@ -1,0 +1,37 @@
+"""The router's bound on request-body bytes held at once, over all requests. Design:
+docs/security.md#clients-of-the-router.
+"""
+
+from __future__ import annotations
+
+
+class BodyBudget:
+    """Request-body bytes the router holds at once, over all requests: its memory bound for what clients send.
+
+    A request takes bytes as they arrive, not as its Content-Length announces, so a slow sender holds only what
+    it has sent; it gives them back once no retry can need them (the answer's first byte reached the client) or
+    when it ends. When a take would pass the limit the request is refused (503): its sender can retry, and the
+    router's memory stays bounded whatever arrives at once. Bodies larger than `large` bytes may fill only
+    `large_share` of the budget, so a burst of big bodies leaves room for ordinary requests.
+    """
+
+    def __init__(self, limit: int, *, large: int = 1024 * 1024, large_share: float = 0.75) -> None:
+        self.limit = limit
+        self.large = min(large, limit)
+        self.large_limit = int(limit * large_share)
+        self.used = 0
+        self.peak = 0
+        self.refused = 0
+
+    def take(self, n: int, *, held: int = 0) -> bool:
+        """Charge `n` more bytes to a request that holds `held` already; False (nothing charged) if over."""
+        limit = self.limit if held + n <= self.large else self.large_limit
+        if self.used + n > limit:
+            self.refused += 1
+            return False
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
