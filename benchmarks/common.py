@@ -98,11 +98,15 @@ class Cluster:
         self.logs = RESULTS / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
 
-    def _spawn(self, name: str, args: Sequence[str], port: int) -> Proc:
+    def _spawn(self, name: str, args: Sequence[str], port: int, source: Path | None = None) -> Proc:
+        """Run `tensorfleet ARGS`: this checkout's, or the package of another checkout at SOURCE (its repository
+        root), with this environment's dependencies."""
         log = self.logs / f"{self.tag}-{name}.log"
         command = [sys.executable, "-m", "tensorfleet.cli", *args]
-        process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if source is not None:
+            env["PYTHONPATH"] = str(source / "operator")
+        process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
         proc = Proc(name, f"http://{HOST}:{port}", process, log)
         self.procs.append(proc)
         return proc
@@ -113,14 +117,14 @@ class Cluster:
                                   "--time-scale", str(time_scale), "--log-level", "warning", *extra], port)
 
     def router(self, backends: Sequence[Proc | str], *extra: str, strategy: str = "least-pending",
-               port: int | None = None) -> Proc:
+               port: int | None = None, source: Path | None = None) -> Proc:
         # --backend-header: results record which engine answered; --drain-delay 0: nothing to drain at the end.
         port = port or free_port()
         args = ["router", "--host", HOST, "--port", str(port), "--model", MODEL, "--strategy", strategy,
                 "--log-level", "warning", "--backend-header", "--drain-delay", "0", *extra]
         for backend in backends:
             args += ["--backend", backend if isinstance(backend, str) else backend.url]
-        return self._spawn(f"router-{strategy}", args, port)
+        return self._spawn(f"router-{strategy}", args, port, source)
 
     def close(self) -> None:
         for proc in reversed(self.procs):

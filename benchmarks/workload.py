@@ -63,6 +63,7 @@ class Record:
     session: str
     turn: int
     result: StreamResult
+    messages: list[dict[str, Any]] = field(default_factory=list)   # what the request sent
 
 
 def ok(r: Record) -> bool:
@@ -111,7 +112,7 @@ async def run_session(http: aiohttp.ClientSession, url: str | Sequence[str], pla
         messages.append({"role": "user", "content": content})
         target = url if isinstance(url, str) else random.Random(f"{plan.key}/{index}").choice(url)
         result = await stream_chat(http, target, messages, turn.max_tokens, headers={"x-session-id": plan.key})
-        records.append(Record(plan.key, index, result))
+        records.append(Record(plan.key, index, result, list(messages)))
         if result.status != 200 or result.error:
             return
         messages.append({"role": "assistant", "content": result.text})
