@@ -17,7 +17,11 @@ the size of a multi-turn conversation (a 1,600-character system prompt, a
 connections, the router process's user + system CPU time over the run divided
 by the requests it answered.
 
-    python benchmarks/bench_overhead.py [--quick] [--strategies least-pending cache-aware]
+And the gateway's cost (issue 38: at most 1 ms added at the p50 and 0.3 ms of CPU per request): the same wrk
+loads on one router directly and through a gateway in front of it (`--gateway-only`), and the gateway process's
+CPU per request.
+
+    python benchmarks/bench_overhead.py [--quick] [--strategies least-pending cache-aware] [--gateway-only]
 """
 
 from __future__ import annotations
@@ -115,6 +119,34 @@ def cpu_with_kv_events(seconds: float) -> list[dict[str, Any]]:
     return rows
 
 
+def gateway_overhead(seconds: float, levels: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """wrk on a router directly and through a gateway before it (the matrix's columns: direct = the router,
+    router = the gateway), then the gateway's CPU per request for the short chat and the conversation."""
+    with cluster("overhead-gateway") as c:
+        engine = c.sim("engine", time_scale=0.0)
+        router = c.router([engine], "--max-concurrency-per-backend", "256", strategy=contract.DEFAULT_ROUTER_STRATEGY)
+        asyncio.run(wait_healthy(engine, router))
+        gateway = c.gateway([router])
+        asyncio.run(wait_healthy(gateway))
+        time.sleep(2.5)
+        print("wrk, a router (cache-aware, one simulator at --time-scale 0) directly vs through the gateway:")
+        rows = run_wrk_matrix(router.url, gateway.url, seconds, levels)
+        cpu: list[dict[str, Any]] = []
+        for name, body in {"short chat": BODY, "conversation": conversation_body()}.items():
+            text = json.dumps(body)
+            wrk(gateway.url, connections=16, seconds=2, body=text)  # warm
+            before, router_before = gateway.cpu_seconds(), router.cpu_seconds()
+            result = wrk(gateway.url, connections=16, seconds=seconds, body=text)
+            requests = max(result.requests, 1)
+            cpu.append({"body": name, "requests": result.requests, "gateway_rps": result.rps,
+                        "gateway_cpu_ms_per_request": 1000 * (gateway.cpu_seconds() - before) / requests,
+                        "router_cpu_ms_per_request": 1000 * (router.cpu_seconds() - router_before) / requests,
+                        "errors": result.non_2xx + result.errors})
+            print(f"  {name:12} gateway {cpu[-1]['gateway_cpu_ms_per_request']:.3f} ms CPU/request, router "
+                  f"{cpu[-1]['router_cpu_ms_per_request']:.3f} ({result.rps:.0f} rps)", flush=True)
+    return rows, cpu
+
+
 def run_wrk_matrix(direct: str, routed: str, seconds: float, levels: list[int]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for stream in (False, True):
@@ -181,9 +213,28 @@ def main() -> None:
     parser.add_argument("--cpu-only", action="store_true", help="only the CPU per request by strategy")
     parser.add_argument("--kv-only", action="store_true",
                         help="only the default strategy's CPU per request with and without the engines' KV events")
+    parser.add_argument("--gateway-only", action="store_true",
+                        help="only the gateway's added latency and CPU per request, in front of one router")
     args = parser.parse_args()
     seconds = 3 if args.quick else 10
     levels = [1, 16, 64]
+    if args.gateway_only:
+        rows, cpu = gateway_overhead(seconds, levels)
+        print(table(["mode", "conns", "router rps", "gateway rps", "ratio", "router p50 ms", "gateway p50 ms",
+                     "added p50 ms", "router p99 ms", "gateway p99 ms", "errors"],
+                    [[r["mode"], r["connections"], r["direct_rps"], r["router_rps"], r["ratio"], r["direct_p50_ms"],
+                      r["router_p50_ms"], r["added_p50_ms"], r["direct_p99_ms"], r["router_p99_ms"], r["errors"]]
+                     for r in rows]))
+        print(table(["body", "requests", "gateway rps", "gateway CPU ms/request", "router CPU ms/request", "errors"],
+                    [[r["body"], r["requests"], r["gateway_rps"], r["gateway_cpu_ms_per_request"],
+                      r["router_cpu_ms_per_request"], r["errors"]] for r in cpu]))
+        added = max(r["added_p50_ms"] for r in rows if r["connections"] == 1)
+        worst = max(r["gateway_cpu_ms_per_request"] for r in cpu)
+        print(f"issue 38: added p50 at one connection {added:.3f} ms (goal <= 1), gateway CPU per request "
+              f"{worst:.3f} ms (goal <= 0.3)")
+        path = write_results("overhead-gateway", {"quick": args.quick, "wrk": rows, "cpu": cpu})
+        print(f"wrote {path}")
+        return
     if args.kv_only:
         print("router CPU per request, cache-aware in front of two engines, by what it places by:")
         kv_rows = cpu_with_kv_events(seconds)

@@ -126,6 +126,13 @@ class Cluster:
             args += ["--backend", backend if isinstance(backend, str) else backend.url]
         return self._spawn(f"router-{strategy}", args, port, source)
 
+    def gateway(self, routers: Sequence[Proc], *extra: str, port: int | None = None) -> Proc:
+        """A gateway serving MODEL from ROUTERS (--route: no Kubernetes API; two routers are one traffic group)."""
+        port = port or free_port()
+        args = ["gateway", "--host", HOST, "--port", str(port), "--log-level", "warning", "--drain-delay", "0",
+                *(arg for router in routers for arg in ("--route", f"{MODEL}={router.url}")), *extra]
+        return self._spawn("gateway", args, port)
+
     def close(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()

@@ -29,6 +29,7 @@ EXAMPLES = ROOT / "examples"
 CLUSTER_SCRIPT = ROOT / "e2e" / "cluster"
 SYSTEM_NAMESPACE = os.environ.get("TF_E2E_SYSTEM_NAMESPACE", "tensorfleet-system")
 RELEASE = os.environ.get("TF_E2E_RELEASE", "tensorfleet")
+OPERATOR_SELECTOR = f"app.kubernetes.io/instance={RELEASE},app.kubernetes.io/component=operator"
 TIMEOUT = float(os.environ.get("TF_E2E_TIMEOUT", "300"))
 # A second tag of the control-plane image, for image rollouts: the pod runner runs any tag of it.
 NEXT_IMAGE = "ghcr.io/tensorfleet/tensorfleet:e2e-next"
@@ -239,7 +240,7 @@ def operator_metrics() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def operator_service_account() -> str:
-    deployments = items("deployments", SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}")
+    deployments = items("deployments", SYSTEM_NAMESPACE, OPERATOR_SELECTOR)
     assert deployments, f"no operator Deployment of release {RELEASE} in {SYSTEM_NAMESPACE}"
     account = deployments[0]["spec"]["template"]["spec"]["serviceAccountName"]
     return f"system:serviceaccount:{SYSTEM_NAMESPACE}:{account}"

@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from kube import RELEASE, SYSTEM_NAMESPACE, apply, engine_pods, eventually, example, items, kubectl, wait_ready
+from kube import (
+    OPERATOR_SELECTOR,
+    SYSTEM_NAMESPACE,
+    apply,
+    engine_pods,
+    eventually,
+    example,
+    items,
+    kubectl,
+    wait_ready,
+)
 
 from tensorfleet import contract
 
@@ -21,7 +31,7 @@ RESTRICTED = ("pod-security.kubernetes.io/enforce=restricted", "pod-security.kub
 
 def _control_plane_image() -> str:
     """The image the chart runs the operator from, which it passes as --control-plane-image."""
-    [deployment] = items("deployments", SYSTEM_NAMESPACE, f"app.kubernetes.io/instance={RELEASE}")
+    [deployment] = items("deployments", SYSTEM_NAMESPACE, OPERATOR_SELECTOR)
     return str(deployment["spec"]["template"]["spec"]["containers"][0]["image"])
 
 

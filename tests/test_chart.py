@@ -656,3 +656,108 @@ def test_every_value_is_documented_and_in_the_schema(chart: Any) -> None:
                          lines[i].startswith(f"{'  ' * depth}{key}: "))
         above = lines[index - 1].strip()
         assert above.startswith("#"), f"values.yaml: {path} has no comment saying what it does"
+
+
+# --- the gateway (gateway.enabled) ---------------------------------------------------------------------------------
+
+GATEWAY_VALUES: dict[str, dict[str, Any]] = {
+    "cluster-wide": {"gateway": {"enabled": True}},
+    "namespaced-keys": {"watchNamespaces": ["team-a", "team-b"],
+                        "gateway": {"enabled": True, "autoscaling": {"enabled": False}, "replicas": 1,
+                                    "apiKeys": {"secretName": "gateway-keys", "requestsPerMinute": 600,
+                                                "tokensPerMinute": 100000},
+                                    "networkPolicy": {"from": [{"namespaceSelector": {"matchLabels": {"edge": "1"}}}]},
+                                    "extraArgs": ["--max-body-bytes=33554432"]}},
+}
+
+
+def gateway_objects(chart: Any, name: str) -> list[dict[str, Any]]:
+    return [o for o in render(chart, GATEWAY_VALUES[name])
+            if o["metadata"]["name"].endswith("-gateway")]
+
+
+@pytest.mark.parametrize("name", GATEWAY_VALUES)
+def test_gateway_objects_validate_and_lint(chart: Any, name: str) -> None:
+    objects = gateway_objects(chart, name)
+    assert {"ServiceAccount", "Deployment", "Service", "NetworkPolicy"} <= {o["kind"] for o in objects}
+    for obj in objects:
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+    report = helm.lint(str(CHART), GATEWAY_VALUES[name], strict=True, namespace=NAMESPACE, kube_version="v1.30.0")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == []
+    assert by_kind(render(chart), "HorizontalPodAutoscaler") == []  # off by default: nothing of it renders
+    assert not [o for o in render(chart) if o["metadata"]["name"].endswith("-gateway")]
+
+
+@pytest.mark.parametrize("name", GATEWAY_VALUES)
+def test_gateway_args_are_what_tensorfleet_gateway_accepts(chart: Any, name: str) -> None:
+    values = GATEWAY_VALUES[name]
+    objects = gateway_objects(chart, name)
+    deployment = one(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = build_parser().parse_args(container["args"])
+    assert args.command == "gateway" and args.port == 8080
+    assert args.namespace == values.get("watchNamespaces", [])
+    keys = values["gateway"].get("apiKeys", {})
+    if keys:
+        assert args.api_keys and args.requests_per_minute == 600 and args.tokens_per_minute == 100000
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == args.api_keys]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "gateway-keys"
+        assert args.max_body_bytes == 33554432
+    else:
+        assert args.api_keys is None
+    assert container["readinessProbe"]["httpGet"] == {"path": contract.HEALTH_PATH, "port": "http"}
+    assert violations(pod, None) == []
+    # The operator reads its conversation counts from its Service.
+    service = one(objects, "Service")
+    operator = build_parser().parse_args(operator_container(
+        [o for o in render(chart, values) if not o["metadata"]["name"].endswith("-gateway")])["args"])
+    assert config_from_args(operator).gateway_service == (NAMESPACE, service["metadata"]["name"])
+    assert config_from_args(operator).gateway_poll_seconds == 30
+    assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+
+
+def test_gateway_rbac_reads_inference_services_and_router_endpoints(chart: Any) -> None:
+    wide = gateway_objects(chart, "cluster-wide")
+    (rules,) = [o["rules"] for o in wide if o["kind"] == "ClusterRole"]
+    assert {(g, r, tuple(rule["verbs"])) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]} == {
+        (contract.GROUP, contract.PLURAL, ("list", "watch")), ("discovery.k8s.io", "endpointslices", ("list", "watch"))}
+    namespaced = gateway_objects(chart, "namespaced-keys")
+    assert not by_kind(namespaced, "ClusterRole")
+    assert {o["metadata"]["namespace"] for o in by_kind(namespaced, "Role")} == {"team-a", "team-b"}
+    for binding in by_kind(namespaced, "RoleBinding"):
+        assert binding["subjects"][0]["name"] == one(namespaced, "ServiceAccount")["metadata"]["name"]
+
+
+def test_every_router_admits_the_gateway_pods(chart: Any) -> None:
+    """The routers' NetworkPolicy (rendered by the operator beside the chart's gateway) selects its pods."""
+    from tensorfleet.api import load_inference_service
+    from tensorfleet.planner import make_plan
+    from tensorfleet.render import render as render_isvc
+
+    pods = one(gateway_objects(chart, "cluster-wide"), "Deployment")["spec"]["template"]["metadata"]["labels"]
+    doc = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "m", "namespace": "ml"},
+           "spec": {"model": {"name": "meta-llama/Llama-3.1-8B-Instruct"}, "accelerator": {"type": "L4"}}}
+    isvc = load_inference_service(doc)
+    objects = render_isvc(isvc, make_plan(isvc.spec), operator_namespace=NAMESPACE)
+    (policy,) = [o for o in objects if o["kind"] == "NetworkPolicy" and o["metadata"]["name"] == "m-router"]
+    admitted = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]
+                if "podSelector" in peer and peer["podSelector"].get("matchLabels")
+                and all(pods.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items())
+                and NAMESPACE in {v for e in peer.get("namespaceSelector", {}).get("matchExpressions", [])
+                                  for v in e["values"]}]
+    assert admitted
+
+
+def test_gateway_network_policy(chart: Any) -> None:
+    (open_door,) = by_kind(gateway_objects(chart, "cluster-wide"), "NetworkPolicy")
+    assert open_door["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8080}]}]
+    (narrowed,) = by_kind(gateway_objects(chart, "namespaced-keys"), "NetworkPolicy")
+    (rule,) = narrowed["spec"]["ingress"]
+    peers = rule["from"]
+    assert {"namespaceSelector": {"matchLabels": {"edge": "1"}}} in peers
+    operator_pods = one([o for o in render(chart) if o["kind"] == "Deployment"], "Deployment")
+    assert {"podSelector": {"matchLabels": operator_pods["spec"]["selector"]["matchLabels"]}} in peers
+    assert _namespaces_in(rule) == {"monitoring"}

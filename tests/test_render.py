@@ -1131,6 +1131,19 @@ def test_with_lora_the_engines_admit_the_operator_on_the_engine_port() -> None:
     assert operator_rules(rendered(document())) == []
 
 
+def test_the_routers_admit_the_gateway_beside_the_operator() -> None:
+    isvc = load_inference_service(document())
+    objects = render(isvc, make_plan(isvc.spec), operator_namespace="tensorfleet-system")
+    (clients,) = one(objects, "NetworkPolicy", "llama-router")["spec"]["ingress"]
+    gateway = {contract.LABEL_NAME: contract.APP_NAME, contract.LABEL_COMPONENT: contract.COMPONENT_GATEWAY}
+    (peer,) = [p for p in clients["from"] if p.get("podSelector", {}).get("matchLabels") == gateway]
+    assert peer["namespaceSelector"]["matchExpressions"][0]["values"] == ["tensorfleet-system"]
+    assert clients["ports"] == [{"protocol": "TCP", "port": contract.ROUTER_PORT}]
+    # Where the operator runs is not known (a printed render): no gateway is admitted from anywhere.
+    (clients,) = one(rendered(document()), "NetworkPolicy", "llama-router")["spec"]["ingress"]
+    assert not any(p.get("podSelector", {}).get("matchLabels") == gateway for p in clients["from"])
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_lora_objects_validate_strictly(version: str) -> None:
     doc = document(adapters=[{"name": "sql", "source": "org/sql"}], engine={"lora": {"maxLoras": 2}})

@@ -17,9 +17,9 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.kube.connection import Connection
+from tensorfleet.kube.endpoints import SliceEndpoints, slice_endpoints
 from tensorfleet.router import NO_ENGINE_RETRY_SECONDS
 from tensorfleet.router.backends import CLOSED, JOINING, OPEN, Backend, BackendPool, Breaker, BreakerPolicy
-from tensorfleet.router.discovery import SliceEndpoints, slice_endpoints
 from tensorfleet.router.dispatch import Dispatcher, Unavailable
 from tensorfleet.router.scheduling import RequestInfo, make_profile
 from tensorfleet.testing.loopback import (

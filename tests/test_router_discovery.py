@@ -9,7 +9,8 @@ import pytest
 
 from tensorfleet import contract
 from tensorfleet.kube.connection import Connection
-from tensorfleet.router.discovery import EndpointSliceWatcher, slice_urls
+from tensorfleet.kube.endpoints import slice_urls
+from tensorfleet.router.discovery import EndpointSliceWatcher
 from tensorfleet.testing.wait import eventually
 
 RESOURCE = "discovery.k8s.io/v1/endpointslices"

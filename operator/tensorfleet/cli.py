@@ -468,7 +468,8 @@ def _cmd_version(_: argparse.Namespace) -> int:
 # exposes `register(subparsers)` and imports its heavy dependencies only when
 # its command runs, after `extras.require` has checked that its extra is
 # installed, so `plan` and `render` stay fast and need only the base install.
-COMMAND_MODULES: tuple[str, ...] = ("tensorfleet.controller.cli", "tensorfleet.sim.cli", "tensorfleet.router.cli")
+COMMAND_MODULES: tuple[str, ...] = ("tensorfleet.controller.cli", "tensorfleet.sim.cli", "tensorfleet.router.cli",
+                                     "tensorfleet.gateway.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:

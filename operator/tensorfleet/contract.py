@@ -4,7 +4,7 @@ these strings anywhere else. Design: docs/architecture.md#processes-and-what-cro
 
 from __future__ import annotations
 
-from typing import Final, Literal, TypeAlias, get_args
+from typing import Final, Literal, NamedTuple, TypeAlias, get_args
 
 __version__: Final = "0.1.0"
 
@@ -78,6 +78,7 @@ APP_NAME: Final = "tensorfleet"
 COMPONENT_ENGINE: Final = "engine"
 COMPONENT_ROUTER: Final = "router"
 COMPONENT_OPERATOR: Final = "operator"  # the chart's operator pods (charts/tensorfleet/templates/_helpers.tpl)
+COMPONENT_GATEWAY: Final = "gateway"    # the chart's gateway pods (gateway.enabled; docs/gateway.md)
 ROLE_LEADER: Final = "leader"
 ROLE_WORKER: Final = "worker"
 
@@ -120,6 +121,7 @@ ENGINE_CLIENT_KEEP_ALIVE_S: Final = ENGINE_KEEP_ALIVE_S - 1
 RAY_PORT: Final = 6379             # Ray GCS on the group leader
 ROUTER_PORT: Final = 8080          # router container
 SERVICE_PORT: Final = 80           # user-facing Service NAME
+GATEWAY_PORT: Final = 8080         # gateway container (tensorfleet gateway; its Service on SERVICE_PORT)
 WORKER_METRICS_PORT: Final = 9400  # GPU health exporter beside the engine
 PORT_NAME_HTTP: Final = "http"
 PORT_NAME_RAY: Final = "ray"
@@ -280,6 +282,7 @@ OPERATOR_LEASE_NAME: Final = "tensorfleet-operator"
 # the Events' reporting component).
 OPERATOR_COMPONENT: Final = "tensorfleet-operator"
 ROUTER_COMPONENT: Final = "tensorfleet-router"
+GATEWAY_COMPONENT: Final = "tensorfleet-gateway"
 # Its environment (the chart sets the first two through the downward API).
 ENV_OPERATOR_POD_NAMESPACE: Final = "POD_NAMESPACE"
 ENV_OPERATOR_POD_NAME: Final = "POD_NAME"            # the leader-election identity
@@ -400,6 +403,35 @@ ROUTER_LABEL_BACKEND: Final = "backend"
 ROUTER_LABEL_CODE: Final = "code"
 ROUTER_LABEL_TENANT: Final = "tenant"
 ROUTER_LABEL_REASON: Final = "reason"
+
+
+class ClientMetricNames(NamedTuple):
+    """The metrics of a process's clients (router/clients.py ClientMetrics): the router's, and the gateway's."""
+
+    requests: str           # counter: backend, code
+    duration: str           # histogram: code
+    first_byte: str         # histogram
+    tenant_requests: str    # counter: tenant, code
+    tenant_rejections: str  # counter: tenant, reason
+    tenant_tokens: str      # counter: tenant
+    auth_failures: str      # counter: reason
+
+
+ROUTER_CLIENT_METRICS: Final = ClientMetricNames(
+    ROUTER_METRIC_REQUESTS, ROUTER_METRIC_DURATION, ROUTER_METRIC_TTFT, ROUTER_METRIC_TENANT_REQUESTS,
+    ROUTER_METRIC_TENANT_REJECTIONS, ROUTER_METRIC_TENANT_TOKENS, ROUTER_METRIC_AUTH_FAILURES)
+# The gateway's (tensorfleet gateway, across InferenceServices): its `backend` label is an InferenceService,
+# `namespace/name`.
+GATEWAY_CLIENT_METRICS: Final = ClientMetricNames(
+    "tensorfleet_gateway_requests", "tensorfleet_gateway_request_duration_seconds",
+    "tensorfleet_gateway_time_to_first_byte_seconds", "tensorfleet_gateway_tenant_requests",
+    "tensorfleet_gateway_tenant_rejections", "tensorfleet_gateway_tenant_tokens", "tensorfleet_gateway_auth_failures")
+# New conversations each InferenceService of a traffic group was given (its status.traffic share).
+GATEWAY_METRIC_CONVERSATIONS: Final = "tensorfleet_gateway_conversations"  # counter: namespace, inferenceservice, group
+GATEWAY_METRIC_MODELS: Final = "tensorfleet_gateway_models"              # gauge: models listed
+GATEWAY_LABEL_NAMESPACE: Final = "namespace"
+GATEWAY_LABEL_SERVICE: Final = "inferenceservice"
+GATEWAY_LABEL_GROUP: Final = "group"
 
 # --- Router ----------------------------------------------------------------
 # spec.router.strategy and `tensorfleet router --strategy`.

@@ -1,5 +1,6 @@
 """OpenAI request bodies as prompt text: a chat rendered as one chat template (the simulator's prompts and the
-router's prompt blocks agree on it), a conversation's opening, and chained hashes of a prompt's blocks. Design:
+router's prompt blocks agree on it), a conversation's opening (the gateway's affinity key), and chained hashes of a
+prompt's blocks. Design:
 docs/routing.md#cache-aware-the-default."""
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ def opening_chars(body: Mapping[str, Any]) -> int | None:
             count += len(_render_message(message))
             if message.get("role") == "user":
                 return count
+    return None
+
+
+def opening(body: Mapping[str, Any]) -> tuple[str, bool] | None:
+    """A chat request's opening as `prompt_text` renders it (through its first user message), and whether the
+    conversation goes on past it (a later turn); None: not a chat, or no user message. Reads only the opening's
+    messages, however long the conversation."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    parts = []
+    for index, message in enumerate(messages):
+        if isinstance(message, Mapping):
+            parts.append(_render_message(message))
+            if message.get("role") == "user":
+                return "".join(parts), index + 1 < len(messages)
     return None
 
 

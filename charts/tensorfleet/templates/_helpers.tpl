@@ -126,3 +126,22 @@ Namespaced rules: */}}
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
 {{- end }}
+
+{{/* The gateway (gateway.enabled): its name, and its pods' labels. app.kubernetes.io/name is always
+"tensorfleet" (contract.APP_NAME): every InferenceService's router NetworkPolicy admits pods so labelled. */}}
+{{- define "tensorfleet.gatewayName" -}}
+{{- printf "%s-gateway" (include "tensorfleet.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "tensorfleet.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: tensorfleet
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: gateway
+{{- end }}
+
+{{- define "tensorfleet.gatewayLabels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "tensorfleet.gatewaySelectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}

@@ -22,6 +22,7 @@ from tensorfleet.api.base import (
     Quantity,
 )
 from tensorfleet.api.status import InferenceServiceStatus
+from tensorfleet.api.traffic import TrafficSpec
 from tensorfleet.engine_settings import WORKER_ENV_VARS, engine_arg_problem
 
 # --- spec.model --------------------------------------------------------------
@@ -725,6 +726,14 @@ class InferenceServiceSpec(ApiModel):
     kv_transfer: KvTransferSpec | None = Field(
         default=None,
         description="How KV moves between the pools, with spec.prefill. Default: NixlConnector.",
+    )
+    traffic: TrafficSpec | None = Field(
+        default=None,
+        description=(
+            "This InferenceService's share of new conversations at the gateway (`tensorfleet gateway`, chart value "
+            "gateway.enabled) among those in its namespace serving the same model name: how a canary is run. "
+            "Omit for an equal share. docs/gateway.md."
+        ),
     )
     adapters: list[AdapterSpec] = Field(
         default_factory=list, max_length=MAX_ADAPTERS,

@@ -120,6 +120,32 @@ class AdapterStatus(ApiModel):
     message: str | None = Field(default=None, description="Why it failed, as the engine said, when it did.")
 
 
+class TrafficMember(ApiModel):
+    """One InferenceService of a traffic group, as the gateway splits new conversations between them."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    name: str = Field(description="The InferenceService.")
+    share: str = Field(description="Its percent of new conversations by the weights (spec.traffic.weight), e.g. 10%.")
+    conversations: int | None = Field(
+        default=None,
+        description="New conversations the gateway sent it since the gateway's pods started (with a gateway).",
+    )
+    observed_share: str | None = Field(
+        default=None, description="Its percent of the group's counted conversations, e.g. 9.8% (with a gateway).",
+    )
+
+
+class TrafficStatus(ApiModel):
+    """The traffic group this InferenceService is in at the gateway: every InferenceService of its namespace serving
+    the same model name."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+    group: str = Field(description="The model name the group serves (spec.model.servedName, else model.name).")
+    members: list[TrafficMember] = Field(description="Each member's share by the weights, and what it got.")
+
+
 class InferenceServiceStatus(ApiModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
 
@@ -149,4 +175,8 @@ class InferenceServiceStatus(ApiModel):
     )
     adapters: list[AdapterStatus] | None = Field(
         default=None, description="Each LoRA adapter of spec.adapters: where it is loaded, or why it is not.",
+    )
+    traffic: TrafficStatus | None = Field(
+        default=None,
+        description="Its traffic group at the gateway (docs/gateway.md): the members' shares of new conversations.",
     )

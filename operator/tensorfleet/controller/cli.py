@@ -47,6 +47,13 @@ def register(commands: Any) -> None:
                         help="the DeviceClass engine pods' GPU claims name under spec.accelerator.allocation "
                              f"deviceClass (Dynamic Resource Allocation; default {contract.DEFAULT_GPU_DEVICE_CLASS}, "
                              "the one NVIDIA's DRA driver installs)")
+    gateway = run.add_argument_group("gateway (docs/gateway.md)")
+    gateway.add_argument("--gateway-service", metavar="NAMESPACE/NAME", type=_namespaced_name,
+                         help="the gateway's Service (the chart's, with gateway.enabled): every --gateway-poll-seconds "
+                              "the operator reads the new conversations its pods sent each InferenceService and shows "
+                              "them in status.traffic; without it status.traffic shows the weights' shares only")
+    gateway.add_argument("--gateway-poll-seconds", type=argtypes.positive_float, default=30.0, metavar="SECONDS",
+                         help="how often the gateway's counts are read (default 30)")
     facts = run.add_argument_group("model facts (controller/modelfacts.py)")
     facts.add_argument("--no-hub", action="store_true",
                        help="plan from the built-in catalog (and spec.model.architecture) only; never read a model's "
@@ -177,9 +184,18 @@ def config_from_args(args: argparse.Namespace) -> OperatorConfig:
                       control_plane=args.control_plane_image or Images.control_plane,
                       cpu_worker=args.cpu_worker_image or Images.cpu_worker),
         gpu_device_class=args.gpu_device_class,
+        gateway_service=args.gateway_service,
+        gateway_poll_seconds=args.gateway_poll_seconds,
         model_facts=ModelFactsConfig(hub=not args.no_hub, timeout_seconds=args.hub_timeout_seconds,
                                      admission_timeout_seconds=min(2.0, args.hub_timeout_seconds)),
     )
+
+
+def _namespaced_name(text: str) -> tuple[str, str]:
+    namespace, slash, name = text.partition("/")
+    if not slash or not namespace or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"{text!r}: want NAMESPACE/NAME, e.g. tensorfleet-system/tensorfleet-gateway")
+    return namespace, name
 
 
 def _configure_logging(args: argparse.Namespace) -> None:

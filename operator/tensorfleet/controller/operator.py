@@ -22,6 +22,7 @@ from tensorfleet.controller import metrics, webhook
 from tensorfleet.controller.modelfacts import ModelFactsConfig
 from tensorfleet.controller.queue import WorkQueue
 from tensorfleet.controller.reconcile import Key, Reconciler
+from tensorfleet.controller.traffic import GatewayCounts
 from tensorfleet.controller.webhook import WebhookConfig
 from tensorfleet.kube.cache import Cache
 from tensorfleet.kube.client import ApiError, Kube
@@ -56,6 +57,9 @@ class OperatorConfig:
     gpu_device_class: str = contract.DEFAULT_GPU_DEVICE_CLASS
     # Image prefixes InferenceServices may name (empty: any), enforced by webhook and reconciler alike.
     allowed_registries: tuple[str, ...] = ()
+    # The gateway's Service (namespace, name), whose pods' conversation counts status.traffic shows; how often.
+    gateway_service: tuple[str, str] | None = None
+    gateway_poll_seconds: float = 30.0
     # How model facts are read (the Hub, bounds, retries), at reconcile and admission alike.
     model_facts: ModelFactsConfig = field(default_factory=ModelFactsConfig)
 
@@ -118,6 +122,7 @@ class Operator:
         connection = self.connection
         debounce = self.config.child_debounce_seconds
         cache = self.cache
+        traffic = self.reconciler.traffic
         cache.register(registry)
 
         # Handlers are coroutines: kopf runs plain functions in threads, away from the queue's loop.
@@ -137,6 +142,9 @@ class Operator:
             cache.mark_synced()
             if namespace is not None:
                 queue.add((namespace, name))
+            # Its traffic group's members show each other's shares: theirs changed too.
+            for member in traffic.observed(event["object"], deleted=event.get("type") == "DELETED"):
+                queue.add(member)
 
         def owner_changed(kind: Kind) -> Any:
             async def handler(event: kopf.RawEvent, labels: Mapping[str, str], namespace: str | None,
@@ -228,6 +236,16 @@ class Operator:
         # indexes would report children missing (a restart flapping Ready).
         self.queue = queue = WorkQueue(self.reconciler, workers=self.config.workers, gate=self.cache.synced)
         ours = {asyncio.create_task(queue.run()), asyncio.create_task(self._resync(queue))}
+        if self.config.gateway_service is not None:
+            traffic = self.reconciler.traffic
+
+            def counted(totals: dict[Key, int]) -> None:
+                for member in traffic.counted(totals):
+                    queue.add(member)
+
+            counts = GatewayCounts(self.kube, *self.config.gateway_service, counted,
+                                   poll=self.config.gateway_poll_seconds)
+            ours.add(asyncio.create_task(counts.run()))
         if elector is not None:
             ours.add(asyncio.create_task(elector.hold()))
         # kopf treats every task created after it starts as its own and cancels

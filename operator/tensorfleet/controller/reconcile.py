@@ -53,6 +53,7 @@ from tensorfleet.controller.status import (
     serving_status,
     write_refused_status,
 )
+from tensorfleet.controller.traffic import TrafficGroups
 from tensorfleet.kube.cache import Cache
 from tensorfleet.kube.client import ApiError, Kube
 from tensorfleet.kube.events import EventRecorder
@@ -158,6 +159,8 @@ class Reconciler:
         self.images = images
         self.events = events
         self.now = now
+        # The traffic groups at the gateway (the operator's InferenceService watch and GatewayCounts feed it).
+        self.traffic = TrafficGroups()
         # Per InferenceService: child counts by kind and Ready, for the gauges.
         self._managed: dict[Key, tuple[dict[str, int], str]] = {}
 
@@ -367,7 +370,8 @@ class Reconciler:
                              obs=obs, selector=selector_string(leader_selector(meta["name"])), now=self.now(),
                              rollout=mode, conflicts=conflicts, warnings=[*filter(None, [facts.warning]), *warnings],
                              idle_since=zero.since, model_facts=facts.pin, facts_note=facts.note,
-                             adapters=lora.status if lora is not None else None, prefill=prefill, offer=offer)
+                             adapters=lora.status if lora is not None else None, prefill=prefill, offer=offer,
+                             traffic=self.traffic.status(meta["namespace"], meta["name"]))
         await self._write_status(body, status, new)
         before = status.get("conditions") or []
         after = new["conditions"]

@@ -8,7 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tensorfleet.api.status import AdapterStatus, Condition, ConditionStatus, InferenceServiceStatus, ModelFactsStatus
+from tensorfleet.api.status import (
+    AdapterStatus,
+    Condition,
+    ConditionStatus,
+    InferenceServiceStatus,
+    ModelFactsStatus,
+    TrafficStatus,
+)
 from tensorfleet.controller.devices import Offer
 from tensorfleet.controller.diagnose import (
     OOM_KILLED,
@@ -232,7 +239,8 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
                    conflicts: Sequence[str] = (), warnings: Sequence[str] = (),
                    idle_since: str | None = None, model_facts: ModelFactsStatus | None = None,
                    facts_note: str | None = None, adapters: Sequence[dict[str, Any]] | None = None,
-                   prefill: tuple[int, int] | None = None, offer: Offer | None = None) -> dict[str, Any]:
+                   prefill: tuple[int, int] | None = None, offer: Offer | None = None,
+                   traffic: dict[str, Any] | None = None) -> dict[str, Any]:
     """The status of a valid spec: the plan, group counts, and Progressing/Ready/Degraded from `obs`.
 
     `conflicts` are children the operator would not write because another
@@ -244,6 +252,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
     `adapters`: status.adapters (controller/adapters.py); None without LoRA.
     `prefill`: (existing, ready) prefill engines, with spec.prefill; None without.
     `offer`: what the nodes offer of the planned GPU through DRA, when the engine pods claim their GPUs so.
+    `traffic`: status.traffic (controller/traffic.py); None when the operator has not placed it in a group.
     """
     accepted = "PlanAcceptedWithWarnings" if warnings else "PlanAccepted"
     message = "; ".join([plan_message(plan), *([facts_note] if facts_note else []),
@@ -267,6 +276,7 @@ def serving_status(previous: dict[str, Any], *, name: str, namespace: str, gener
         **({"model_facts": model_facts} if model_facts is not None else {}),
         **({"adapters": [AdapterStatus.model_validate(a) for a in adapters]} if adapters is not None else {}),
         **({"prefill_replicas": prefill[0], "ready_prefill_replicas": prefill[1]} if prefill is not None else {}),
+        **({"traffic": TrafficStatus.model_validate(traffic)} if traffic is not None else {}),
     ))
 
 

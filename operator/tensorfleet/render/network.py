@@ -1,6 +1,7 @@
 """NetworkPolicies (spec.networkPolicy), ingress only: `NAME-engine` admits the InferenceService's own router, its own
 engine pods on every port (Ray, NCCL), the monitoring namespaces and, with LoRA adapters, the operator; `NAME-router`
-admits its namespace, clientNamespaces, monitoringNamespaces and clientCIDRs.
+admits its namespace, clientNamespaces, monitoringNamespaces, clientCIDRs and the chart's gateway pods beside the
+operator.
 Design: docs/security.md#the-clusters-network.
 """
 
@@ -83,6 +84,11 @@ def router_policy(ctx: Context) -> dict[str, Any]:
     if others:
         peers.append(_namespaces(others))
     peers += [{"ipBlock": {"cidr": cidr}} for cidr in spec.client_cidrs]
+    if ctx.operator_namespace:
+        # The chart's gateway (gateway.enabled) runs beside the operator and forwards to every router.
+        peers.append({"podSelector": {"matchLabels": {contract.LABEL_NAME: contract.APP_NAME,
+                                                      contract.LABEL_COMPONENT: contract.COMPONENT_GATEWAY}},
+                      **_namespaces([ctx.operator_namespace])})
     return _policy(ctx, router_policy_name(ctx.name), contract.COMPONENT_ROUTER, router_selector(ctx.name),
                    [{"from": peers, "ports": _ports(contract.ROUTER_PORT)}])
 

@@ -8,19 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import hdrs, web
 
-from tensorfleet.httpapi import rate_limited_logger
-from tensorfleet.router.budget import BodyBudget
-from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.metrics import RouterMetrics
-from tensorfleet.router.proxy import GENERATION_PATHS, RETRY_AFTER_SECONDS, Body, estimate_prompt_tokens, reject
+from tensorfleet.httpapi import error_response, rate_limited_logger
+from tensorfleet.router.budget import Body, BodyBudget
+from tensorfleet.router.clients import (
+    CLIENT_CLOSED,
+    CLIENT_LOG,
+    GENERATION_PATHS,
+    RETRY_AFTER_SECONDS,
+    ClientGone,
+    ClientMetrics,
+    Requests,
+    reject,
+)
+from tensorfleet.router.config import ClientConfig
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
+from tensorfleet.router.tokencount import estimate_prompt_tokens
 
-CLIENT_LOG = "tensorfleet.router.clients"  # what clients can trigger at will: rate-limited, no tracebacks
+# A request's handling past its key: (the request, its start, its tenant) -> the answer.
+Handler = Callable[[web.Request, float, "str | None"], Awaitable[web.StreamResponse]]
+
+log = logging.getLogger("tensorfleet.router")
 
 
 def _deeper_than(value: Any, limit: int) -> bool:
@@ -39,14 +52,70 @@ def _deeper_than(value: Any, limit: int) -> bool:
 class Admission:
     """A request's key, limits and body, each either accepted or answered with the router's own refusal."""
 
-    def __init__(self, config: RouterConfig, metrics: RouterMetrics, body_budget: BodyBudget, keys: KeyRing | None,
-                 key_limits: Limits) -> None:
+    def __init__(self, config: ClientConfig, metrics: ClientMetrics, body_budget: BodyBudget,
+                 keys: KeyRing | None) -> None:
         self.config = config
         self.metrics = metrics
         self.body_budget = body_budget
         self.keys = keys
-        self.key_limits = key_limits
+        self.key_limits = Limits(config.requests_per_minute, config.tokens_per_minute)
         self.clients_log = rate_limited_logger(CLIENT_LOG)
+
+    async def follow_keys(self, on_change: Callable[[frozenset[str]], None] | None = None) -> None:
+        """Read the API keys again whenever their files changed (checked each reload interval), until cancelled:
+        the limits and metrics of tenants gone are dropped, and ON_CHANGE told the tenants in force."""
+        keys = self.keys
+        assert keys is not None
+        while True:
+            await asyncio.sleep(self.config.api_keys_reload_interval)
+            if keys.refresh():
+                self.key_limits.retain(keys.tenants)
+                self.metrics.forget_tenants(keys.tenants)
+                if on_change is not None:
+                    on_change(keys.tenants)
+
+    def tenant_done(self, tenant: str | None, code: str) -> None:
+        """Count an answer to TENANT's request (None: no key), while the tenant is still one."""
+        if tenant is not None and self.keys is not None and tenant in self.keys.tenants:
+            self.metrics.tenant_done(tenant, code)
+
+    async def serve(self, request: web.Request, requests: Requests, handle: Handler, now: Callable[[], float], *,
+                    who: str, done: Callable[[str, float], None] | None = None) -> web.StreamResponse:
+        """One client request, start to end: counted in REQUESTS for the drain, its key checked, then HANDLE's
+        answer (given the request, its start on NOW's clock and its tenant), an OpenAI-style 500 for a bug; its
+        status counted (DONE, else the client metrics) and its tenant's. While draining, the answer closes its
+        connection, so the client reconnects to a replica that stays. WHO (router, gateway) names the process."""
+        start = now()
+        code = CLIENT_CLOSED
+        tenant: str | None = None
+        response: web.StreamResponse
+        requests.request_started()
+        try:
+            found = self.authenticate(request)
+            if isinstance(found, web.Response):
+                response = found
+            else:
+                tenant = found
+                response = await handle(request, start, tenant)
+            code = str(response.status)
+        except ClientGone as gone:
+            return gone.response
+        except Exception:
+            # A bug, not a backend's failure: still an OpenAI-shaped answer.
+            log.exception("%s error serving %s", who, request.path)
+            code = "500"
+            response = error_response(500, f"internal {who} error; the {who}'s log has the details")
+        finally:
+            elapsed = now() - start
+            if done is not None:
+                done(code, elapsed)
+            else:
+                self.metrics.request_done(code, elapsed)
+            self.tenant_done(tenant, code)
+            requests.request_done()
+        if requests.draining and not response.prepared:
+            response.force_close()
+        return response
 
     def authenticate(self, request: web.Request) -> str | web.Response | None:
         """The tenant whose API key the request carries; None without --api-keys; a 401 without a key in force
@@ -117,6 +186,11 @@ class Admission:
         self.key_limits.settle(tenant, charged, final)
         if self.keys is not None and tenant in self.keys.tenants:
             self.metrics.tenant_tokens(tenant, final)
+
+    async def receive(self, request: web.Request, tenant: str | None, body: Body) -> dict[str, Any] | web.Response:
+        """The request's body as a JSON object, read into BODY once its head passed (`head`); or the refusal."""
+        refused = self.head(request, tenant)
+        return refused if refused is not None else await self.read(request, body)
 
     async def read(self, request: web.Request, body: Body) -> dict[str, Any] | web.Response:
         """The request's body as a JSON object, read into BODY; or the answer refusing it."""

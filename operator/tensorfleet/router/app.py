@@ -12,49 +12,44 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from aiohttp import hdrs, web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tensorfleet import contract
-from tensorfleet.httpapi import ServerLimits, error_response
+from tensorfleet.httpapi import error_response
 from tensorfleet.prompts import goes_on, opening_chars, prompt_text
 from tensorfleet.router.adapters import REQUEST_ADAPTER, adapter_key
-from tensorfleet.router.admission import CLIENT_LOG, Admission
-from tensorfleet.router.budget import BodyBudget
+from tensorfleet.router.admission import Admission
+from tensorfleet.router.budget import Body, BodyBudget
+from tensorfleet.router.clients import (
+    CLIENT_LOG,
+    GENERATION_PATHS,
+    RETRY_AFTER_SECONDS,
+    drain,
+    openai_app,
+    reject,
+)
 from tensorfleet.router.config import RouterConfig
 from tensorfleet.router.fleet import Fleet
 from tensorfleet.router.forward import Forwarder, NoSuchModel
 from tensorfleet.router.inflight import InFlight
-from tensorfleet.router.metrics import CLIENT_CLOSED, RouterMetrics
+from tensorfleet.router.metrics import RouterMetrics
 from tensorfleet.router.peers import OUTCOMES as PEER_OUTCOMES
 from tensorfleet.router.peers import PEER_MAX_BYTES, PeerMessageError, Peers
 from tensorfleet.router.prefill import OUTCOMES as PREFILL_OUTCOMES
-from tensorfleet.router.proxy import (
-    GENERATION_PATHS,
-    RETRY_AFTER_SECONDS,
-    Body,
-    Call,
-    ClientGone,
-    Proxy,
-    reject,
-)
+from tensorfleet.router.proxy import Call, Proxy
 from tensorfleet.router.proxy import first_byte_bound as _first_byte_bound
 from tensorfleet.router.resume import resumable
 from tensorfleet.router.scheduling import RequestInfo, hash_prompt
-from tensorfleet.router.tenants import KeyRing, Limits, UsageMeter
+from tensorfleet.router.tenants import UsageMeter, open_keys
 
 # The names the CLI, the test helpers and the tests import from here.
 __all__ = ["CLIENT_LOG", "Router", "RouterConfig"]
 
 log = logging.getLogger("tensorfleet.router")
 
-# The forwarded routes, an allow-list: /v1/responses (stateful), the audio endpoints (multipart) and vLLM's operational
-# ones are left out on purpose (docs/security.md#clients-of-the-router).
-INFERENCE_PATHS = (*GENERATION_PATHS, "/v1/embeddings", "/tokenize", "/detokenize")
 # The client headers an engine gets; everything else stays at the router (Authorization too, with API keys: it
 # carries the router's key then).
 _FORWARDED_HEADERS = ("Authorization", "X-Request-Id", "traceparent", "tracestate")
 SHUTDOWN_STOP_SECONDS = 2.0  # after the grace: for the ended requests to write their last bytes
-LINGER_SECONDS = 2.0  # a refused request's unread body is drained (and dropped) this long at most
 
 
 class Router:
@@ -68,10 +63,7 @@ class Router:
         self.prefill = self.fleet.prefill
         self.body_budget = BodyBudget(config.max_body_bytes_in_flight)
         # API keys: read now, so a path that cannot be read stops the router at start (KeysError).
-        self.keys = KeyRing(config.api_keys) if config.api_keys else None
-        if self.keys is not None:
-            self.keys.load()
-        self.key_limits = Limits(config.requests_per_minute, config.tokens_per_minute)
+        self.keys = open_keys(config.api_keys)
         self._forwarded = tuple(h for h in _FORWARDED_HEADERS if self.keys is None or h != hdrs.AUTHORIZATION)
         keys, dispatcher = self.keys, self.dispatcher
         # RouterMetrics reads these as it is scraped (metrics.py takes callables).
@@ -82,7 +74,8 @@ class Router:
             self.metrics.registry.register(self.fleet.kv)
         if self.prefill is not None:
             self.metrics.prefill_outcomes(PREFILL_OUTCOMES)
-        self.admission = Admission(config, self.metrics, self.body_budget, self.keys, self.key_limits)
+        self.admission = Admission(config, self.metrics, self.body_budget, self.keys)
+        self.key_limits = self.admission.key_limits
         # Router replicas share their placements when the strategy indexes prompts (router/peers.py).
         self.peers: Peers | None = None
         if self.strategy.needs_prefix and (config.peers or config.peer_service):
@@ -93,50 +86,25 @@ class Router:
 
     # --- app ------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes)
-        for path in INFERENCE_PATHS:
-            app.router.add_post(path, self.inference)
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_get(contract.HEALTH_PATH, self.health)
-        app.router.add_get(contract.METRICS_PATH, self.metrics_handler)
-        if self.peers is not None:
-            app.router.add_post(contract.ROUTER_PEER_PATH, self.peer_placements)
-        # No middleware (each costs every request): the listed paths answer other methods themselves, and a
-        # catch-all answers the rest. A route's own method is matched before its "*".
-        for path in (*INFERENCE_PATHS, "/v1/models", contract.HEALTH_PATH, contract.METRICS_PATH):
-            app.router.add_route(hdrs.METH_ANY, path, self.method_not_allowed)
-        app.router.add_route(hdrs.METH_ANY, "/{tail:.*}", self.not_found)
+        posts = {contract.ROUTER_PEER_PATH: self.peer_placements} if self.peers is not None else {}
+        app = openai_app(self.config, self.metrics, "router", inference=self.inference, models=self.models,
+                         health=self.health, posts=posts)
         app.cleanup_ctx.append(self._lifecycle)
         return app
-
-    def limits(self) -> ServerLimits:
-        """The bounds on the router's clients, for httpapi.start_site: bodies arrive undecoded (a compressed
-        one is refused unread) and malformed requests log rate-limited single lines."""
-        cfg = self.config
-        return ServerLimits(header_timeout=cfg.header_timeout, idle_timeout=cfg.idle_timeout, decompress=False,
-                            client_error_log=CLIENT_LOG, lingering_time=min(LINGER_SECONDS, cfg.body_timeout))
 
     async def _lifecycle(self, _: web.Application) -> AsyncIterator[None]:
         self.in_flight.open()
         self.fleet.start()
         tasks = [asyncio.create_task(self.in_flight.watchdog(), name="router-watchdog")]
         if self.keys is not None:
-            tasks.append(asyncio.create_task(self._keys_loop(self.keys), name="router-api-keys"))
+            tasks.append(asyncio.create_task(self.admission.follow_keys(self.dispatcher.forget),
+                                             name="router-api-keys"))
         yield
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.fleet.stop()
         await self.in_flight.close()
-
-    async def _keys_loop(self, keys: KeyRing) -> None:
-        """Read the API keys again whenever their files changed (checked each reload interval), until cancelled."""
-        while True:
-            await asyncio.sleep(self.config.api_keys_reload_interval)
-            if keys.refresh():
-                self.key_limits.retain(keys.tenants)
-                self.dispatcher.forget(keys.tenants)
-                self.metrics.forget_tenants(keys.tenants)
 
     # --- plain endpoints ---------------------------------------------------------------
     async def peer_placements(self, request: web.Request) -> web.Response:
@@ -154,17 +122,6 @@ class Router:
         self.fleet.learn_placements(placements)
         return web.Response(status=204)
 
-    async def not_found(self, request: web.Request) -> web.Response:
-        """Anything not on the allow-list: an OpenAI-style 404."""
-        return reject(self.metrics, 404, f"{request.method} {request.path} is not an endpoint of this router")
-
-    async def method_not_allowed(self, request: web.Request) -> web.Response:
-        """A listed path with another method: an OpenAI-style 405."""
-        resource = request.match_info.route.resource
-        allowed = sorted({r.method for r in resource} - {hdrs.METH_ANY}) if resource is not None else []
-        return reject(self.metrics, 405, f"{request.method} is not allowed on {request.path}; allowed: "
-                                         f"{', '.join(allowed)}", headers={"Allow": ",".join(allowed)})
-
     async def health(self, _: web.Request) -> web.Response:
         """Always 200 while serving, draining included (see the comment)."""
         # With no engine ready the router answers requests 503 itself (or
@@ -174,10 +131,6 @@ class Router:
         return web.json_response({"status": "ok", "backends": len(self.pool), "healthy": healthy,
                                   "pending": self.dispatcher.pending, "cold_start": self.fleet.cold_start(),
                                   "draining": self.in_flight.draining})
-
-    async def metrics_handler(self, _: web.Request) -> web.Response:
-        """The router's Prometheus metrics."""
-        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def models(self, request: web.Request) -> web.Response:
         """The union of the engines' model lists, each model once."""
@@ -210,36 +163,13 @@ class Router:
         return _first_byte_bound(self.config, path, body)
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
-        """One OpenAI API request: refused by the router, or answered by an engine. Counted in flight for the
-        drain; while draining, the answer closes its connection so the client reconnects to a router that stays."""
-        start = self.in_flight.now()
-        code = CLIENT_CLOSED
-        tenant: str | None = None
-        response: web.StreamResponse
-        self.in_flight.request_started()
-        try:
-            who = self.admission.authenticate(request)
-            if isinstance(who, web.Response):
-                response = who
-            else:
-                tenant = who
-                response = await self._inference(request, start, tenant)
-            code = str(response.status)
-        except ClientGone as gone:
-            return gone.response
-        except Exception:
-            # A bug, not an engine failure: still an OpenAI-shaped answer.
-            log.exception("router error serving %s", request.path)
-            code = "500"
-            response = error_response(500, "internal router error; the router's log has the details")
-        finally:
-            self.metrics.request_done(code, self.in_flight.now() - start, request.get(REQUEST_ADAPTER))
-            if tenant is not None and self.keys is not None and tenant in self.keys.tenants:  # still one
-                self.metrics.tenant_done(tenant, code)
-            self.in_flight.request_done()
-        if self.in_flight.draining and not response.prepared:
-            response.force_close()
-        return response
+        """One OpenAI API request: refused by the router, or answered by an engine (Admission.serve)."""
+        in_flight, metrics = self.in_flight, self.metrics
+
+        def done(code: str, seconds: float) -> None:
+            metrics.adapter_done(request.get(REQUEST_ADAPTER), code, seconds)
+
+        return await self.admission.serve(request, in_flight, self._inference, in_flight.now, who="router", done=done)
 
     async def _inference(self, request: web.Request, start: float, tenant: str | None) -> web.StreamResponse:
         """Refuse what the router can itself (the head, then the body), parse the body once (the model, the routing
@@ -250,15 +180,12 @@ class Router:
         assert resource is not None
         # The route's own path: the client's target string (an absolute-form one, say) never reaches an engine.
         path = resource.canonical
-        refused = self.admission.head(request, tenant)
-        if refused is not None:
-            return refused
         body = Body(self.body_budget)
         meter: UsageMeter | None = None
         call: Call | None = None
         charged = 0
         try:
-            parsed = await self.admission.read(request, body)
+            parsed = await self.admission.receive(request, tenant, body)
             if isinstance(parsed, web.Response):
                 return parsed
             model = parsed.get("model")
@@ -316,23 +243,8 @@ class Router:
         """SIGTERM: keep serving for the drain delay, stop accepting, give in-flight requests the grace period,
         then end what is left (streams with an SSE error event, the rest with 503)."""
         cfg, in_flight = self.config, self.in_flight
-        in_flight.draining = True
-        log.info("draining: serving for %gs more, then finishing in-flight requests for up to %gs", cfg.drain_delay,
-                 cfg.shutdown_grace)
-        await asyncio.sleep(cfg.drain_delay)
-        for site in list(runner.sites):
-            await site.stop()
-        server = runner.server
-        if server is not None:
-            for connection in server.connections:
-                connection.close()  # idle ones close now, busy ones after their answer
-        try:
-            await asyncio.wait_for(in_flight.idle.wait(), cfg.shutdown_grace)
-            log.info("drained: no request in flight")
+        if await drain(runner, in_flight, cfg.drain_delay, cfg.shutdown_grace, log):
             return
-        except TimeoutError:
-            pass
-        log.warning("shutdown grace of %gs over: ending %d requests", cfg.shutdown_grace, in_flight.requests)
         self.dispatcher.close()
         in_flight.interrupt("shutdown")
         try:

@@ -1,5 +1,5 @@
-"""The router's bound on request-body bytes held at once, over all requests. Design:
-docs/security.md#clients-of-the-router.
+"""The bound on request-body bytes held at once, over all requests (the router's and the gateway's), and each
+request's Body charged to it. Design: docs/security.md#clients-of-the-router.
 """
 
 from __future__ import annotations
@@ -35,3 +35,37 @@ class BodyBudget:
 
     def give(self, n: int) -> None:
         self.used -= n
+
+
+class Body:
+    """One request's body as it arrives, its bytes charged to a BodyBudget until released."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.data = bytearray()
+        self.held = 0
+
+    def add(self, chunk: bytes) -> bool:
+        if not self.budget.take(len(chunk), held=self.held):
+            return False
+        self.held += len(chunk)
+        self.data += chunk
+        return True
+
+    def replace(self, data: bytes) -> bool:
+        """Send DATA instead (the same request, rewritten), charging the difference; False (nothing changed) if
+        the budget cannot take it."""
+        extra = len(data) - self.held
+        if extra > 0 and not self.budget.take(extra, held=self.held):
+            return False
+        if extra < 0:
+            self.budget.give(-extra)
+        self.held += extra
+        self.data = bytearray(data)
+        return True
+
+    def release(self) -> None:
+        """Give the bytes back: no retry can need them any more."""
+        self.data = bytearray()
+        self.budget.give(self.held)
+        self.held = 0

@@ -132,11 +132,19 @@ def register(subparsers: Any) -> None:
     engine.add_argument("--stream-resumptions", type=argtypes.non_negative_int, default=2,
                         help="times one stream whose engine stalls or fails mid-way may be continued on another "
                              "engine; 0 ends every such stream with an SSE error event (default: 2)")
+    add_client_arguments(p, "router")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def add_client_arguments(p: argparse.ArgumentParser, who: str) -> None:
+    """The flags of a process facing OpenAI clients (WHO: the router, the gateway): client limits, API keys and
+    per-key limits, shutdown; read back by client_settings."""
     clients = p.add_argument_group("client limits")
     clients.add_argument("--max-body-bytes", type=argtypes.positive_int, default=16 * MIB,
                          help="largest request body; larger ones get 413 (default: 16 MiB)")
     clients.add_argument("--max-body-bytes-in-flight", type=argtypes.positive_int, default=64 * MIB,
-                         help="request-body bytes the router holds at once over all requests; a request that would "
+                         help=f"request-body bytes the {who} holds at once over all requests; a request that would "
                               "pass it gets 503 with Retry-After; bodies over 1 MiB may fill only 3/4 of it "
                               "(default: 64 MiB)")
     clients.add_argument("--max-json-depth", type=argtypes.positive_int, default=64,
@@ -153,7 +161,7 @@ def register(subparsers: Any) -> None:
     clients.add_argument("--idle-timeout", type=argtypes.positive_float, default=75.0,
                          help="seconds an idle keep-alive connection is kept; longer than the 60 s idle timeout of "
                               "common proxies and load balancers, so they close first (default: 75)")
-    auth = p.add_argument_group("API keys and per-key limits (without --api-keys, anyone who reaches the router "
+    auth = p.add_argument_group(f"API keys and per-key limits (without --api-keys, anyone who reaches the {who} "
                                 "may call it)")
     auth.add_argument("--api-keys", metavar="PATH",
                       help="require `Authorization: Bearer KEY` with one of these keys: PATH is a directory with one "
@@ -169,21 +177,27 @@ def register(subparsers: Any) -> None:
                       help="tokens each key may use per minute: a request is admitted while its key's bucket holds its "
                            "estimate (prompt characters / 3, plus max_tokens times n for a generation; a full bucket for "
                            "an estimate above N), which is settled to the usage its answer reports (a stream: the "
-                           "engine's own running counts, which the router asks for); over it, 429 with Retry-After "
+                           f"engine's own running counts, which the {who} asks for); over it, 429 with Retry-After "
                            "(default: no limit)")
     auth.add_argument("--default-max-tokens", type=argtypes.positive_int, default=1024, metavar="N",
                       help="completion tokens a generation without max_tokens is charged at admission, until its "
                            "usage settles it (default: 1024)")
     stop = p.add_argument_group("shutdown (SIGTERM)")
     stop.add_argument("--drain-delay", type=argtypes.non_negative_float, default=float(contract.ROUTER_DRAIN_SECONDS),
-                      help="seconds the router keeps accepting and serving after SIGTERM, while the pod leaves the "
+                      help=f"seconds the {who} keeps accepting and serving after SIGTERM, while the pod leaves the "
                            f"Service's endpoints (what a preStop sleep would do) (default: {contract.ROUTER_DRAIN_SECONDS})")
     stop.add_argument("--shutdown-grace", type=argtypes.non_negative_float,
                       default=float(contract.ROUTER_SHUTDOWN_GRACE_SECONDS),
                       help="seconds in-flight requests then have to finish; streams still running end with an SSE "
                            f"error event, other requests with 503 (default: {contract.ROUTER_SHUTDOWN_GRACE_SECONDS})")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    p.set_defaults(func=run)
+
+
+def client_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The ClientConfig fields, from the flags add_client_arguments added."""
+    names = ("header_timeout", "body_timeout", "idle_timeout", "max_body_bytes", "max_body_bytes_in_flight",
+             "max_json_depth", "max_json_values", "drain_delay", "shutdown_grace", "api_keys",
+             "api_keys_reload_interval", "requests_per_minute", "tokens_per_minute", "default_max_tokens")
+    return {name: getattr(args, name) for name in names}
 
 
 def _kv_endpoint(text: str) -> tuple[str, str, str]:
@@ -203,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     from tensorfleet.httpapi import run_server, setup_logging
     from tensorfleet.kube.connection import Connection, NoConfiguration
     from tensorfleet.router.app import Router, RouterConfig
+    from tensorfleet.router.clients import client_limits
     from tensorfleet.router.tenants import KeysError
 
     setup_logging(args.log_level)
@@ -222,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             except NoConfiguration as exc:
                 raise SystemExit(f"error: --service {service}: {exc}; run in the cluster, or give --kube-api") from None
     config = RouterConfig(
+        **client_settings(args),
         strategy=args.strategy,
         kv_events=args.kv_events,
         kv_event_endpoints=tuple(args.kv_events_endpoint),
@@ -239,21 +255,7 @@ def run(args: argparse.Namespace) -> int:
         decode_tokens_per_second=args.decode_tokens_per_second,
         stream_idle_timeout=args.stream_idle_timeout,
         stream_resumptions=args.stream_resumptions,
-        header_timeout=args.header_timeout,
-        body_timeout=args.body_timeout,
-        idle_timeout=args.idle_timeout,
-        max_body_bytes=args.max_body_bytes,
-        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
-        max_json_depth=args.max_json_depth,
-        max_json_values=args.max_json_values,
-        drain_delay=args.drain_delay,
-        shutdown_grace=args.shutdown_grace,
         backend_header=args.backend_header,
-        api_keys=args.api_keys,
-        api_keys_reload_interval=args.api_keys_reload_interval,
-        requests_per_minute=args.requests_per_minute,
-        tokens_per_minute=args.tokens_per_minute,
-        default_max_tokens=args.default_max_tokens,
         static_backends=tuple(args.backend),
         service=args.service,
         namespace=args.namespace,
@@ -276,5 +278,5 @@ def run(args: argparse.Namespace) -> int:
     async def make_app() -> web.Application:
         return router.app()
 
-    return run_server(make_app, args.host, args.port, f"router ({args.strategy})", limits=router.limits(),
+    return run_server(make_app, args.host, args.port, f"router ({args.strategy})", limits=client_limits(config),
                       drain=router.drain)

@@ -1,5 +1,6 @@
 """The router's settings: one RouterConfig, made from router/cli.py's flags (or by tests) and read by every part, which
-takes this one object rather than its own subset, so a setting keeps the name and the default its flag documents.
+takes this one object rather than its own subset, so a setting keeps the name and the default its flag documents; its
+client side (ClientConfig) is the gateway's too.
 Design: docs/architecture.md#layers-one-way-only.
 """
 
@@ -13,7 +14,29 @@ from tensorfleet.router.backends import BreakerPolicy
 
 
 @dataclass
-class RouterConfig:
+class ClientConfig:
+    """What bounds the clients of the router and of the gateway, and their API keys and limits (admission.py)."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    idle_timeout: float = 75.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_body_bytes_in_flight: int = 64 * 1024 * 1024
+    max_json_depth: int = 64
+    max_json_values: int = 250_000
+    # Shutdown.
+    drain_delay: float = 5.0
+    shutdown_grace: float = 60.0
+    # API keys (router/tenants.py): a directory of one file per tenant, or a file of tenant:key lines.
+    api_keys: str | None = None
+    api_keys_reload_interval: float = 5.0
+    requests_per_minute: int | None = None  # per tenant; None: no limit
+    tokens_per_minute: int | None = None
+    default_max_tokens: int = 1024  # charged at admission for a generation without max_tokens
+
+
+@dataclass
+class RouterConfig(ClientConfig):
     strategy: str = contract.DEFAULT_ROUTER_STRATEGY
     model: str | None = None
     max_concurrency_per_backend: int = 256
@@ -34,24 +57,7 @@ class RouterConfig:
     decode_tokens_per_second: float = 5.0
     stream_idle_timeout: float = 30.0
     stream_resumptions: int = 2  # times one broken stream may be continued on another engine (router/resume.py)
-    # Clients.
-    header_timeout: float = 10.0
-    body_timeout: float = 30.0
-    idle_timeout: float = 75.0
-    max_body_bytes: int = 16 * 1024 * 1024
-    max_body_bytes_in_flight: int = 64 * 1024 * 1024
-    max_json_depth: int = 64
-    max_json_values: int = 250_000
-    # Shutdown.
-    drain_delay: float = 5.0
-    shutdown_grace: float = 60.0
     backend_header: bool = False  # name the engine that answered (its URL) in contract.BACKEND_HEADER
-    # API keys (router/tenants.py): a directory of one file per tenant, or a file of tenant:key lines.
-    api_keys: str | None = None
-    api_keys_reload_interval: float = 5.0
-    requests_per_minute: int | None = None  # per tenant; None: no limit
-    tokens_per_minute: int | None = None
-    default_max_tokens: int = 1024  # charged at admission for a generation without max_tokens
     static_backends: tuple[str, ...] = ()
     service: str | None = None
     namespace: str | None = None

@@ -5,60 +5,17 @@ engine pods still starting (a cold start). Design: docs/routing.md#admission-and
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from tensorfleet import contract
-from tensorfleet.kube.client import Gone, Kube
 from tensorfleet.kube.connection import Connection
+from tensorfleet.kube.endpoints import SliceEndpoints, slice_endpoints
+from tensorfleet.kube.follow import follow
 from tensorfleet.kube.resources import ENDPOINT_SLICE
 
 log = logging.getLogger("tensorfleet.router.discovery")
-
-WATCH_TIMEOUT_SECONDS = 290  # the API server ends watches after 5-10 min anyway
-BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
-
-
-@dataclass(frozen=True)
-class SliceEndpoints:
-    """The engine base URLs one EndpointSlice lists: ready ones, and starting ones (not ready, not terminating)."""
-
-    ready: tuple[str, ...] = ()
-    starting: tuple[str, ...] = ()
-
-
-def slice_endpoints(endpoint_slice: Mapping[str, Any]) -> SliceEndpoints:
-    """The ready and the starting endpoints of one EndpointSlice, as engine base URLs."""
-    ports = endpoint_slice.get("ports") or []
-    port = next((p.get("port") for p in ports if p.get("name") == contract.PORT_NAME_HTTP), None)
-    if port is None:
-        port = next((p.get("port") for p in ports if p.get("port")), contract.ENGINE_PORT)
-    family = endpoint_slice.get("addressType", "IPv4")
-    ready: list[str] = []
-    starting: list[str] = []
-    for endpoint in endpoint_slice.get("endpoints") or []:
-        addresses = endpoint.get("addresses") or []
-        if not addresses:
-            continue
-        # Addresses of one endpoint are fungible; the first serves.
-        host = f"[{addresses[0]}]" if family == "IPv6" else addresses[0]
-        url = f"http://{host}:{port}"
-        conditions = endpoint.get("conditions") or {}
-        # The API defines an absent `ready` as ready; a terminating pod's endpoint is never ready. Pods with no
-        # address yet (Pending) are in no slice at all.
-        if conditions.get("ready") is not False:
-            ready.append(url)
-        elif conditions.get("terminating") is not True:
-            starting.append(url)
-    return SliceEndpoints(tuple(ready), tuple(starting))
-
-
-def slice_urls(endpoint_slice: Mapping[str, Any]) -> list[str]:
-    """Engine base URLs of the ready endpoints of one EndpointSlice."""
-    return list(slice_endpoints(endpoint_slice).ready)
 
 
 class EndpointSliceWatcher:
@@ -76,7 +33,6 @@ class EndpointSliceWatcher:
         self.slices: dict[str, SliceEndpoints] = {}
         self.listed = False   # a list has succeeded: the slices are known
         self.failing = False  # the last list or watch failed (until the next list succeeds)
-        self._resource_version: str | None = None
 
     def _selector(self) -> dict[str, str]:
         return {contract.ENDPOINTSLICE_SERVICE_LABEL: self.service}
@@ -123,8 +79,6 @@ class EndpointSliceWatcher:
         obj = event.get("object") or {}
         kind = event.get("type")
         metadata = obj.get("metadata") or {}
-        if metadata.get("resourceVersion"):
-            self._resource_version = metadata["resourceVersion"]
         if kind == "BOOKMARK" or not self._ours(obj):
             return
         before = self.urls()
@@ -136,32 +90,12 @@ class EndpointSliceWatcher:
         self._publish(before)
 
     # --- loop ------------------------------------------------------------------------------
+    def _failed(self) -> None:
+        self.failing = True
+        self._updated()
+
     async def run(self) -> None:
-        """List, then watch from the list's resourceVersion, until cancelled: a watch that ends is resumed from the
-        last version seen, a 410 Gone (history compacted) relists, and any other failure backs off exponentially
-        (BACKOFF_START to BACKOFF_MAX) and relists; never raises for API trouble."""
-        backoff = BACKOFF_START
-        async with Kube(self.connection, component=contract.ROUTER_COMPONENT) as kube:
-            while True:
-                try:
-                    if self._resource_version is None:
-                        items, self._resource_version = await kube.list_versioned(
-                            ENDPOINT_SLICE, self.namespace, self._selector())
-                        self.apply_list(items)
-                    async for event in kube.watch(ENDPOINT_SLICE, self.namespace, self._selector(),
-                                                  resource_version=self._resource_version,
-                                                  timeout_seconds=WATCH_TIMEOUT_SECONDS):
-                        self.apply_event(event)
-                    backoff = BACKOFF_START
-                except asyncio.CancelledError:
-                    raise
-                except Gone:
-                    self._resource_version = None
-                except Exception as exc:  # noqa: BLE001 - any failure: back off and relist
-                    log.warning("watching EndpointSlices of %s/%s failed: %s; retrying in %.1fs",
-                                self.namespace, self.service, exc, backoff)
-                    self._resource_version = None
-                    self.failing = True
-                    self._updated()
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, BACKOFF_MAX)
+        """List, then watch, until cancelled (kube/follow.py); never raises for API trouble."""
+        await follow(self.connection, ENDPOINT_SLICE, self.namespace, self._selector(),
+                     component=contract.ROUTER_COMPONENT, on_list=self.apply_list, on_event=self.apply_event,
+                     on_failure=self._failed, what=f"EndpointSlices of {self.namespace}/{self.service}")

@@ -16,7 +16,8 @@ from aiohttp import web
 from tensorfleet.httpapi import error_response
 from tensorfleet.router.adapters import REQUEST_ADAPTER, adapter_key
 from tensorfleet.router.backends import Backend
-from tensorfleet.router.budget import BodyBudget
+from tensorfleet.router.budget import Body, BodyBudget
+from tensorfleet.router.clients import RETRY_AFTER_SECONDS, reject, stream_error
 from tensorfleet.router.config import RouterConfig
 from tensorfleet.router.dispatch import NoBackend, QueueTimeout, ShuttingDown, Unavailable
 from tensorfleet.router.fleet import Fleet
@@ -26,18 +27,14 @@ from tensorfleet.router.prefill import KV_TRANSFER_PARAMS, PrefillStage
 from tensorfleet.router.proxy import (
     COUNTED,
     FATAL,
-    RETRY_AFTER_SECONDS,
     SHUTTING_DOWN,
     SUSPECT,
-    Body,
     Call,
     Failed,
     Proxy,
     Resume,
     Stopped,
     first_byte_bound,
-    reject,
-    stream_error,
 )
 from tensorfleet.router.waitqueue import QueueFull
 

@@ -12,6 +12,7 @@ import aiohttp
 
 from tensorfleet import contract
 from tensorfleet.router.backends import Backend
+from tensorfleet.router.clients import Requests
 from tensorfleet.router.config import RouterConfig
 
 
@@ -52,20 +53,17 @@ class Attempt:
             self.upstream.content.set_exception(Interrupted(reason))
 
 
-class InFlight:
+class InFlight(Requests):
     """The engine connections (one session, open while the app runs), the inference requests being handled (for
     the drain and the demand Lease) and their attempts on engines. One is shared by the router's parts: router/app.py
     counts requests and drains, fleet.py interrupts the attempts of an engine ejected as unresponsive, proxy.py
     registers each attempt and streams through it."""
 
     def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
         self.config = config
         self._session: aiohttp.ClientSession | None = None
         self.attempts: set[Attempt] = set()
-        self.requests = 0  # inference requests being handled
-        self.idle = asyncio.Event()  # set while there are none: what the drain waits for
-        self.idle.set()
-        self.draining = False  # SIGTERM came: answers close their connections (router/app.py, drain)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -97,15 +95,6 @@ class InFlight:
     def loop(self) -> asyncio.AbstractEventLoop:
         assert self._loop is not None
         return self._loop
-
-    def request_started(self) -> None:
-        self.requests += 1
-        self.idle.clear()
-
-    def request_done(self) -> None:
-        self.requests -= 1
-        if not self.requests:
-            self.idle.set()
 
     def engine_unresponsive(self, backend: Backend) -> None:
         """BACKEND was ejected for not answering its health check: nothing will come from it, so requests waiting

@@ -7,7 +7,6 @@ Design: docs/routing.md#retries-before-the-first-byte.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,25 +16,22 @@ import aiohttp
 from aiohttp import hdrs, web
 
 from tensorfleet import contract
-from tensorfleet.httpapi import SSE_CONTENT_TYPE, error_body, error_response, post_resending_once
-from tensorfleet.prompts import content_text
+from tensorfleet.httpapi import SSE_CONTENT_TYPE, post_resending_once
 from tensorfleet.router.backends import Backend, BackendPool
-from tensorfleet.router.budget import BodyBudget
+from tensorfleet.router.budget import Body
+from tensorfleet.router.clients import GENERATION_PATHS, ClientGone, stream_error
 from tensorfleet.router.config import RouterConfig
 from tensorfleet.router.dispatch import Dispatcher
 from tensorfleet.router.inflight import Attempt, InFlight, Interrupted
-from tensorfleet.router.metrics import NO_BACKEND, RouterMetrics
+from tensorfleet.router.metrics import RouterMetrics
 from tensorfleet.router.resume import StreamState, ask_usage, usage_asked
 from tensorfleet.router.scheduling import RequestInfo
 from tensorfleet.router.tenants import UsageMeter
-from tensorfleet.router.tokencount import CHARS_PER_TOKEN
+from tensorfleet.router.tokencount import estimate_prompt_tokens
 
 log = logging.getLogger("tensorfleet.router")
 
-# Forwarded to an engine (POST); the generation endpoints also get a first-byte bound for their answer.
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _RELAYED_RESPONSE_HEADERS = ("Content-Type", "Content-Encoding", "X-Request-Id")
-RETRY_AFTER_SECONDS = "1"
 SHUTTING_DOWN = "the router is shutting down; retry the request"
 
 # Failed.fault: how an attempt's failure counts against its engine.
@@ -60,14 +56,6 @@ class Stopped(Exception):
     """The shutdown grace ended before the engine's first byte: answer 503."""
 
 
-class ClientGone(Exception):
-    """The client disconnected while its answer was being written."""
-
-    def __init__(self, response: web.StreamResponse) -> None:
-        super().__init__("client disconnected")
-        self.response = response
-
-
 class Resume(Exception):
     """A resumable stream broke after bytes reached its client: continue it on another engine (forward.py).
     STATUS and MESSAGE make the error event that ends it if it cannot be."""
@@ -78,40 +66,6 @@ class Resume(Exception):
         self.reason = reason
         self.status = status
         self.message = message
-
-
-class Body:
-    """One request's body as it arrives, its bytes charged to the router's BodyBudget until released."""
-
-    def __init__(self, budget: BodyBudget) -> None:
-        self.budget = budget
-        self.data = bytearray()
-        self.held = 0
-
-    def add(self, chunk: bytes) -> bool:
-        if not self.budget.take(len(chunk), held=self.held):
-            return False
-        self.held += len(chunk)
-        self.data += chunk
-        return True
-
-    def replace(self, data: bytes) -> bool:
-        """Send DATA instead (the same request, rewritten), charging the difference; False (nothing changed) if
-        the budget cannot take it."""
-        extra = len(data) - self.held
-        if extra > 0 and not self.budget.take(extra, held=self.held):
-            return False
-        if extra < 0:
-            self.budget.give(-extra)
-        self.held += extra
-        self.data = bytearray(data)
-        return True
-
-    def release(self) -> None:
-        """Give the bytes back: no retry can need them any more."""
-        self.data = bytearray()
-        self.budget.give(self.held)
-        self.held = 0
 
 
 @dataclass(eq=False)
@@ -149,28 +103,6 @@ class Call:
             self.usage_added = True
 
 
-def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
-    """An over-estimate of a request's prompt in tokens: token ids count one each, text one per CHARS_PER_TOKEN
-    characters (English runs about four; code and CJK text fewer)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        chars = sum(len(content_text(m.get("content"))) for m in messages if isinstance(m, Mapping))
-        return chars // CHARS_PER_TOKEN + 1
-    prompt = body.get("prompt", body.get("input"))
-    if isinstance(prompt, str):
-        return len(prompt) // CHARS_PER_TOKEN + 1
-    total = 0
-    if isinstance(prompt, list):
-        for item in prompt:
-            if isinstance(item, str):
-                total += len(item) // CHARS_PER_TOKEN + 1
-            elif isinstance(item, list):
-                total += len(item)
-            else:
-                total += 1
-    return total
-
-
 def first_byte_bound(config: RouterConfig, path: str, body: Mapping[str, Any]) -> float | None:
     """Seconds an engine may take to send the first byte of its answer to this request (None: no bound).
 
@@ -183,30 +115,6 @@ def first_byte_bound(config: RouterConfig, path: str, body: Mapping[str, Any]) -
             return None  # the engine's default is the whole context: no useful bound
         bound += max(limit, 0) / config.decode_tokens_per_second
     return bound
-
-
-def reject(metrics: RouterMetrics, status: int, message: str, *, param: str | None = None, type_: str | None = None,
-           code: str | None = None, headers: Mapping[str, str] | None = None, close: bool = False) -> web.Response:
-    """An answer the router gives itself (counted against no engine); `close` for a request whose body
-    was left unread, so the connection is not kept for more."""
-    metrics.attempt_done(NO_BACKEND, str(status))
-    response = error_response(status, message, type_=type_, param=param, code=code, headers=headers)
-    if close:
-        response.force_close()
-    return response
-
-
-async def stream_error(response: web.StreamResponse, tail: bytes, status: int, message: str, *,
-                       type_: str = "upstream_error") -> None:
-    """Close the event the engine was in the middle of, then send an error event the openai SDK raises on,
-    and end the stream."""
-    prefix = b"" if tail.endswith(b"\n\n") else b"\n\n"
-    event = json.dumps(error_body(status, message, type_=type_)).encode()
-    try:
-        await response.write(prefix + b"data: " + event + b"\n\n")
-        await response.write_eof()
-    except (ConnectionError, aiohttp.ClientConnectionResetError):
-        pass
 
 
 class Proxy:
@@ -345,7 +253,7 @@ class Proxy:
                 await response.write(out)
             attempt.writing = False
             if not continuing:
-                self.metrics.first_byte(loop_time() - call.start, call.adapter)
+                self.metrics.adapter_first_byte(loop_time() - call.start, call.adapter)
             tail = out[-2:]
             while True:
                 attempt.last = loop_time()

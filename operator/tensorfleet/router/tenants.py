@@ -179,6 +179,15 @@ class KeyRing:
         return matched
 
 
+def open_keys(path: str | None) -> KeyRing | None:
+    """The keys at PATH, read now (KeysError if PATH cannot be read, so a process stops at start); None without."""
+    if not path:
+        return None
+    keys = KeyRing(path)
+    keys.load()
+    return keys
+
+
 class TokenBucket:
     """PER_MINUTE units a minute, refilled evenly, holding at most one minute's worth; it may go below zero."""
 

@@ -6,12 +6,37 @@ it each event's text and usage. Design: docs/routing.md#stream-resumption-and-to
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from tensorfleet.prompts import content_text
 
 # Characters a token, for estimates from text (prompts at admission, admission.py; a stream no engine counted): fewer
 # than English has (about four), so an over-estimate.
 CHARS_PER_TOKEN = 3
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """An over-estimate of a request's prompt in tokens: token ids count one each, text one per CHARS_PER_TOKEN
+    characters (English runs about four; code and CJK text fewer)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        chars = sum(len(content_text(m.get("content"))) for m in messages if isinstance(m, Mapping))
+        return chars // CHARS_PER_TOKEN + 1
+    prompt = body.get("prompt", body.get("input"))
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN + 1
+    total = 0
+    if isinstance(prompt, list):
+        for item in prompt:
+            if isinstance(item, str):
+                total += len(item) // CHARS_PER_TOKEN + 1
+            elif isinstance(item, list):
+                total += len(item)
+            else:
+                total += 1
+    return total
 
 
 def estimate_tokens(chars: int, events: int) -> int:

@@ -1,6 +1,6 @@
-"""Real simulator and router servers on 127.0.0.1 for tests, on free ports: in the test's event loop (`sim`, `router`:
-fast, their state can be inspected) or as processes a test can kill or signal (`spawn_sim`, `sim_process`,
-`spawn_router`), with helpers to talk to them (`post_chat`, `raw_exchange`) and misbehaving engines (`fake_engine`).
+"""Real simulator, router and gateway servers on 127.0.0.1 for tests, on free ports: in the test's event loop (`sim`,
+`router`, `gateway`: fast, their state can be inspected) or as processes a test can kill or signal (`spawn_sim`,
+`sim_process`, `spawn_router`), with helpers to talk to them (`post_chat`, `raw_exchange`) and misbehaving engines (`fake_engine`).
 Design: docs/architecture.md#how-it-is-tested.
 """
 
@@ -24,9 +24,13 @@ import aiohttp
 from aiohttp import web
 
 from tensorfleet import contract, promtext
+from tensorfleet.gateway.app import Gateway
+from tensorfleet.gateway.config import GatewayConfig
+from tensorfleet.gateway.table import ModelTable
 from tensorfleet.httpapi import start_site
 from tensorfleet.router.app import Router, RouterConfig
 from tensorfleet.router.backends import BreakerPolicy
+from tensorfleet.router.clients import client_limits
 from tensorfleet.sim.engine import Engine
 from tensorfleet.sim.kvtransfer import TransferConfig
 from tensorfleet.sim.profile import Profile, make_profile
@@ -63,6 +67,13 @@ class RunningRouter:
     url: str
 
 
+@dataclass
+class RunningGateway:
+    gateway: Gateway
+    runner: web.AppRunner
+    url: str
+
+
 def small_profile(**capacity: Any) -> Profile:
     return replace(make_profile(), **capacity) if capacity else make_profile()
 
@@ -70,8 +81,10 @@ def small_profile(**capacity: Any) -> Profile:
 @asynccontextmanager
 async def sim(*, profile: Profile | None = None, time_scale: float = FAST, startup_delay: float = 0.0,
               port: int = 0, seed: int = 0, kv_transfer: TransferConfig | None = None,
-              stream_interval: int = 1, prompt_tokens_details: bool = False) -> AsyncIterator[RunningSim]:
-    server = SimServer(profile or make_profile(), SimConfig(served_model_name=MODEL, model="meta-llama/Llama-3.1-8B",
+              stream_interval: int = 1, prompt_tokens_details: bool = False,
+              served_name: str = MODEL) -> AsyncIterator[RunningSim]:
+    server = SimServer(profile or make_profile(), SimConfig(served_model_name=served_name,
+                                                            model="meta-llama/Llama-3.1-8B",
                                                             startup_delay=startup_delay, time_scale=time_scale,
                                                             seed=seed, kv_transfer=kv_transfer,
                                                             bind_host="127.0.0.1", stream_interval=stream_interval,
@@ -97,12 +110,25 @@ async def router(backends: list[str], *, first_round: bool = True, port: int = 0
     options.setdefault("backend_header", True)
     config = RouterConfig(static_backends=tuple(backends), **options)
     instance = Router(config)
-    runner = await start_site(instance.app(), "127.0.0.1", port, limits=instance.limits())
+    runner = await start_site(instance.app(), "127.0.0.1", port, limits=client_limits(instance.config))
     bound = runner.addresses[0][1]
     try:
         if first_round:
             await eventually(lambda: all(b.breaker.checked for b in instance.pool), timeout=10)
         yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def gateway(table: ModelTable, **options: Any) -> AsyncIterator[RunningGateway]:
+    """A gateway over TABLE (the test fills it, and calls `changes.changed()` after changing it), serving with the
+    limits the real gateway process has."""
+    options.setdefault("backend_header", True)
+    instance = Gateway(GatewayConfig(**options), table)
+    runner = await start_site(instance.app(), "127.0.0.1", 0, limits=client_limits(instance.config))
+    try:
+        yield RunningGateway(instance, runner, f"http://127.0.0.1:{runner.addresses[0][1]}")
     finally:
         await runner.cleanup()
 

@@ -1,0 +1,156 @@
+"""The operator's view of traffic groups (docs/gateway.md#traffic-groups-and-weights): which InferenceServices of a
+namespace serve one model name, fed by the operator's own watch, and how many new conversations the gateway sent each
+(read from the gateway pods' /metrics by GatewayCounts), turned into status.traffic. Which members to reconcile
+again is said whenever a group or its counts change. Design: docs/gateway.md#status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import aiohttp
+
+from tensorfleet import contract, promtext
+from tensorfleet.api.traffic import shares
+from tensorfleet.kube.client import ApiError, Kube
+from tensorfleet.kube.endpoints import slice_endpoints
+from tensorfleet.kube.resources import ENDPOINT_SLICE
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name)
+GroupKey = tuple[str, str]  # (namespace, served name)
+
+
+def _percent(value: float) -> str:
+    return f"{value:.1f}".rstrip("0").rstrip(".") + "%"
+
+
+def served_and_weight(obj: Mapping[str, Any]) -> tuple[str, int | None] | None:
+    """An InferenceService object's served name and spec.traffic.weight; None without a model name."""
+    spec = obj.get("spec") or {}
+    model = spec.get("model") or {}
+    served = model.get("servedName") or model.get("name")
+    if not isinstance(served, str) or not served:
+        return None
+    weight = (spec.get("traffic") or {}).get("weight")
+    return served, weight if isinstance(weight, int) and not isinstance(weight, bool) else None
+
+
+class TrafficGroups:
+    """Members and weights of every traffic group, and the gateway's counts per member (None: no gateway read)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[GroupKey, dict[str, int | None]] = {}
+        self._group_of: dict[Key, GroupKey] = {}
+        self.counts: dict[Key, int] | None = None
+
+    def observed(self, obj: Mapping[str, Any], *, deleted: bool = False) -> set[Key]:
+        """Take an InferenceService as watched; the InferenceServices whose status.traffic it changed."""
+        meta = obj.get("metadata") or {}
+        key = (meta.get("namespace") or "", meta.get("name") or "")
+        found = None if deleted else served_and_weight(obj)
+        before = self._group_of.get(key)
+        touched: set[GroupKey] = set()
+        if before is not None and (found is None or before != (key[0], found[0])):
+            self._groups[before].pop(key[1], None)
+            if not self._groups[before]:
+                del self._groups[before]
+            del self._group_of[key]
+            touched.add(before)
+        if found is not None:
+            group = (key[0], found[0])
+            members = self._groups.setdefault(group, {})
+            if key[1] not in members or members[key[1]] != found[1]:
+                members[key[1]] = found[1]
+                touched.add(group)
+            self._group_of[key] = group
+        return {(ns, name) for ns, served in touched for name in self._groups.get((ns, served), {})}
+
+    def counted(self, counts: Mapping[Key, int]) -> set[Key]:
+        """New totals from the gateway; the InferenceServices whose status.traffic they changed."""
+        before, self.counts = self.counts or {}, dict(counts)
+        out: set[Key] = set()
+        for key in set(before) | set(counts):
+            group = self._group_of.get(key)
+            if group is not None and before.get(key) != counts.get(key):
+                out.update((group[0], name) for name in self._groups[group])
+        return out
+
+    def status(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """status.traffic of one InferenceService (camelCase); None when the operator has not seen it."""
+        group = self._group_of.get((namespace, name))
+        if group is None:
+            return None
+        members = self._groups[group]
+        split = shares(members)
+        counted = {member: (self.counts or {}).get((namespace, member), 0) for member in members}
+        total = sum(counted.values())
+        out = []
+        for member in sorted(members):
+            entry: dict[str, Any] = {"name": member, "share": _percent(split[member])}
+            if self.counts is not None:
+                entry["conversations"] = counted[member]
+                if total:
+                    entry["observedShare"] = _percent(100.0 * counted[member] / total)
+            out.append(entry)
+        return {"group": group[1], "members": out}
+
+
+def conversations(text: str) -> dict[Key, int]:
+    """The gateway's tensorfleet_gateway_conversations_total from its /metrics text, per (namespace, name)."""
+    out: dict[Key, int] = {}
+    for sample in promtext.select(text, contract.GATEWAY_METRIC_CONVERSATIONS + "_total"):
+        labels = sample.labels
+        key = (labels.get(contract.GATEWAY_LABEL_NAMESPACE, ""), labels.get(contract.GATEWAY_LABEL_SERVICE, ""))
+        out[key] = out.get(key, 0) + int(sample.value)
+    return out
+
+
+class GatewayCounts:
+    """Every POLL seconds, the new conversations the gateway's ready pods (the Service NAMESPACE/NAME's endpoints)
+    counted, summed over them and handed to ON_COUNTS; a round any pod misses is skipped, so a total never drops
+    for a pod that did not answer."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, on_counts: Callable[[dict[Key, int]], None], *,
+                 poll: float = 30.0, timeout: float = 5.0) -> None:
+        self.kube = kube
+        self.namespace = namespace
+        self.name = name
+        self.on_counts = on_counts
+        self.poll = poll
+        self.timeout = timeout
+
+    async def read(self, session: aiohttp.ClientSession) -> dict[Key, int] | None:
+        """One round: the summed counts, or None when the endpoints or a pod could not be read."""
+        try:
+            slices = await self.kube.list(ENDPOINT_SLICE, self.namespace,
+                                          {contract.ENDPOINTSLICE_SERVICE_LABEL: self.name})
+        except ApiError as exc:
+            log.warning("gateway %s/%s: could not list its endpoints: %s", self.namespace, self.name, exc)
+            return None
+        urls = sorted({url for item in slices for url in slice_endpoints(item).ready})
+        totals: dict[Key, int] = {}
+        for url in urls:
+            try:
+                async with session.get(url + contract.METRICS_PATH) as resp:
+                    resp.raise_for_status()
+                    text = await resp.text()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                log.warning("gateway pod %s: /metrics not read (%s); conversations not counted this round", url, exc)
+                return None
+            for key, count in conversations(text).items():
+                totals[key] = totals.get(key, 0) + count
+        return totals
+
+    async def run(self) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+            while True:
+                totals = await self.read(session)
+                if totals is not None:
+                    self.on_counts(totals)
+                await asyncio.sleep(self.poll)
+
