@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from kube import (
+    SYSTEM_NAMESPACE,
     apply,
     deploy,
     engine_pods,
@@ -47,8 +48,10 @@ def _enforce_restricted(namespace: str) -> None:
 
 
 def _rendered(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the operator renders: it runs beside the chart, in its namespace (the routers admit the gateway's
+    pods from there)."""
     parsed = load_inference_service(doc)
-    return render(parsed, make_plan(parsed.spec))
+    return render(parsed, make_plan(parsed.spec), operator_namespace=SYSTEM_NAMESPACE)
 
 
 def _policies(name: str, namespace: str) -> dict[str, dict[str, Any]]:

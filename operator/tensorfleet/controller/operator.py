@@ -243,8 +243,8 @@ class Operator:
                 for member in traffic.counted(totals):
                     queue.add(member)
 
-            counts = GatewayCounts(self.kube, *self.config.gateway_service, counted,
-                                   poll=self.config.gateway_poll_seconds)
+            counts = GatewayCounts(self.connection, *self.config.gateway_service, counted,
+                                   poll=self.config.gateway_poll_seconds, observe=_count_request)
             ours.add(asyncio.create_task(counts.run()))
         if elector is not None:
             ours.add(asyncio.create_task(elector.hold()))

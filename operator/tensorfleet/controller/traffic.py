@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
 
 from tensorfleet import contract, promtext
 from tensorfleet.api.traffic import shares
-from tensorfleet.kube.client import ApiError, Kube
-from tensorfleet.kube.endpoints import slice_endpoints
+from tensorfleet.kube.client import Observer
+from tensorfleet.kube.connection import Connection
+from tensorfleet.kube.endpoints import SliceEndpoints, slice_endpoints
+from tensorfleet.kube.follow import follow
 from tensorfleet.kube.resources import ENDPOINT_SLICE
 
 log = logging.getLogger(__name__)
@@ -111,28 +113,43 @@ def conversations(text: str) -> dict[Key, int]:
 
 
 class GatewayCounts:
-    """Every POLL seconds, the new conversations the gateway's ready pods (the Service NAMESPACE/NAME's endpoints)
-    counted, summed over them and handed to ON_COUNTS; a round any pod misses is skipped, so a total never drops
-    for a pod that did not answer."""
+    """Every POLL seconds, the new conversations the gateway's ready pods (the Service NAMESPACE/NAME's endpoints,
+    followed by a watch: no list per round) counted, summed over them and handed to ON_COUNTS; a round any pod
+    misses is skipped, so a total never drops for a pod that did not answer."""
 
-    def __init__(self, kube: Kube, namespace: str, name: str, on_counts: Callable[[dict[Key, int]], None], *,
-                 poll: float = 30.0, timeout: float = 5.0) -> None:
-        self.kube = kube
+    def __init__(self, connection: Connection, namespace: str, name: str,
+                 on_counts: Callable[[dict[Key, int]], None], *, poll: float = 30.0, timeout: float = 5.0,
+                 observe: Observer | None = None) -> None:
+        self.connection = connection
         self.namespace = namespace
         self.name = name
         self.on_counts = on_counts
         self.poll = poll
         self.timeout = timeout
+        self.observe = observe
+        self.slices: dict[str, SliceEndpoints] | None = None  # None until listed
+
+    def _listed(self, items: Iterable[Mapping[str, Any]]) -> None:
+        self.slices = {item["metadata"]["name"]: slice_endpoints(item) for item in items}
+
+    def _event(self, event: Mapping[str, Any]) -> None:
+        obj = event.get("object") or {}
+        name = (obj.get("metadata") or {}).get("name", "")
+        if self.slices is None or event.get("type") not in ("ADDED", "MODIFIED", "DELETED"):
+            return
+        if event.get("type") == "DELETED":
+            self.slices.pop(name, None)
+        else:
+            self.slices[name] = slice_endpoints(obj)
+
+    def _failed(self) -> None:
+        self.slices = None  # until the next list: a round now would count a partial set of pods
 
     async def read(self, session: aiohttp.ClientSession) -> dict[Key, int] | None:
-        """One round: the summed counts, or None when the endpoints or a pod could not be read."""
-        try:
-            slices = await self.kube.list(ENDPOINT_SLICE, self.namespace,
-                                          {contract.ENDPOINTSLICE_SERVICE_LABEL: self.name})
-        except ApiError as exc:
-            log.warning("gateway %s/%s: could not list its endpoints: %s", self.namespace, self.name, exc)
+        """One round: the summed counts, or None when the endpoints are not known or a pod could not be read."""
+        if self.slices is None:
             return None
-        urls = sorted({url for item in slices for url in slice_endpoints(item).ready})
+        urls = sorted({url for endpoints in self.slices.values() for url in endpoints.ready})
         totals: dict[Key, int] = {}
         for url in urls:
             try:
@@ -147,10 +164,18 @@ class GatewayCounts:
         return totals
 
     async def run(self) -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
-            while True:
-                totals = await self.read(session)
-                if totals is not None:
-                    self.on_counts(totals)
-                await asyncio.sleep(self.poll)
-
+        watch = asyncio.create_task(follow(
+            self.connection, ENDPOINT_SLICE, self.namespace, {contract.ENDPOINTSLICE_SERVICE_LABEL: self.name},
+            component=contract.OPERATOR_COMPONENT, on_list=self._listed, on_event=self._event,
+            on_failure=self._failed, what=f"EndpointSlices of the gateway {self.namespace}/{self.name}",
+            observe=self.observe))
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout)) as session:
+                while True:
+                    totals = await self.read(session)
+                    if totals is not None:
+                        self.on_counts(totals)
+                    await asyncio.sleep(self.poll)
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from tensorfleet.kube.client import Gone, Kube
+from tensorfleet.kube.client import Gone, Kube, Observer
 from tensorfleet.kube.connection import Connection
 from tensorfleet.kube.resources import Kind
 
@@ -24,13 +24,14 @@ BACKOFF_START, BACKOFF_MAX = 0.5, 30.0
 async def follow(connection: Connection, kind: Kind, namespace: str | None, selector: dict[str, str], *,
                  component: str, on_list: Callable[[Iterable[Mapping[str, Any]]], None],
                  on_event: Callable[[Mapping[str, Any]], None], on_failure: Callable[[], None],
-                 what: str) -> None:
+                 what: str, observe: Observer | None = None) -> None:
     """Follow KIND in NAMESPACE (None: all) matching SELECTOR until cancelled: ON_LIST gets each list's items (the
     whole truth, replacing what came before), ON_EVENT each watch event (BOOKMARKs included), ON_FAILURE is called
-    when a list or watch failed (before the backoff). WHAT names the objects in the log."""
+    when a list or watch failed (before the backoff). WHAT names the objects in the log; OBSERVE counts the API
+    calls (kube/client.py)."""
     backoff = BACKOFF_START
     version: str | None = None
-    async with Kube(connection, component=component) as kube:
+    async with Kube(connection, component=component, observe=observe) as kube:
         while True:
             try:
                 if version is None:
