@@ -7,7 +7,7 @@ docs/gateway.md#traffic-groups-and-weights.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import Field
 
@@ -44,3 +44,20 @@ def shares(weights: Mapping[K, int | None]) -> dict[K, float]:
     elif total > 0:
         result.update({name: 100.0 * weight / total for name, weight in weighted.items()})
     return {name: float(share) for name, share in result.items()}
+
+
+def served_and_weight(obj: Mapping[str, Any]) -> tuple[str, int | None] | None:
+    """An InferenceService object's (as the API server holds it) traffic group name, spec.model.servedName else
+    spec.model.name, and its spec.traffic.weight (None: unset, or not a weight); None without a model name. The
+    gateway and the operator both read groups with it, so they agree on them."""
+    spec = obj.get("spec") or {}
+    model = spec.get("model") or {}
+    name = model.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    served = model.get("servedName")
+    weight = (spec.get("traffic") or {}).get("weight")
+    if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 100:
+        weight = None
+    return (served if isinstance(served, str) and served else name), weight
+

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from tensorfleet import contract, promtext
-from tensorfleet.api.traffic import shares
+from tensorfleet.api.traffic import served_and_weight, shares
 from tensorfleet.kube.client import Observer
 from tensorfleet.kube.connection import Connection
 from tensorfleet.kube.endpoints import SliceEndpoints, slice_endpoints
@@ -29,17 +29,6 @@ GroupKey = tuple[str, str]  # (namespace, served name)
 
 def _percent(value: float) -> str:
     return f"{value:.1f}".rstrip("0").rstrip(".") + "%"
-
-
-def served_and_weight(obj: Mapping[str, Any]) -> tuple[str, int | None] | None:
-    """An InferenceService object's served name and spec.traffic.weight; None without a model name."""
-    spec = obj.get("spec") or {}
-    model = spec.get("model") or {}
-    served = model.get("servedName") or model.get("name")
-    if not isinstance(served, str) or not served:
-        return None
-    weight = (spec.get("traffic") or {}).get("weight")
-    return served, weight if isinstance(weight, int) and not isinstance(weight, bool) else None
 
 
 class TrafficGroups:

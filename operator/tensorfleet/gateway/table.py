@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorfleet.api.traffic import shares
+from tensorfleet.api.traffic import served_and_weight, shares
 
 ServiceKey = tuple[str, str]  # (namespace, name)
 
@@ -65,18 +65,15 @@ def service_of(obj: Mapping[str, Any]) -> Service | None:
     metadata = obj.get("metadata") or {}
     spec = obj.get("spec") or {}
     status = obj.get("status") or {}
-    model = spec.get("model") or {}
-    namespace, name, root = _as_str(metadata.get("namespace")), _as_str(metadata.get("name")), _as_str(model.get("name"))
-    if namespace is None or name is None or root is None:
+    namespace, name, group = _as_str(metadata.get("namespace")), _as_str(metadata.get("name")), served_and_weight(obj)
+    if namespace is None or name is None or group is None:
         return None
-    weight = (spec.get("traffic") or {}).get("weight")
-    if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 100:
-        weight = None
+    served, weight = group
     adapters = tuple(sorted({a["name"] for a in spec.get("adapters") or []
                              if isinstance(a, Mapping) and _as_str(a.get("name"))}))
     plan = status.get("plan") or {}
     max_len = plan.get("maxModelLen") if isinstance(plan, Mapping) else None
-    return Service(namespace, name, _as_str(model.get("servedName")) or root, root, weight, adapters, _ready(status),
+    return Service(namespace, name, served, spec["model"]["name"], weight, adapters, _ready(status),
                    _created(metadata), max_len if isinstance(max_len, int) else None)
 
 
