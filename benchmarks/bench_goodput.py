@@ -18,8 +18,11 @@ Workloads (workload.py): `prefix`, multi-turn chat sessions whose tenants share
 system prompts, each re-sending its conversation; `prefix-free`, one turn per
 session with a system prompt of its own, so nothing is shared. Capacity is
 measured first per workload (closed loop, 16 sessions per engine, least-pending);
-sessions then arrive open-loop (Poisson) at each multiple of it. Engines restart
-between runs, with cold caches.
+sessions then arrive open-loop (Poisson) at each multiple of it, and go on
+arriving after the run's window until every request sent in it has its answer
+(workload.open_loop's `sustain`), so each is served under the load it was sent
+into; only the window's requests count. Engines restart between runs, with cold
+caches.
 
 Goodput: requests per second answered with a first token within TTFT_TARGET
 (and, separately, with a mean inter-token time within ITL_TARGET); a failed
@@ -209,7 +212,7 @@ def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float
         sessions_per_second = capacity * load / TIME_SCALE / turns  # wall seconds
         target: str | list[str] = routers[0].url if replicas == 1 else [r.url for r in routers]
         records, start = asyncio.run(open_loop(target, workload_of(workload, seed), sessions_per_second, seconds,
-                                               TIME_SCALE))
+                                               TIME_SCALE, sustain=True))
         cpu = sum(r.cpu_seconds() for r in routers) - cpu_before
         after = asyncio.run(cache_totals(urls))
     hits, queries = after[0] - before_totals[0], after[1] - before_totals[1]

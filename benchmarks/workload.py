@@ -20,6 +20,7 @@ of its own and one turn, so no prompt shares a prefix with another.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import string
 import time
@@ -120,15 +121,22 @@ async def run_session(http: aiohttp.ClientSession, url: str | Sequence[str], pla
 
 
 async def open_loop(url: str | Sequence[str], workload: Workload, sessions_per_second: float, seconds: float, time_scale: float,
-                    drain_seconds: float = 120.0) -> tuple[list[Record], float]:
-    """Start sessions at Poisson times for `seconds`; stop new turns then; wait."""
+                    drain_seconds: float = 120.0, sustain: bool = False) -> tuple[list[Record], float]:
+    """Start sessions at Poisson times for `seconds`; stop new turns then; wait (at most `drain_seconds`).
+
+    SUSTAIN: sessions keep arriving at the same rate after `seconds` until every turn started before it has its
+    answer, so those turns are served under the load they were sent into rather than by a fleet emptying after the
+    last arrival (an engine with no new prompts decodes every step at full speed, and a backlog served then would
+    count as good inter-token times that the load never gives). Their records come back too, sent after `seconds`;
+    the ones still running at the end are cancelled."""
     records: list[Record] = []
     rng = random.Random(workload.seed + 2)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         start = time.perf_counter()
         stop_at = start + seconds
-        tasks = []
+        tasks: list[asyncio.Task[None]] = []
+        extra: list[asyncio.Task[None]] = []
         next_at = start
         while True:
             next_at += rng.expovariate(sessions_per_second)
@@ -136,10 +144,19 @@ async def open_loop(url: str | Sequence[str], workload: Workload, sessions_per_s
                 break
             await asyncio.sleep(max(0.0, next_at - time.perf_counter()))
             tasks.append(asyncio.create_task(run_session(http, url, workload.session(), records, time_scale, stop_at)))
-        _done, pending = await asyncio.wait(tasks, timeout=drain_seconds) if tasks else (set(), set())
-        for task in pending:
+        waiting = asyncio.ensure_future(asyncio.wait(tasks, timeout=drain_seconds)) if tasks else None
+        if sustain and waiting is not None:
+            while not waiting.done():
+                await asyncio.wait([waiting], timeout=max(0.0, next_at - time.perf_counter()))
+                if waiting.done():
+                    break
+                extra.append(asyncio.create_task(run_session(http, url, workload.session(), records, time_scale,
+                                                             math.inf)))
+                next_at += rng.expovariate(sessions_per_second)
+        _done, pending = await waiting if waiting is not None else (set(), set())
+        for task in (*pending, *extra):
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*pending, *extra, return_exceptions=True)
     return records, start
 
 

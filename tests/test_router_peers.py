@@ -16,6 +16,7 @@ from tensorfleet import contract
 from tensorfleet.router import peers as peers_module
 from tensorfleet.router.backends import Load
 from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
+from tensorfleet.router.scheduling.request import UNSTATED_ANSWER_TOKENS
 from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router, sim
 from tensorfleet.testing.wait import eventually
 
@@ -124,12 +125,14 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
         peers.share("http://engine:8000", [i, i + 1], None)
     peers.share("http://engine:8000", [], 3)   # no whole block: nothing to tell
     load = {"http://engine:8000": Load(requests=3, prefilling=1, prefill_chars=1200.0, context_chars=9000.0,
-                                       queued_prompt_chars=700.0)}
+                                       queued_prompt_chars=700.0, exposure=0.25)}
     body = peers.message(256, load, now=10.0)
     assert body is not None
     doc = json.loads(body)
     assert len(doc["placements"]) == MAX_OUTBOX and doc["placements"][0] == ["http://engine:8000", None, [5, 6]]
     assert doc["load"] == {"http://engine:8000": [3, 1200, 9000, 700, 1]}
+    # The decodes at risk go apart from the load, in millionths: a replica before them refuses a longer load.
+    assert doc["exposure"] == {"http://engine:8000": 250_000}
     assert ("dropped", 5) in counted
     # Nothing new: no message until the load changes or the heartbeat is due.
     assert peers.message(256, dict(load), now=10.1) is None
@@ -153,7 +156,7 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     assert other.load(12.0) == {"http://engine:8000": Load(requests=2, prefill_chars=300.0)}
     assert other.decode(json.dumps(older).encode(), 256, now=12.0) == []
     assert other.load(12.0) == {"http://engine:8000": Load(requests=3, prefill_chars=350.0, context_chars=400.0)}
-    assert other.load(12.0)["http://engine:8000"].decoding == 3
+    assert other.load(12.0)["http://engine:8000"].prefilling == 0
     newer = {"from": "newer", "blockChars": 256, "placements": [], "load": {"http://engine:8000": [4, 0, 0, 0, 9]}}
     assert other.decode(json.dumps(newer).encode(), 256, now=12.0) == []
     assert other.load(12.0)["http://engine:8000"] == Load(requests=7, prefilling=4, prefill_chars=350.0,
@@ -163,6 +166,9 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
                       ({"blockChars": 256, "placements": []}, "'from'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1.5, 0]}}, "'load'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1]}}, "'load'"),
+                      ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0]}, "exposure": {"e": 0.5}},
+                       "'exposure'"),
+                      ({"from": "x", "blockChars": 256, "placements": [], "exposure": []}, "'exposure'"),
                       ({"from": "x", "blockChars": 256, "placements": [], "load": {"e": [1, 0, 0, 0, 0, 0]}}, "'load'")):
         with pytest.raises(PeerMessageError, match=says):
             other.decode(json.dumps(bad).encode(), 256, now=12.0)
@@ -224,19 +230,26 @@ async def test_a_replica_counts_the_requests_prompt_work_and_prompts_its_peer_ha
                                                    peers=(f"http://127.0.0.1:{port_a}",)))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         seen = b.router.pool.backends[engine]
-        held = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(3)]
+        # Answers of 9 tokens, of unstated length and of 2 tokens: each request's decodes at risk is one over
+        # the gaps between its tokens (an unstated one counts as UNSTATED_ANSWER_TOKENS).
+        bodies = [{**turn(0), "max_tokens": 9}, {k: v for k, v in turn(1).items() if k != "max_tokens"},
+                  {**turn(2), "max_completion_tokens": 2}]
+        held = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=body)) for body in bodies]
         told = a.router.pool.backends[engine]
+        at_risk = 1 / 8 + 1 / (UNSTATED_ANSWER_TOKENS - 1) + 1
         await eventually(lambda: told.own.prefill_chars > 0 and seen.others == 3 and seen.peers.prefilling == 3
                          and seen.peers.prefill_chars == round(told.own.prefill_chars)
-                         and seen.peers.context_chars == round(told.own.context_chars), timeout=5)
+                         and seen.peers.context_chars == round(told.own.context_chars)
+                         and seen.peers.exposure > 0, timeout=5)
         assert seen.in_flight == 0 and seen.estimated_load() >= 3 and told.own.context_chars >= told.own.prefill_chars
+        assert told.own.exposure == pytest.approx(at_risk) and seen.peers.exposure == pytest.approx(at_risk, abs=1e-6)
         release.set()
         for response in await asyncio.gather(*held):
             assert response.status == 200
             response.release()
-        await eventually(lambda: seen.others == 0 and seen.peers.prefill_chars == 0 and seen.peers.context_chars == 0,
-                         timeout=5)
-        assert told.own.context_chars == 0
+        await eventually(lambda: seen.others == 0 and seen.peers.prefill_chars == 0 and seen.peers.context_chars == 0
+                         and seen.peers.exposure == 0, timeout=5)
+        assert told.own.context_chars == 0 and told.own.exposure == 0
 
 
 @pytest.mark.asyncio

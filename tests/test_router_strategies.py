@@ -32,12 +32,15 @@ from tensorfleet.router.scheduling import (
     CacheAware,
     RequestInfo,
     block_chars,
+    exposure,
     has_room,
     hash_prompt,
     make_profile,
     prefix_hashes,
 )
 from tensorfleet.router.scheduling.prefixes import SentPrefixes
+from tensorfleet.router.scheduling.request import UNSTATED_ANSWER_TOKENS
+from tensorfleet.router.tokencount import stated_max_tokens
 from tensorfleet.router.waitqueue import QueueFull
 
 
@@ -144,7 +147,7 @@ def info_of(body: dict[str, object], block: int = PREFIX_BLOCK_CHARS) -> Request
     text, chars = prompt_text(body), opening_chars(body)
     hashes, opening, inside = hash_prompt(text, chars, block)
     return RequestInfo(prefix_hashes=hashes, opening=opening, opening_blocks=inside, prompt_chars=len(text),
-                       continues=goes_on(text, chars))
+                       continues=goes_on(text, chars), exposure=exposure(stated_max_tokens(body)))
 
 
 def test_prompt_hashes_are_stable_across_processes_and_chained() -> None:
@@ -242,30 +245,39 @@ def test_cache_aware_places_a_first_turn_by_the_prompt_work_queued_ahead_of_it()
     assert strategy.pick(pool, pool, first) is least
 
 
-def test_cache_aware_starts_a_conversation_where_the_fewest_decodes_run() -> None:
+def test_cache_aware_starts_a_conversation_where_the_fewest_decodes_are_at_risk() -> None:
     strategy, pool = CacheAware(), backends(3)
     a, b, c = pool
     firsts = [info_of(chat(f"question number {n} " * 30)) for n in range(30)]
     # An idle fleet: each conversation at its home, so the first turns spread over every engine.
     assert {strategy.pick(pool, pool, info).url for info in firsts} == {a.url, b.url, c.url}
-    # Decodes run on a (this router's) and b (another replica's, as it told); c computes two prompts within the
-    # slack: every first turn goes to c, where its prompt slows no decode.
-    a.own = Load(requests=3)
-    b.peers = Load(requests=2, prefilling=1)
-    c.own = Load(requests=2, prefilling=2, prefill_chars=HOME_SLACK_CHARS / 2)
-    assert (a.decoding(), b.decoding(), c.decoding()) == (3, 1, 0)
-    assert {strategy.pick(pool, pool, info).url for info in firsts} == {c.url}
-    # Once c decodes the most, b runs the fewest.
-    c.own = Load(requests=5)
-    assert {strategy.pick(pool, pool, info).url for info in firsts} == {b.url}
-    # Decodes weigh only among engines within the slack of the least prompt work queued: the first token waits
-    # for that work, whatever runs beside it.
-    b.own = Load(requests=1, prefilling=1, prefill_chars=10 * HOME_SLACK_CHARS)
+    # Three long answers decode on a (this router's); one short answer on b (another replica's, as it told); c
+    # computes two prompts of unstated length within the slack. A prompt beside the short answer would stretch
+    # its mean inter-token time the most, so b is the worst place for it, though it runs the fewest requests.
+    a.own = Load(requests=3, exposure=3 * exposure(500))
+    b.peers = Load(requests=1, exposure=exposure(9))
+    c.own = Load(requests=2, prefilling=2, prefill_chars=HOME_SLACK_CHARS / 2, exposure=2 * exposure(None))
+    assert a.exposure() < c.exposure() < b.exposure()
     assert {strategy.pick(pool, pool, info).url for info in firsts} == {a.url}
+    # Once a's answers are short ones too, c has the fewest at risk.
+    a.own = Load(requests=3, exposure=3 * exposure(20))
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {c.url}
+    # Decodes weigh only among engines within the slack of the least prompt work queued: the first token waits
+    # for that work, whatever runs beside it. Of a and b, b's one short answer is less at risk than a's three.
+    c.own = Load(requests=1, prefilling=1, prefill_chars=10 * HOME_SLACK_CHARS)
+    assert {strategy.pick(pool, pool, info).url for info in firsts} == {b.url}
     # A later turn stays with its conversation's KV, however many decode there.
     later = info_of(chat("question number 0 " * 30, "an answer " * 20, "and then?"))
-    strategy.routed(c, later)
-    assert strategy.pick(pool, pool, later) is c
+    strategy.routed(a, later)
+    assert strategy.pick(pool, pool, later) is a
+
+
+def test_a_requests_exposure_is_one_over_its_answers_gaps() -> None:
+    assert exposure(9) == 1 / 8 and exposure(2) == 1.0
+    # An answer of unstated length counts as a long one, less than any short stated answer.
+    assert exposure(None) == 1 / (UNSTATED_ANSWER_TOKENS - 1) < exposure(100)
+    # One token, none, or no generation at all (embeddings) has no gap between tokens to stretch.
+    assert exposure(1) == exposure(0) == exposure(100, generates=False) == 0.0
 
 
 def test_cache_aware_starts_a_conversation_on_an_engine_with_room_in_its_kv_cache() -> None:
@@ -506,12 +518,13 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     a = await dispatcher.acquire(first)
     assert a.own.prefill_chars == owed(dispatcher, a, first).prefill == first.prompt_chars > 0
     assert a.own.context_chars == owed(dispatcher, a, first).context == first.prompt_chars
-    assert a.own.prefilling == 1 and a.own.decoding == 0
+    assert a.own.prefilling == 1 and a.own.requests == 1
+    assert a.own.exposure == first.exposure > 0     # at risk from placement to its end
     dispatcher.discharge(a, first)                   # its first byte came back
     assert a.own.prefill_chars == 0 and owed(dispatcher, a, first).prefill == 0
-    assert a.own.prefilling == 0 and a.own.decoding == 1
+    assert a.own.prefilling == 0 and a.own.requests == 1
     dispatcher.discharge(a, first)                   # a second first byte (a resumed stream) takes off nothing
-    assert a.own.prefilling == 0 and a.own.decoding == 1
+    assert a.own.prefilling == 0 and a.own.requests == 1
     assert a.own.context_chars == first.prompt_chars     # its KV stays on the engine until it ends
     dispatcher.release(a, first)                     # nothing charged twice
     assert a.own.prefill_chars == 0 and a.in_flight == 0 and a.own.context_chars == 0 and len(dispatcher.ledger) == 0

@@ -28,7 +28,7 @@ from tensorfleet.router.clients import (
 )
 from tensorfleet.router.config import ClientConfig
 from tensorfleet.router.tenants import KeyRing, Limits, Refusal, UsageMeter
-from tensorfleet.router.tokencount import estimate_prompt_tokens
+from tensorfleet.router.tokencount import estimate_prompt_tokens, stated_max_tokens
 
 # A request's handling past its key: (the request, its start, its tenant) -> the answer.
 Handler = Callable[[web.Request, float, "str | None"], Awaitable[web.StreamResponse]]
@@ -173,8 +173,8 @@ class Admission:
         --default-max-tokens) for each of its `n` choices; 0 for what generates nothing."""
         if path not in GENERATION_PATHS:
             return 0
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        limit = stated_max_tokens(body)
+        if limit is None:
             limit = self.config.default_max_tokens
         n = body.get("n")
         return limit * (n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1)

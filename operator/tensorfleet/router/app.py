@@ -38,8 +38,9 @@ from tensorfleet.router.prefill import OUTCOMES as PREFILL_OUTCOMES
 from tensorfleet.router.proxy import Call, Proxy
 from tensorfleet.router.proxy import first_byte_bound as _first_byte_bound
 from tensorfleet.router.resume import resumable
-from tensorfleet.router.scheduling import RequestInfo, hash_prompt
+from tensorfleet.router.scheduling import RequestInfo, exposure, hash_prompt
 from tensorfleet.router.tenants import UsageMeter, open_keys
+from tensorfleet.router.tokencount import stated_max_tokens
 
 # The names the CLI, the test helpers and the tests import from here.
 __all__ = ["CLIENT_LOG", "Router", "RouterConfig"]
@@ -144,7 +145,7 @@ class Router:
         return web.json_response({"object": "list", "data": list(models.values())})
 
     # --- inference -----------------------------------------------------------------
-    def _request_info(self, request: web.Request, body: Mapping[str, Any]) -> RequestInfo:
+    def _request_info(self, request: web.Request, path: str, body: Mapping[str, Any]) -> RequestInfo:
         info = RequestInfo(queues_prompt=body.get("stream") is True)
         if self.strategy.needs_session_key:
             key = request.headers.get(contract.SESSION_HEADER) or body.get("user")
@@ -155,6 +156,8 @@ class Router:
             info.prompt_chars = len(text)
             info.opening_chars = opening or 0
             info.continues = goes_on(text, opening)
+        if self.strategy.places_by_prefill:
+            info.exposure = exposure(stated_max_tokens(body), path in GENERATION_PATHS)
         return info
 
     def first_byte_bound(self, path: str, body: Mapping[str, Any]) -> float | None:
@@ -205,7 +208,7 @@ class Router:
                 meter, charged = admitted
             headers = {name: request.headers[name] for name in self._forwarded if name in request.headers}
             headers[hdrs.CONTENT_TYPE] = "application/json"
-            info = self._request_info(request, parsed)
+            info = self._request_info(request, path, parsed)
             if adapter is not None:
                 info.adapter = adapter_key(adapter)
                 info.adapter_name = adapter

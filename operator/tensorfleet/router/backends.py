@@ -70,16 +70,12 @@ class Load:
     prefill_chars: float = 0.0        # the uncached prompt characters of those: work queued on the engine
     queued_prompt_chars: float = 0.0  # of that, streamed answers': what the prompt queue bound counts
     context_chars: float = 0.0        # the prompt characters of all of them: what their KV takes of the cache
-
-    @property
-    def decoding(self) -> int:
-        """Requests past their first token: the engine decodes them in every step."""
-        return max(self.requests - self.prefilling, 0)
+    exposure: float = 0.0             # their exposures summed (scheduling/request.py): the engine's decodes at risk
 
     def __add__(self, other: Load) -> Load:
         return Load(self.requests + other.requests, self.prefilling + other.prefilling,
                     self.prefill_chars + other.prefill_chars, self.queued_prompt_chars + other.queued_prompt_chars,
-                    self.context_chars + other.context_chars)
+                    self.context_chars + other.context_chars, self.exposure + other.exposure)
 
 
 @dataclass
@@ -138,10 +134,10 @@ class Backend:
         the KV-cache fill (0-1) breaking ties towards the emptier cache."""
         return self.own.requests + self.others + self.engine.kv_usage
 
-    def decoding(self) -> int:
-        """Requests past their first token on the engine: this router's (exact) and the other replicas' (as
-        they last told)."""
-        return self.own.decoding + self.peers.decoding
+    def exposure(self) -> float:
+        """The engine's decodes at risk from a prompt computed beside them: the exposures of this router's requests
+        there (exact) and the other replicas' (as they last told)."""
+        return self.own.exposure + self.peers.exposure
 
     def scraped(self, metrics: EngineMetrics) -> None:
         """Take a scrape of the engine's own metrics."""

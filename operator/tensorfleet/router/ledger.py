@@ -48,6 +48,7 @@ class Ledger:
         load.prefill_chars += charge.prefill
         load.queued_prompt_chars += charge.queued
         load.context_chars += charge.context
+        load.exposure += info.exposure
 
     def first_byte(self, backend: Backend, info: RequestInfo) -> Charge | None:
         """The request's first byte came back: its prompt work comes off (once). The charge, or None when there
@@ -73,4 +74,6 @@ class Ledger:
         load = backend.own
         load.requests -= 1
         load.context_chars = max(load.context_chars - entry[1].context, 0.0)
+        # A sum of fractions: with no request left, exactly none, whatever the rounding of the additions.
+        load.exposure = max(load.exposure - info.exposure, 0.0) if load.requests else 0.0
         return True

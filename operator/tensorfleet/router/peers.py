@@ -29,6 +29,7 @@ PEER_MAX_BYTES = 1 << 20
 MAX_PLACEMENTS = 4096   # per message
 MAX_OUTBOX = 4096       # placements held between messages; past it the oldest are dropped (counted)
 MAX_HASHES = 256        # block hashes per placement (the router hashes at most 256 blocks of a prompt)
+EXPOSURE_UNIT = 1_000_000  # an engine's exposure (Load.exposure) goes in millionths: a message holds whole numbers
 _HASH_LIMIT = 1 << 33   # block hashes are CRC-32s; an opening's hash is 32 bits (+1 bit for an adapter's name)
 
 OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer_placements{outcome}
@@ -110,7 +111,9 @@ class Peers:
         return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
                            "load": {url: [x.requests, round(x.prefill_chars), round(x.context_chars),
                                           round(x.queued_prompt_chars), x.prefilling]
-                                    for url, x in load.items()}},
+                                    for url, x in load.items()},
+                           # Apart from "load", which a replica before it refuses longer than five numbers.
+                           "exposure": {url: round(x.exposure * EXPOSURE_UNIT) for url, x in load.items() if x.exposure}},
                           separators=(",", ":")).encode()
 
     @property
@@ -188,7 +191,15 @@ class Peers:
                         for v in load.values())):
             raise PeerMessageError("'load' is not {engine URL: [requests in flight, prompt characters to compute, "
                                    "prompt characters in flight, prompt characters queued, requests with no first byte back]}")
-        self._loads[sender] = (now, {url: _load_entry(v) for url, v in load.items()})
+        exposure = doc.get("exposure", {})
+        if not (isinstance(exposure, dict) and len(exposure) <= MAX_PLACEMENTS
+                and all(_is_count(v) for v in exposure.values())):
+            raise PeerMessageError("'exposure' is not {engine URL: the decodes at risk there, in millionths}")
+        loads = {url: _load_entry(v) for url, v in load.items()}
+        for url, value in exposure.items():
+            if url in loads:
+                loads[url].exposure = value / EXPOSURE_UNIT
+        self._loads[sender] = (now, loads)
         if doc.get("blockChars") != block_chars:
             return []
         raw = doc["placements"]

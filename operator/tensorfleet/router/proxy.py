@@ -27,7 +27,7 @@ from tensorfleet.router.metrics import RouterMetrics
 from tensorfleet.router.resume import StreamState, ask_usage, usage_asked
 from tensorfleet.router.scheduling import RequestInfo
 from tensorfleet.router.tenants import UsageMeter
-from tensorfleet.router.tokencount import estimate_prompt_tokens
+from tensorfleet.router.tokencount import estimate_prompt_tokens, stated_max_tokens
 
 log = logging.getLogger("tensorfleet.router")
 
@@ -110,10 +110,10 @@ def first_byte_bound(config: RouterConfig, path: str, body: Mapping[str, Any]) -
     """
     bound = config.first_byte_timeout + estimate_prompt_tokens(body) / config.prefill_tokens_per_second
     if path in GENERATION_PATHS and body.get("stream") is not True:
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if not isinstance(limit, int) or isinstance(limit, bool):
+        limit = stated_max_tokens(body)
+        if limit is None:
             return None  # the engine's default is the whole context: no useful bound
-        bound += max(limit, 0) / config.decode_tokens_per_second
+        bound += limit / config.decode_tokens_per_second
     return bound
 
 

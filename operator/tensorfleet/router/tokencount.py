@@ -17,6 +17,15 @@ from tensorfleet.prompts import content_text
 CHARS_PER_TOKEN = 3
 
 
+def stated_max_tokens(body: Mapping[str, Any]) -> int | None:
+    """The most tokens the request lets each choice generate, as it states it (`max_completion_tokens`, else
+    `max_tokens`); None when it states neither, or not as a whole number of at least 0."""
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+        return None
+    return limit
+
+
 def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     """An over-estimate of a request's prompt in tokens: token ids count one each, text one per CHARS_PER_TOKEN
     characters (English runs about four; code and CJK text fewer)."""

@@ -14,8 +14,8 @@ from tensorfleet.router.scheduling.hashing import (
     prefix_hashes,
 )
 from tensorfleet.router.scheduling.profiles import HOME_SLACK_CHARS, PROFILES, CacheAware, Profile, make_profile
-from tensorfleet.router.scheduling.request import RequestInfo
+from tensorfleet.router.scheduling.request import RequestInfo, exposure
 
 __all__ = ["CHARS_PER_TOKEN", "HOME_SLACK_CHARS", "KV_HIGH_WATER", "PREFIX_BLOCK_CHARS", "PREFIX_MAX_BLOCKS",
-           "PROFILES", "CacheAware", "Profile", "RequestInfo", "block_chars", "has_room", "hash_prompt",
-           "make_profile", "prefix_hashes"]
+           "PROFILES", "CacheAware", "Profile", "RequestInfo", "block_chars", "exposure", "has_room",
+           "hash_prompt", "make_profile", "prefix_hashes"]

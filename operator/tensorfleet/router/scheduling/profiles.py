@@ -17,7 +17,7 @@ from tensorfleet.router.scheduling.picker import MaxScore, Picker, RoundRobin
 from tensorfleet.router.scheduling.prefixes import SentPrefixes
 from tensorfleet.router.scheduling.request import RequestInfo
 from tensorfleet.router.scheduling.scorers import (
-    FewestDecodes,
+    FewestDecodesAtRisk,
     LeastLoad,
     PrefixMatch,
     Rendezvous,
@@ -159,7 +159,7 @@ class CacheAware(Profile):
         super().__init__(SentPrefixes(openings=True))
         self.bounded = UnderLoadBound(all_requests)
         self.least = Scored("least-loaded", scorers=[Weighted(LeastLoad(Backend.estimated_load))])
-        self.fewest_decodes = FewestDecodes()
+        self.at_risk = FewestDecodesAtRisk()
         self.adapter_order = Rendezvous(lambda info: info.adapter)
         self.conversation_order = Rendezvous(lambda info: info.opening)
 
@@ -216,9 +216,9 @@ class CacheAware(Profile):
             costs = [(b.own.prefill_chars + b.peers.prefill_chars + self.prefill_cost(b, info), b) for b in roomy]
             least = min(cost for cost, _ in costs) + HOME_SLACK_CHARS
             near = [b for cost, b in costs if cost <= least]
-            # Of those, the ones running the fewest decodes: its prompt slows every decode in the engine's steps
-            # while it is computed, and its own decodes share steps with theirs (the ITL target).
-            calm = self.fewest_decodes.scores(near, routable, info)
+            # Of those, the one with the fewest decodes at risk: its prompt slows every decode in the engine's
+            # steps while it is computed, the short answers' mean inter-token time the most (the ITL target).
+            calm = self.at_risk.scores(near, routable, info)
             top = max(calm)
             return self.conversation_order.first([b for b, s in zip(near, calm, strict=True) if s >= top], opening)
         # A later turn of a conversation new to this router (another replica served its start): its home by

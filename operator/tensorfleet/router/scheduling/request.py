@@ -6,6 +6,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The answer length assumed for a generation that states no max_tokens (vLLM's own default is the rest of the
+# context): a long chat answer, so that its exposure (below) counts less than a short, stated one's.
+UNSTATED_ANSWER_TOKENS = 256
+
+
+def exposure(max_tokens: int | None, generates: bool = True) -> float:
+    """How much a prompt computed beside a request stretches its mean inter-token time, for each second the prompt
+    takes: 1 / (its answer's tokens - 1), its answer being MAX_TOKENS long (UNSTATED_ANSWER_TOKENS when None). A
+    short answer has few inter-token gaps to spread one long step over; one token, or no generation, has none."""
+    if not generates:
+        return 0.0
+    tokens = UNSTATED_ANSWER_TOKENS if max_tokens is None else max_tokens
+    return 1.0 / (tokens - 1) if tokens > 1 else 0.0
+
 
 @dataclass
 class RequestInfo:
@@ -22,6 +36,9 @@ class RequestInfo:
     # token comes back as soon as the prompt is computed, and the engine computes it (a disaggregated request's
     # KV comes from a prefill engine instead).
     queues_prompt: bool = False
+    # Its `exposure` to the prompts computed beside it on its engine (above): what it adds to the engine's decodes
+    # at risk (Load.exposure) from its placement to its end.
+    exposure: float = 0.0
     # Each engine's run of the prompt's leading blocks (by URL), computed once for a pick and the charge that
     # follows it; valid while the prefix memory is as it was (`matches_epoch`, see SentPrefixes.match).
     matches: dict[str, int] = field(default_factory=dict)

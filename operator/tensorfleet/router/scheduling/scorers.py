@@ -1,5 +1,5 @@
 """Scorers: each rates every candidate engine for a request, 0 (worst) to 1 (best), from one signal: load, the
-decodes it runs, the prompt's blocks the engine holds, a session's or an adapter's place on a consistent-hashing order. A profile
+decodes at risk there, the prompt's blocks the engine holds, a session's or an adapter's place on a consistent-hashing order. A profile
 weighs them (router/scheduling/profiles.py). Design: docs/routing.md#the-scheduling-framework.
 """
 
@@ -37,15 +37,18 @@ class LeastLoad:
 
 
 @dataclass(frozen=True)
-class FewestDecodes:
-    """The fewer requests decoding on the engine the better (this router's exactly, the other replicas' as they
-    last told: Backend.decoding). Every step of an engine decodes all of them, and a prompt computed there joins
-    those steps (vLLM's chunked prefill), so a new prompt slows the fewest decodes where the fewest run."""
+class FewestDecodesAtRisk:
+    """The fewer decodes at risk on the engine the better: its requests' exposures summed (this router's exactly,
+    the other replicas' as they last told: Backend.exposure). Every step of an engine decodes all its running
+    requests, and a prompt computed there joins those steps (vLLM's chunked prefill), stretching each one's mean
+    inter-token time by the prompt's time over its answer's length; a short answer has the fewest gaps to spread it
+    over. The requests still waiting for their first token count too: they decode while the prompt placed behind
+    them computes."""
 
     def scores(self, backends: Sequence[Backend], routable: Sequence[Backend], info: RequestInfo) -> list[float]:
-        counts = [b.decoding() for b in backends]
-        top = max(counts, default=0)
-        return [1.0 - count / (top + 1.0) for count in counts]
+        risks = [b.exposure() for b in backends]
+        top = max(risks, default=0.0)
+        return [1.0 - risk / top if top > 0 else 1.0 for risk in risks]
 
 
 @dataclass(frozen=True)
