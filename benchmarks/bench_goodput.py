@@ -421,8 +421,17 @@ def main() -> None:
                             continue
                         if (workload, strategy, replicas, load, seed) in done:
                             continue
-                        run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed, seconds,
-                                      args.before)
+                        try:
+                            run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed,
+                                          seconds, args.before)
+                        except RuntimeError as exc:
+                            # A port free_port() picked was taken before a process bound it: once more, on others.
+                            if "Address already in use" not in str(exc):
+                                raise
+                            print(f"  {workload} {int(load * 100)}% s{seed} {replicas}r {strategy}: a port was "
+                                  "taken before it was bound; once more", flush=True)
+                            run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed,
+                                          seconds, args.before)
                         runs.append(run)
                         print(f"  {workload:11} {int(load * 100):3}% s{seed} {replicas}r {strategy:13} "
                               f"good(TTFT) {run['goodput_ttft_rps']:.2f}/s {run['share_ttft']:.0%}  "
