@@ -519,7 +519,7 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
     assert a.own.prefill_chars == owed(dispatcher, a, first).prefill == first.prompt_chars > 0
     assert a.own.context_chars == owed(dispatcher, a, first).context == first.prompt_chars
     assert a.own.prefilling == 1 and a.own.requests == 1
-    assert a.own.exposure == first.exposure > 0     # at risk from placement to its end
+    assert a.own.exposure == owed(dispatcher, a, first).exposure == first.exposure > 0   # from placement to its end
     dispatcher.discharge(a, first)                   # its first byte came back
     assert a.own.prefill_chars == 0 and owed(dispatcher, a, first).prefill == 0
     assert a.own.prefilling == 0 and a.own.requests == 1
@@ -557,12 +557,12 @@ async def test_dispatcher_charges_a_prompt_to_its_engine_until_the_first_byte() 
 
 
 def owed(dispatcher: Dispatcher, backend: Backend, info: RequestInfo) -> Charge:
-    """What INFO's request still adds to BACKEND's load: its prompt work until its first byte, its context until
-    it ends."""
+    """What INFO's request still adds to BACKEND's load: its prompt work until its first byte, its context and
+    exposure until it ends."""
     charge = dispatcher.ledger.get(backend, info)
     if charge is None:
-        return Charge(0.0, 0.0, 0.0)
-    return charge if charge.prefilling else Charge(0.0, 0.0, charge.context, prefilling=False)
+        return Charge()
+    return charge if charge.prefilling else Charge(0.0, 0.0, charge.context, charge.exposure, prefilling=False)
 
 
 def streamed(body: dict[str, object]) -> RequestInfo:

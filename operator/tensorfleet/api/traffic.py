@@ -60,4 +60,3 @@ def served_and_weight(obj: Mapping[str, Any]) -> tuple[str, int | None] | None:
     if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 100:
         weight = None
     return (served if isinstance(served, str) and served else name), weight
-

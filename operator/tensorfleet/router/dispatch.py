@@ -177,7 +177,7 @@ class Dispatcher:
             prefill = self.strategy.prefill_cost(backend, info)
             queued = prefill if info.queues_prompt and self.prompt_queue_chars else 0.0
             context = info.prompt_chars
-        self.ledger.charge(backend, info, Charge(prefill, queued, context))
+        self.ledger.charge(backend, info, Charge(prefill, queued, context, info.exposure))
         self.strategy.routed(backend, info)
         if self.on_placed is not None:
             self.on_placed(backend, info)

@@ -17,12 +17,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Charge:
     """What one request adds to its engine's Load: its uncached prompt characters (`prefill`; `queued`, the part
-    the prompt queue bound counts) until its first byte, its whole prompt (`context`) and its slot until it
-    ends."""
+    the prompt queue bound counts) until its first byte, its whole prompt (`context`), its `exposure`
+    (scheduling/request.py) and its slot until it ends."""
 
     prefill: float = 0.0
     queued: float = 0.0
     context: float = 0.0
+    exposure: float = 0.0
     prefilling: bool = True
 
 
@@ -48,7 +49,7 @@ class Ledger:
         load.prefill_chars += charge.prefill
         load.queued_prompt_chars += charge.queued
         load.context_chars += charge.context
-        load.exposure += info.exposure
+        load.exposure += charge.exposure
 
     def first_byte(self, backend: Backend, info: RequestInfo) -> Charge | None:
         """The request's first byte came back: its prompt work comes off (once). The charge, or None when there
@@ -75,5 +76,5 @@ class Ledger:
         load.requests -= 1
         load.context_chars = max(load.context_chars - entry[1].context, 0.0)
         # A sum of fractions: with no request left, exactly none, whatever the rounding of the additions.
-        load.exposure = max(load.exposure - info.exposure, 0.0) if load.requests else 0.0
+        load.exposure = max(load.exposure - entry[1].exposure, 0.0) if load.requests else 0.0
         return True
