@@ -124,7 +124,8 @@ class Cluster:
                 "--log-level", "warning", "--backend-header", "--drain-delay", "0", *extra]
         for backend in backends:
             args += ["--backend", backend if isinstance(backend, str) else backend.url]
-        return self._spawn(f"router-{strategy}", args, port, source)
+        # The port in the log's name: two replicas of one strategy must not write one file.
+        return self._spawn(f"router-{strategy}-{port}", args, port, source)
 
     def gateway(self, routers: Sequence[Proc], *extra: str, port: int | None = None) -> Proc:
         """A gateway serving MODEL from ROUTERS (--route: no Kubernetes API; two routers are one traffic group)."""

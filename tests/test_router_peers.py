@@ -138,6 +138,12 @@ def test_peers_leave_out_their_own_address_and_bound_their_outbox() -> None:
     assert peers.message(256, dict(load), now=10.1) is None
     assert peers.message(256, {"http://engine:8000": Load(requests=2)}, now=10.2) is not None
     assert peers.message(256, {"http://engine:8000": Load(requests=2)}, now=10.2 + PEER_HEARTBEAT) is not None
+    # The ledger moves a Load in place: a change to the very object last sent is news, sent at once.
+    own = {"http://engine:8000": Load(requests=2)}
+    assert peers.message(256, own, now=20.0) is not None and peers.message(256, own, now=20.1) is None
+    own["http://engine:8000"].queued_prompt_chars = 700.0
+    sent = peers.message(256, own, now=20.2)
+    assert sent is not None and json.loads(sent)["load"] == {"http://engine:8000": [2, 0, 0, 700, 0]}
     # A message of this process's own (come back through the Service) is taken as nothing.
     assert peers.decode(body, 256, now=10.0) == [] and not peers.heard
     other = Peers(static=("http://10.0.0.7:8080",))

@@ -59,7 +59,7 @@ class Peers:
         self._own = own_address
         self._outbox: deque[Placement] = deque(maxlen=MAX_OUTBOX)
         self._dropped = 0
-        self._sent_load: Loads | None = None
+        self._sent_load: tuple[dict[str, list[int]], dict[str, int]] | None = None   # as last sent
         self._sent_at = -PEER_HEARTBEAT
         self._loads: dict[str, tuple[float, Loads]] = {}  # peer instance -> when its last message came, its load
         self._news = asyncio.Event()  # set when there is something to tell: run() sends it
@@ -103,18 +103,19 @@ class Peers:
         if self._dropped:
             self._on_outcome("dropped", self._dropped)
             self._dropped = 0
-        if not self._outbox and load == self._sent_load and now - self._sent_at < PEER_HEARTBEAT:
+        # Compared as sent, not as Load objects: the ledger moves an engine's Load in place, so the last sent
+        # would be the same object as the current and a change would wait for the heartbeat.
+        wire = ({url: [x.requests, round(x.prefill_chars), round(x.context_chars), round(x.queued_prompt_chars),
+                       x.prefilling] for url, x in load.items()},
+                # Apart from "load", which a replica before it refuses longer than five numbers.
+                {url: round(x.exposure * EXPOSURE_UNIT) for url, x in load.items() if x.exposure})
+        if not self._outbox and wire == self._sent_load and now - self._sent_at < PEER_HEARTBEAT:
             return None
         placements = [[engine, opening, list(hashes)] for engine, opening, hashes in self._outbox]
         self._outbox.clear()
-        self._sent_load, self._sent_at = load, now
+        self._sent_load, self._sent_at = wire, now
         return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
-                           "load": {url: [x.requests, round(x.prefill_chars), round(x.context_chars),
-                                          round(x.queued_prompt_chars), x.prefilling]
-                                    for url, x in load.items()},
-                           # Apart from "load", which a replica before it refuses longer than five numbers.
-                           "exposure": {url: round(x.exposure * EXPOSURE_UNIT) for url, x in load.items() if x.exposure}},
-                          separators=(",", ":")).encode()
+                           "load": wire[0], "exposure": wire[1]}, separators=(",", ":")).encode()
 
     @property
     def heard(self) -> bool:
