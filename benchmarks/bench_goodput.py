@@ -26,11 +26,15 @@ caches.
 
 Goodput: requests per second answered with a first token within TTFT_TARGET
 (and, separately, with a mean inter-token time within ITL_TARGET); a failed
-request is never good. Router CPU: user + system time of the router
+request is never good. At best: the requests per second whose first token could
+be in time at all, whatever the placement: computing only what no earlier
+request's prompt or answer held, on an idle engine (the simulators' step model). Router CPU: user + system time of the router
 process(es) over the run, per request. Prefix-cache hit rate: from the engines'
 own counters; its maximum for the run's requests is what one engine with an
 unbounded cache would hit (each prompt's leading full blocks that an earlier
-request's prompt or answer holds).
+request's prompt or answer holds); pooled LRU, what one engine holding
+all four caches together would hit, evicting the least recently used idle
+block, with the run's timing (the reference once the caches are full).
 
     python benchmarks/bench_goodput.py [--quick] [--seeds 3] [--loads 1.0 1.2] ... [--resume]
 """
@@ -42,6 +46,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +70,7 @@ from workload import TURNS, Record, Workload, closed_loop, ok, open_loop
 from tensorfleet import contract, engine_settings, vllm_defaults
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import Plan, make_plan
+from tensorfleet.sim.profile import Profile, make_profile
 
 TIME_SCALE = 0.25
 ENGINES = 4
@@ -84,6 +90,12 @@ def plan_of() -> Plan:
            "spec": {"model": {"name": MODEL_ID, "maxModelLen": 8192}, "accelerator": {"type": ACCELERATOR},
                     "engine": {"kind": "simulator"}}}
     return make_plan(load_inference_service(doc).spec)
+
+
+def engine_profile(plan: Plan) -> Profile:
+    """The simulators' step model, as engine_flags starts them."""
+    return make_profile(MODEL_ID, ACCELERATOR, max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
+                        kv_cache_tokens=plan.kv_cache_tokens)
 
 
 def router_flags(plan: Plan) -> list[str]:
@@ -106,7 +118,9 @@ def itl(r: Record) -> float | None:
     return (result.total - result.ttft) / (result.tokens - 1) / TIME_SCALE
 
 
-def figures(records: list[Record], start: float, seconds: float) -> dict[str, Any]:
+def figures(records: list[Record], start: float, seconds: float, bounds: dict[int, float]) -> dict[str, Any]:
+    """The run's figures over the requests sent in its window; BOUNDS: each request's least possible time to its
+    first token (`ttft_bounds`)."""
     lo, hi = start + seconds * WARM_FRACTION, start + seconds
     inside = [r for r in records if lo <= r.result.sent_at < hi]
     answered = [r for r in inside if ok(r)]
@@ -121,6 +135,8 @@ def figures(records: list[Record], start: float, seconds: float) -> dict[str, An
         "goodput_ttft_rps": len(good_ttft) / sim_seconds, "share_ttft": len(good_ttft) / n if n else float("nan"),
         "goodput_itl_rps": len(good_itl) / sim_seconds, "share_itl": len(good_itl) / n if n else float("nan"),
         "throughput_rps": len(answered) / sim_seconds,
+        # The most any placement could have in time: the requests whose bound is within the target.
+        "ttft_bound_rps": sum(bounds[id(r)] <= TTFT_TARGET for r in inside) / sim_seconds,
         "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
         "itl_p50_s": percentile(itls, 50), "itl_p99_s": percentile(itls, 99),
         # Every answered request's TTFT, for percentiles over all seeds together (`group`).
@@ -155,9 +171,12 @@ def kv_events_ports() -> tuple[int, int]:
     return free_port(), free_port()
 
 
-def max_hit_rate(records: Sequence[Record], block_size: int) -> float:
-    """The prefix-cache hit rate one engine with an unbounded cache would have on RECORDS' prompts (in the order
-    sent): each prompt's leading full blocks that an earlier request's prompt, or its prompt and answer, held."""
+Keyed = tuple[Record, int, list[int], list[int]]   # a request, its prompt's tokens, its prompt's and its whole blocks
+
+
+def keyed(records: Sequence[Record], block_size: int) -> list[Keyed]:
+    """RECORDS in the order sent, each with its prompt's length in tokens and the chained keys of the full blocks
+    of its prompt, and of its prompt and answer, as an engine's prefix cache keys them."""
     from tensorfleet.prompts import render_chat
     from tensorfleet.sim.tokenizer import tokenize
 
@@ -168,20 +187,77 @@ def max_hit_rate(records: Sequence[Record], block_size: int) -> float:
             keys.append(parent)
         return keys
 
-    held: set[int] = set()
-    hits = queries = 0
+    out = []
     for record in sorted(records, key=lambda r: r.result.sent_at):
-        if not record.messages:
+        if record.messages:
+            prompt = tokenize(render_chat(record.messages))
+            out.append((record, len(prompt), blocks(prompt), blocks(prompt + tokenize(record.result.text))))
+    return out
+
+
+def best_cache(requests: Sequence[Keyed], block_size: int) -> list[tuple[Record, int, int]]:
+    """Each request with its prompt's tokens and the most of them one engine with an unbounded cache would hold:
+    its leading full blocks that an earlier request's prompt, or its prompt and answer, held."""
+    held: set[int] = set()
+    best = []
+    for record, tokens, prompt, whole in requests:
+        run = next((i for i, key in enumerate(prompt) if key not in held), len(prompt))
+        best.append((record, tokens, run * block_size))
+        held.update(prompt)
+        held.update(whole)
+    return best
+
+
+def pooled_hit_rate(requests: Sequence[Keyed], block_size: int, capacity_blocks: int) -> float:
+    """The prefix-cache hit rate of one engine holding every engine's KV cache together (CAPACITY_BLOCKS) and
+    evicting the least recently used idle block, with the run's timing: each request's blocks held from its send to
+    its end (answered requests only). A reference for a fleet whose caches are full, not a bound: four caches
+    placed well can beat one pooled LRU."""
+    ends = []
+    for i, (record, _, _, _) in enumerate(requests):
+        if record.result.ttft is not None:
+            ends += [(record.result.sent_at, 1, i), (record.result.sent_at + record.result.total, 0, i)]
+    pinned: dict[int, int] = {}            # block -> requests holding it
+    idle: OrderedDict[int, None] = OrderedDict()   # cached blocks no request holds, least recently used first
+    hits = queries = 0
+    for _, start, i in sorted(ends):
+        _, tokens, prompt, whole = requests[i]
+        if not start:
+            for key in whole:
+                pinned[key] -= 1
+                if not pinned[key]:
+                    del pinned[key]
+                    idle[key] = None
             continue
-        prompt = tokenize(render_chat(record.messages))
-        keys = blocks(prompt)
-        run = next((i for i, key in enumerate(keys) if key not in held), len(keys))
-        hits += run * block_size
-        queries += len(prompt)
-        held.update(keys)
-        if record.result.text:
-            held.update(blocks(prompt + tokenize(record.result.text)))
+        run = next((n for n, key in enumerate(prompt) if key not in pinned and key not in idle), len(prompt))
+        hits, queries = hits + run * block_size, queries + tokens
+        for key in whole:
+            idle.pop(key, None)
+            pinned[key] = pinned.get(key, 0) + 1
+        while len(pinned) + len(idle) > capacity_blocks and idle:
+            idle.popitem(last=False)
     return hits / queries if queries else 0.0
+
+
+def max_hit_rate(best: Sequence[tuple[Record, int, int]]) -> float:
+    """The prefix-cache hit rate of the best cache (`best_cache`) over the run's prompts."""
+    queries = sum(tokens for _, tokens, _ in best)
+    return sum(cached for _, _, cached in best) / queries if queries else 0.0
+
+
+def ttft_bounds(best: Sequence[tuple[Record, int, int]], profile: Profile) -> dict[int, float]:
+    """Per request (by id of its record): the least time to its first token, in simulated seconds, that any
+    placement could give it: the steps computing what the best cache lacks (at least one token), chunked by the
+    engine's step budget, on an idle engine."""
+    bounds = {}
+    for record, tokens, cached in best:
+        left, seconds = max(tokens - cached, 1), 0.0
+        while left > 0:
+            chunk = min(left, profile.max_num_batched_tokens)
+            seconds += profile.step_seconds(0, 0, chunk)
+            left -= chunk
+        bounds[id(record)] = seconds
+    return bounds
 
 
 def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float, capacity: float, seed: int,
@@ -215,12 +291,16 @@ def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float
                                                TIME_SCALE, sustain=True))
         cpu = sum(r.cpu_seconds() for r in routers) - cpu_before
         after = asyncio.run(cache_totals(urls))
+    requests = keyed(records, vllm_defaults.BLOCK_SIZE)   # the simulators' block size (engine_flags)
+    best = best_cache(requests, vllm_defaults.BLOCK_SIZE)
     hits, queries = after[0] - before_totals[0], after[1] - before_totals[1]
     return {"workload": workload, "strategy": strategy, "replicas": replicas, "load": load, "seed": seed,
             "hit_rate": hits / queries if queries else 0.0,
-            "max_hit_rate": max_hit_rate(records, vllm_defaults.BLOCK_SIZE),  # the simulators' (engine_flags)
+            "max_hit_rate": max_hit_rate(best),
+            "pooled_hit_rate": pooled_hit_rate(requests, vllm_defaults.BLOCK_SIZE,
+                                               ENGINES * plan.kv_cache_tokens // vllm_defaults.BLOCK_SIZE),
             "router_cpu_ms_per_request": 1000 * cpu / len(records) if records else float("nan"),
-            **figures(records, start, seconds)}
+            **figures(records, start, seconds, ttft_bounds(best, engine_profile(plan)))}
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -235,8 +315,9 @@ def group(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 (workload, load, replicas, strategy)]
         row: dict[str, Any] = {"workload": workload, "load": load, "replicas": replicas, "strategy": strategy,
                                "seeds": len(mine)}
-        for key in ("goodput_ttft_rps", "share_ttft", "goodput_itl_rps", "share_itl", "throughput_rps",
-                    "ttft_p50_s", "ttft_p99_s", "itl_p99_s", "hit_rate", "max_hit_rate", "router_cpu_ms_per_request",
+        for key in ("goodput_ttft_rps", "share_ttft", "goodput_itl_rps", "share_itl", "throughput_rps", "ttft_bound_rps",
+                    "ttft_p50_s", "ttft_p99_s", "itl_p99_s", "hit_rate", "max_hit_rate", "pooled_hit_rate",
+                    "router_cpu_ms_per_request",
                     "failed"):
             values = [r[key] for r in mine if key in r]   # runs saved before max_hit_rate was kept lack it
             if not values:
@@ -267,6 +348,10 @@ def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ratio = d["goodput_ttft_rps"] / rr["goodput_ttft_rps"]
             goals[f"prefix_{int(load * 100)}_default_over_rr"] = round(ratio, 2)
             goals[f"prefix_{int(load * 100)}_at_least_2x"] = ratio >= 2.0
+            if d.get("ttft_bound_rps"):
+                # What no placement could beat: the requests that could be in time at all, over round-robin's.
+                goals[f"prefix_{int(load * 100)}_bound_over_rr"] = round(d["ttft_bound_rps"] / rr["goodput_ttft_rps"], 2)
+                goals[f"prefix_{int(load * 100)}_default_of_bound"] = round(d["goodput_ttft_rps"] / d["ttft_bound_rps"], 3)
     for key, name in (("goodput_ttft_rps", "ttft"), ("goodput_itl_rps", "itl")):
         below = []
         for load in sorted({r["load"] for r in rows}):
@@ -293,6 +378,11 @@ def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if hits:
         goals["prefix_hit_rate_over_max"] = hits
         goals["prefix_hit_rate_at_least_95pct_of_max"] = all(v >= 0.95 for v in hits.values())
+        pooled = {f"{int(r['load'] * 100)}%": round(r["hit_rate"] / r["pooled_hit_rate"], 3) for r in rows
+                  if r["workload"] == "prefix" and r["strategy"] == default and r["replicas"] == 1
+                  and r.get("pooled_hit_rate")}
+        if pooled:
+            goals["prefix_hit_rate_over_pooled_lru"] = pooled
     cpu = {}
     for r in rows:
         old = get(r["workload"], r["load"], BEFORE, r["replicas"])
@@ -434,9 +524,11 @@ def main() -> None:
                                           seconds, args.before)
                         runs.append(run)
                         print(f"  {workload:11} {int(load * 100):3}% s{seed} {replicas}r {strategy:13} "
-                              f"good(TTFT) {run['goodput_ttft_rps']:.2f}/s {run['share_ttft']:.0%}  "
+                              f"good(TTFT) {run['goodput_ttft_rps']:.2f}/s {run['share_ttft']:.0%} "
+                              f"(at best {run['ttft_bound_rps']:.2f}/s)  "
                               f"good(ITL) {run['goodput_itl_rps']:.2f}/s  TTFT p50 {run['ttft_p50_s']:.2f} "
-                              f"p99 {run['ttft_p99_s']:.2f}  hit {run['hit_rate']:.0%} of {run['max_hit_rate']:.0%}  "
+                              f"p99 {run['ttft_p99_s']:.2f}  hit {run['hit_rate']:.0%} of {run['max_hit_rate']:.0%} "
+                              f"(pooled LRU {run['pooled_hit_rate']:.0%})  "
                               f"cpu {run['router_cpu_ms_per_request']:.2f} ms/req  failed {run['failed']}",
                               flush=True)
                         if not args.quick:
@@ -447,13 +539,15 @@ def main() -> None:
     print(f"{ENGINES} simulated L4 engines (Llama-3.1-8B); router ceiling {plan.engine_concurrency(2048)} per engine; "
           f"targets: TTFT {TTFT_TARGET:g} s, ITL {ITL_TARGET:g} s; {seconds:g} s per run; median over "
           f"{'/'.join(map(str, seed_counts))} seed(s), simulated time")
-    print(table(["workload", "load", "routers", "strategy", "goodput TTFT/s", "share TTFT", "goodput ITL/s",
-                 "share ITL", "TTFT p50 s", "TTFT p99 s", "p99 all seeds s", "prefix hit", "max hit",
+    print(table(["workload", "load", "routers", "strategy", "goodput TTFT/s", "share TTFT", "at best TTFT/s",
+                 "goodput ITL/s",
+                 "share ITL", "TTFT p50 s", "TTFT p99 s", "p99 all seeds s", "prefix hit", "max hit", "pooled LRU hit",
                  "router CPU ms/req", "failed"],
                 [[r["workload"], f"{int(r['load'] * 100)}%", r["replicas"], r["strategy"], r["goodput_ttft_rps"],
-                  f"{r['share_ttft']:.0%}", r["goodput_itl_rps"], f"{r['share_itl']:.0%}", r["ttft_p50_s"],
+                  f"{r['share_ttft']:.0%}", r.get("ttft_bound_rps", "-"), r["goodput_itl_rps"], f"{r['share_itl']:.0%}", r["ttft_p50_s"],
                   r["ttft_p99_s"], r.get("ttft_p99_pooled_s", "-"), f"{r['hit_rate']:.1%}",
                   f"{r['max_hit_rate']:.1%}" if "max_hit_rate" in r else "-",
+                  f"{r['pooled_hit_rate']:.1%}" if "pooled_hit_rate" in r else "-",
                   r["router_cpu_ms_per_request"], r["failed"]]
                  for r in rows]))
     goals = evaluate(rows)
