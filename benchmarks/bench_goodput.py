@@ -213,14 +213,14 @@ def pooled_hit_rate(requests: Sequence[Keyed], block_size: int, capacity_blocks:
     evicting the least recently used idle block, with the run's timing: each request's blocks held from its send to
     its end (answered requests only). A reference for a fleet whose caches are full, not a bound: four caches
     placed well can beat one pooled LRU."""
-    ends = []
+    events = []   # (time, 1 at its send or 0 at its end, request)
     for i, (record, _, _, _) in enumerate(requests):
         if record.result.ttft is not None:
-            ends += [(record.result.sent_at, 1, i), (record.result.sent_at + record.result.total, 0, i)]
+            events += [(record.result.sent_at, 1, i), (record.result.sent_at + record.result.total, 0, i)]
     pinned: dict[int, int] = {}            # block -> requests holding it
     idle: OrderedDict[int, None] = OrderedDict()   # cached blocks no request holds, least recently used first
     hits = queries = 0
-    for _, start, i in sorted(ends):
+    for _, start, i in sorted(events):
         _, tokens, prompt, whole = requests[i]
         if not start:
             for key in whole:
@@ -372,15 +372,14 @@ def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     if ratios:
         goals["two_replicas_goodput_over_one"] = ratios
         goals["two_replicas_within_5pct"] = all(v >= 0.95 for v in ratios.values())
-    hits = {f"{int(r['load'] * 100)}%": round(r["hit_rate"] / r["max_hit_rate"], 3) for r in rows
-            if r["workload"] == "prefix" and r["strategy"] == default and r["replicas"] == 1
-            and r.get("max_hit_rate")}
+    one_router = [r for r in rows if r["workload"] == "prefix" and r["strategy"] == default and r["replicas"] == 1]
+    hits = {f"{int(r['load'] * 100)}%": round(r["hit_rate"] / r["max_hit_rate"], 3) for r in one_router
+            if r.get("max_hit_rate")}
     if hits:
         goals["prefix_hit_rate_over_max"] = hits
         goals["prefix_hit_rate_at_least_95pct_of_max"] = all(v >= 0.95 for v in hits.values())
-        pooled = {f"{int(r['load'] * 100)}%": round(r["hit_rate"] / r["pooled_hit_rate"], 3) for r in rows
-                  if r["workload"] == "prefix" and r["strategy"] == default and r["replicas"] == 1
-                  and r.get("pooled_hit_rate")}
+        pooled = {f"{int(r['load'] * 100)}%": round(r["hit_rate"] / r["pooled_hit_rate"], 3) for r in one_router
+                  if r.get("pooled_hit_rate")}
         if pooled:
             goals["prefix_hit_rate_over_pooled_lru"] = pooled
     cpu = {}
