@@ -53,7 +53,6 @@ import json
 import math
 import os
 import random
-import string
 import subprocess
 import sys
 import tempfile
@@ -82,6 +81,7 @@ from common import (
     wait_healthy,
     write_results,
 )
+from workload import random_words
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
@@ -233,10 +233,6 @@ def _spread(rng: random.Random, mean: int) -> int:
     return max(1, round(rng.uniform(mean * (1 - SPREAD), mean * (1 + SPREAD))))
 
 
-def _words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choices(string.ascii_lowercase, k=4)) for _ in range(n))
-
-
 def requests_for(shape: Shape, rate: float, seconds: float, seed: int) -> list[Ask]:
     """Poisson arrivals at RATE for SECONDS (simulated), bounded in count; prompts unique."""
     rng = random.Random(f"{shape.name}/{seed}")
@@ -247,7 +243,7 @@ def requests_for(shape: Shape, rate: float, seconds: float, seed: int) -> list[A
         at += rng.expovariate(rate)
         if at >= seconds:
             break
-        out.append(Ask(at, f"Request {len(out)}. " + _words(rng, _spread(rng, shape.prompt_tokens)),
+        out.append(Ask(at, f"Request {len(out)}. " + random_words(rng, _spread(rng, shape.prompt_tokens)),
                        _spread(rng, shape.output_tokens)))
     return out
 
@@ -306,7 +302,7 @@ async def closed_loop_tokens(url: str, engines: Sequence[Proc], shape: Shape, co
         n = 0
         while time.perf_counter() < stop_at and n < 10_000:
             n += 1
-            ask = Ask(0.0, f"Worker {index} request {n}. " + _words(rng, _spread(rng, shape.prompt_tokens)),
+            ask = Ask(0.0, f"Worker {index} request {n}. " + random_words(rng, _spread(rng, shape.prompt_tokens)),
                       _spread(rng, shape.output_tokens))
             await stream(http, url, ask, scale, timeout=max(1.0, stop_at - time.perf_counter()) + 1)
 

@@ -46,7 +46,7 @@ from common import (
     write_results,
     wrk,
 )
-from workload import _words
+from workload import random_words
 
 from tensorfleet import contract, engine_settings
 
@@ -59,10 +59,10 @@ def conversation_body() -> dict[str, Any]:
 
     rng = random.Random(7)
     return {"model": MODEL, "max_tokens": 16, "messages": [
-        {"role": "system", "content": _words(rng, 320)},
-        {"role": "user", "content": "Document:\n" + _words(rng, 1200) + "\n\n" + _words(rng, 20) + "?"},
-        {"role": "assistant", "content": _words(rng, 100)},
-        {"role": "user", "content": _words(rng, 30) + "?"}]}
+        {"role": "system", "content": random_words(rng, 320)},
+        {"role": "user", "content": "Document:\n" + random_words(rng, 1200) + "\n\n" + random_words(rng, 20) + "?"},
+        {"role": "assistant", "content": random_words(rng, 100)},
+        {"role": "user", "content": random_words(rng, 30) + "?"}]}
 
 
 def cpu_per_request(engine_url: str, strategies: list[str], seconds: float) -> list[dict[str, Any]]:

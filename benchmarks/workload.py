@@ -40,7 +40,7 @@ ANSWER_MEDIAN, ANSWER_SIGMA, ANSWER_RANGE = 100, 0.8, (8, 600)
 THINK_MEAN_SECONDS = 2.0  # simulated
 
 
-def _words(rng: random.Random, n: int) -> str:
+def random_words(rng: random.Random, n: int) -> str:
     return " ".join("".join(rng.choices(string.ascii_lowercase, k=4)) for _ in range(n))
 
 
@@ -80,22 +80,22 @@ class Workload:
 
     def __post_init__(self) -> None:
         rng = random.Random(self.seed)
-        self.systems = [f"You are assistant {t} of tenant {t}. " + _words(rng, SYSTEM_TOKENS) for t in range(TENANTS)]
+        self.systems = [f"You are assistant {t} of tenant {t}. " + random_words(rng, SYSTEM_TOKENS) for t in range(TENANTS)]
         self._rng = random.Random(self.seed + 1)
         self._count = 0
 
     def session(self) -> SessionPlan:
         rng = self._rng
         self._count += 1
-        turns = [Turn(_words(rng, rng.randint(*QUESTION_TOKENS)) + "?",
+        turns = [Turn(random_words(rng, rng.randint(*QUESTION_TOKENS)) + "?",
                       int(min(max(rng.lognormvariate(0, ANSWER_SIGMA) * ANSWER_MEDIAN, ANSWER_RANGE[0]), ANSWER_RANGE[1])))
                  for _ in range(rng.randint(*TURNS) if self.shared else 1)]
         system = (self.systems[rng.randrange(TENANTS)] if self.shared
-                  else f"You are assistant {self._count}. " + _words(rng, SYSTEM_TOKENS))
+                  else f"You are assistant {self._count}. " + random_words(rng, SYSTEM_TOKENS))
         return SessionPlan(
             key=f"session-{self.seed}-{self._count}",
             system=system,
-            document=_words(rng, rng.randint(*DOC_TOKENS)),
+            document=random_words(rng, rng.randint(*DOC_TOKENS)),
             turns=turns,
             think=[rng.expovariate(1 / THINK_MEAN_SECONDS) for _ in turns],
         )

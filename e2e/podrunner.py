@@ -1674,7 +1674,7 @@ class PodWorker(threading.Thread):
                 rewrites.append((path.rstrip("/") or "/", str(source)))
         # This checkout and its virtualenv are the image's filesystem: where either lies under /tmp or /run
         # (a CI clone), the pod's own /tmp would hide it, so it is bound back at its own path.
-        for path in _host_paths_under_private_tops(self.runner.host_paths()):
+        for path in host_paths_under_private_tops(self.runner.host_paths()):
             binds.append([path, path, False, False])
         binds[3:] = sorted(binds[3:], key=lambda b: b[1].count("/"))
         rewrites.sort(key=lambda r: -len(r[0]))
@@ -1968,7 +1968,7 @@ def _mount(source: str | None, target: str, kind: str | None, flags: int, option
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
 
 
-def _host_paths_under_private_tops(extra: tuple[str, ...] = ()) -> list[str]:
+def host_paths_under_private_tops(extra: tuple[str, ...] = ()) -> list[str]:
     """This checkout and the virtualenv (and EXTRA: the cache with the real-vLLM venv and the tiny model), where
     they lie under a folder each pod gets its own of (outermost only)."""
     found: list[str] = []

@@ -11,7 +11,7 @@ import urllib.request
 from typing import Any
 
 from kube import apply, condition, engine_pods, eventually, example, items, nodes, router_url, wait_ready
-from test_pods import _runner
+from test_pods import pod_runner_status
 
 from tensorfleet import contract
 from tensorfleet.gpus import find_gpu
@@ -74,7 +74,7 @@ def _metric(url: str, name: str, **labels: str) -> float:
 
 
 def test_the_simulator_example_serves_in_two_phases_through_the_router(namespace: str) -> None:
-    _runner()  # fails, saying why, without the pod runner
+    pod_runner_status()  # fails, saying why, without the pod runner
     doc = example("simulator-disaggregated.yaml", namespace)
     name = doc["metadata"]["name"]
     apply(doc)

@@ -48,8 +48,8 @@ from kube import (
     start_operator,
     wait_deleted,
 )
-from test_pods import _runner_pod
-from test_rollout import _deploy, _rolled, _set_image, _under_way
+from test_pods import pod_runner_entry
+from test_rollout import deploy_replicas, rollout_done, rollout_under_way, set_engine_image
 
 from tensorfleet import contract, promtext
 from tensorfleet.controller.observe import pod_ready
@@ -305,7 +305,7 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
     replicas = 2   # the kill lands while the first group is replaced; the standby replaces the second
     killed = False
     try:
-        name, pipeline = _deploy(namespace, replicas)
+        name, pipeline = deploy_replicas(namespace, replicas)
         owner = (isvc(name, namespace) or {})["metadata"]["uid"]
         model = (isvc(name, namespace) or {})["spec"]["model"]["servedName"]
         _standby("start")
@@ -315,8 +315,8 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
         with Requests(router_url(name, namespace), model) as load:
             eventually("three answers in a row through the router", lambda: load.codes[-3:] == [200] * 3, timeout=120)
             first = len(load.codes)
-            _set_image(name, namespace, NEXT_IMAGE)
-            eventually("the rollout under way", lambda: _under_way(name, namespace, NEXT_IMAGE, replicas), every=0.1)
+            set_engine_image(name, namespace, NEXT_IMAGE)
+            eventually("the rollout under way", lambda: rollout_under_way(name, namespace, NEXT_IMAGE, replicas), every=0.1)
             subprocess.run([str(CLUSTER_SCRIPT), "operator", "kill"], check=True, capture_output=True, timeout=60)
             killed, at = True, time.monotonic()
             mid = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
@@ -324,7 +324,7 @@ def test_the_standby_operator_finishes_a_rollout_whose_leader_was_sigkilled() ->
                        every=0.2)
             took_over = time.monotonic() - at
             obj = eventually("the rollout finished by the standby",
-                             lambda: _rolled(name, namespace, NEXT_IMAGE, replicas), timeout=CONVERGE_S + FAILOVER_S)
+                             lambda: rollout_done(name, namespace, NEXT_IMAGE, replicas), timeout=CONVERGE_S + FAILOVER_S)
             finished = time.monotonic() - at
             sent = len(load.codes)
             eventually("a few more requests after", lambda: len(load.codes) >= sent + 3, timeout=60)
@@ -722,7 +722,7 @@ def test_a_router_replica_sigkilled_with_streams_open(sim_fleet: SimFleet) -> No
     steady_thread.start()
     try:
         eventually("requests answered before the kill", lambda: len(answered) >= 3, timeout=30)
-        pid = ((_runner_pod(namespace, victim["metadata"]["name"]) or {}).get("containers") or [{}])[0].get("pid")
+        pid = ((pod_runner_entry(namespace, victim["metadata"]["name"]) or {}).get("containers") or [{}])[0].get("pid")
         assert pid, f"the pod runner reports no process for {victim['metadata']['name']}"
         os.kill(int(pid), signal.SIGKILL)
         killed_at.append(time.monotonic())

@@ -15,7 +15,7 @@ import urllib.request
 from typing import Any
 
 from kube import apply, engine_pods, eventually, example, get, kubectl_result, router_url, wait_ready
-from test_pods import _runner
+from test_pods import pod_runner_status
 
 from tensorfleet import contract
 
@@ -48,7 +48,7 @@ def _engine_pod_uids(name: str, namespace: str) -> dict[str, str]:
 
 
 def test_the_examples_adapters_are_served_and_one_added_restarts_no_engine(namespace: str) -> None:
-    _runner()  # fails, saying why, without the pod runner
+    pod_runner_status()  # fails, saying why, without the pod runner
     doc = example(EXAMPLE, namespace)
     name = doc["metadata"]["name"]
     served = doc["spec"]["model"]["servedName"]

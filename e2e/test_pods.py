@@ -37,7 +37,7 @@ from tensorfleet import contract, promtext
 SHORT = 120   # seconds: a pod's start, probes included, on a loaded two-core machine
 
 
-def _runner() -> dict[str, Any]:
+def pod_runner_status() -> dict[str, Any]:
     status = cluster_status()
     runner = (status or {}).get("podRunner") or {}
     if not runner.get("running"):
@@ -46,8 +46,8 @@ def _runner() -> dict[str, Any]:
     return dict(runner)
 
 
-def _runner_pod(namespace: str, name: str, uid: str | None = None) -> dict[str, Any] | None:
-    for pod in _runner().get("pods") or []:
+def pod_runner_entry(namespace: str, name: str, uid: str | None = None) -> dict[str, Any] | None:
+    for pod in pod_runner_status().get("pods") or []:
         if pod["namespace"] == namespace and pod["name"] == name and (uid is None or pod["uid"] == uid):
             return dict(pod)
     return None
@@ -120,7 +120,7 @@ def _pod_logs(namespace: str, name: str) -> str:
 
 
 def test_a_router_pod_answers_from_the_simulator_pod_it_found_in_the_endpointslices(namespace: str) -> None:
-    _runner()
+    pod_runner_status()
     # Pipeline 2: the stage-1 pod finds its leader by the StatefulSet hostname and passes its launcher's /health.
     name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1)
     router = _router_pod(name, namespace)
@@ -157,7 +157,7 @@ def test_a_router_pod_answers_from_the_simulator_pod_it_found_in_the_endpointsli
 
 
 def test_router_pods_find_each_other_and_share_where_they_sent_each_prompt(namespace: str) -> None:
-    _runner()
+    pod_runner_status()
     router = {**example("simulator-cpu.yaml", namespace)["spec"]["router"], "replicas": 2}  # the example has 1
     name, doc = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1, router=router)
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ROUTER}"
@@ -196,13 +196,13 @@ def test_router_pods_find_each_other_and_share_where_they_sent_each_prompt(names
 
 
 def test_an_engine_pod_is_ready_only_while_its_simulator_answers_its_probe(namespace: str) -> None:
-    _runner()
+    pod_runner_status()
     # The simulator answers /health 503 for its simulated load time, as vLLM does while loading.
     pod_name, health = _deploy_loading(namespace, load=20)
     assert _status(health) == 200
 
     # The process exits (SIGKILL, as the OOM killer would): not Ready, restarted, Ready again after loading.
-    runner_pod = eventually("the runner to report the engine's process", lambda: _runner_pod(namespace, pod_name))
+    runner_pod = eventually("the runner to report the engine's process", lambda: pod_runner_entry(namespace, pod_name))
     pid = runner_pod["containers"][0]["pid"]
     assert pid and _alive(pid)
     os.kill(pid, 9)
@@ -251,12 +251,12 @@ def _ready_only_after_health(namespace: str, pod_name: str, health: str) -> None
 
 
 def test_deleting_engine_pods_stops_their_processes(namespace: str) -> None:
-    _runner()
+    pod_runner_status()
     name, _ = deploy("simulator-cpu.yaml", namespace, autoscaling=None, replicas=1)
     pods = {p["metadata"]["labels"][contract.LABEL_STAGE]: p for p in engine_pods(name, namespace)}
     watched = {}
     for stage, pod in pods.items():
-        found = _runner_pod(namespace, pod["metadata"]["name"], pod["metadata"]["uid"])
+        found = pod_runner_entry(namespace, pod["metadata"]["name"], pod["metadata"]["uid"])
         assert found, f"the runner runs no process for {pod['metadata']['name']}"
         pids = _netns_pids(found["netns"])
         assert found["containers"][0]["pid"] in pids, (found, pids)
@@ -320,7 +320,7 @@ HTTPServer(("0.0.0.0", 8000), Handler).serve_forever()
 
 
 def test_the_container_gets_the_env_volumes_and_identity_a_kubelet_gives_it(namespace: str) -> None:
-    runner = _runner()
+    runner = pod_runner_status()
     image = runner["image"]
     kubectl("create", "secret", "generic", "creds", "-n", namespace, "--from-literal=password=s3cret",
             "--from-literal=user=alice")

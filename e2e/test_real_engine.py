@@ -45,7 +45,7 @@ from kube import (
     router_url,
     wait_deleted,
 )
-from test_pods import _runner
+from test_pods import pod_runner_status
 
 from tensorfleet import contract, modelinfo, promtext
 
@@ -123,7 +123,7 @@ def _adapter(model: Path, name: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Fleet]:
     real = _real_vllm()
-    _runner()
+    pod_runner_status()
     wait_deleted()   # earlier tests' engines gone: this module's are the only real ones
     namespace = new_namespace("real-engine")
     try:
@@ -381,7 +381,7 @@ def test_an_adapter_in_the_spec_is_loaded_served_through_the_router_and_unloaded
 
 def _engine_logs(fleet: Fleet, seen: dict[str, str]) -> None:
     """Remember where the pod runner keeps each engine pod's logs (they stay there after the pod is gone)."""
-    for pod in _runner().get("pods") or []:
+    for pod in pod_runner_status().get("pods") or []:
         if pod["namespace"] == fleet.namespace and pod["name"].startswith(contract.stage_name(fleet.name, 0)):
             seen.setdefault(pod["uid"], pod["directory"])
 
@@ -468,7 +468,7 @@ def test_sigkill_of_one_of_two_engines_mid_stream_is_resumed_on_the_other_with_t
     before = _resumptions(router)
     # Each engine container's main process (the launcher: its PID namespace dies with it), known before the
     # stream starts, so that the kill follows its first tokens by one scrape of the router.
-    mains = {p["uid"]: p["containers"][0]["pid"] for p in _runner()["pods"]
+    mains = {p["uid"]: p["containers"][0]["pid"] for p in pod_runner_status()["pods"]
              if p["uid"] in {pod["metadata"]["uid"] for pod in pods}}
     assert len(mains) == 2 and all(mains.values()), mains
     client = _client(fleet)

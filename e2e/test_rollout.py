@@ -61,7 +61,7 @@ def group_invariants(replicas: int, pipeline: int) -> Callable[[dict[str, dict[s
     return check
 
 
-def _rolled(name: str, namespace: str, image: str, replicas: int) -> dict[str, Any] | None:
+def rollout_done(name: str, namespace: str, image: str, replicas: int) -> dict[str, Any] | None:
     pods = engine_pods(name, namespace)
     obj = isvc(name, namespace) or {}
     status = obj.get("status", {})
@@ -71,14 +71,14 @@ def _rolled(name: str, namespace: str, image: str, replicas: int) -> dict[str, A
     return obj if done else None
 
 
-def _under_way(name: str, namespace: str, image: str, replicas: int) -> bool:
+def rollout_under_way(name: str, namespace: str, image: str, replicas: int) -> bool:
     """A rollout to IMAGE begun (an engine pod runs it) and not finished."""
     updated = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0)
     return bool(any(p["spec"]["containers"][0]["image"] == image for p in engine_pods(name, namespace))
                 and updated < replicas)
 
 
-def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
+def deploy_replicas(namespace: str, replicas: int) -> tuple[str, int]:
     doc = example("simulator-cpu.yaml", namespace, replicas=replicas, autoscaling=None)
     name = doc["metadata"]["name"]
     apply(doc)
@@ -88,20 +88,20 @@ def _deploy(namespace: str, replicas: int) -> tuple[str, int]:
     return name, int(obj["spec"]["parallelism"]["pipeline"])
 
 
-def _set_image(name: str, namespace: str, image: str) -> None:
+def set_engine_image(name: str, namespace: str, image: str) -> None:
     kubectl("patch", contract.PLURAL, name, "-n", namespace, "--type=merge", "-p",
             json.dumps({"spec": {"engine": {"image": image}}}))
 
 
 def test_an_image_change_surges_and_never_drops_a_serving_group(namespace: str) -> None:
     replicas = 3
-    name, pipeline = _deploy(namespace, replicas)
+    name, pipeline = deploy_replicas(namespace, replicas)
     selector = f"{contract.LABEL_INFERENCE_SERVICE}={name},{contract.LABEL_COMPONENT}={contract.COMPONENT_ENGINE}"
     with watching_pods(namespace, selector, group_invariants(replicas, pipeline)) as watch:
         eventually("the pod watch to list the pods", lambda: len(watch.pods) == replicas * pipeline)
         watch.arm()
-        _set_image(name, namespace, NEXT_IMAGE)
-        eventually(f"every engine pod on {NEXT_IMAGE}", lambda: _rolled(name, namespace, NEXT_IMAGE, replicas))
+        set_engine_image(name, namespace, NEXT_IMAGE)
+        eventually(f"every engine pod on {NEXT_IMAGE}", lambda: rollout_done(name, namespace, NEXT_IMAGE, replicas))
     assert not watch.failures, watch.failures[:5]
     assert watch.events > replicas * pipeline * 3, f"the watch saw only {watch.events} events"
     for stage in range(pipeline):
@@ -117,18 +117,18 @@ def _owned_by(obj: dict[str, Any], uid: str) -> bool:
 
 def test_killing_the_operator_mid_rollout_converges_without_duplicates_or_orphans(namespace: str) -> None:
     replicas = 4
-    name, pipeline = _deploy(namespace, replicas)
+    name, pipeline = deploy_replicas(namespace, replicas)
     # The kill must land mid-rollout; a rollout can finish first (KWOK is fast), so try a few images.
     for image in (NEXT_IMAGE, f"{NEXT_IMAGE}-2", f"{NEXT_IMAGE}-3"):
-        _set_image(name, namespace, image)
+        set_engine_image(name, namespace, image)
 
-        eventually("the rollout under way", functools.partial(_under_way, name, namespace, image, replicas), every=0.1)
+        eventually("the rollout under way", functools.partial(rollout_under_way, name, namespace, image, replicas), every=0.1)
         kill_operator()
         mid_rollout = (isvc(name, namespace) or {}).get("status", {}).get("updatedReplicas", 0) < replicas
         time.sleep(2)
         start_operator()
         def rolled(image: str = image) -> dict[str, Any] | None:
-            return _rolled(name, namespace, image, replicas)
+            return rollout_done(name, namespace, image, replicas)
         obj = eventually("the rollout finished after the restart", rolled)
         if mid_rollout:
             break
@@ -182,8 +182,8 @@ def test_a_one_replica_service_keeps_a_ready_engine_behind_the_router_throughout
     with watching_pods(namespace, selector, ready_endpoints, resource="endpointslices") as watch:
         eventually("the EndpointSlice watch to list the slices", lambda: bool(watch.pods))
         watch.arm()
-        _set_image(name, namespace, NEXT_IMAGE)
-        eventually(f"the engine on {NEXT_IMAGE}", lambda: _rolled(name, namespace, NEXT_IMAGE, 1))
+        set_engine_image(name, namespace, NEXT_IMAGE)
+        eventually(f"the engine on {NEXT_IMAGE}", lambda: rollout_done(name, namespace, NEXT_IMAGE, 1))
         eventually("the surge retired", lambda: len(engine_pods(name, namespace)) == 1)
     assert not watch.failures, watch.failures[:5]
     assert max(seen) >= 2, f"no surge seen behind the router: {seen}"

@@ -117,7 +117,7 @@ def _revision(pod: dict[str, Any]) -> str:
     return pod["metadata"]["labels"]["controller-revision-hash"]
 
 
-async def _converged(c: Any, name: str = "demo") -> None:
+async def wait_converged(c: Any, name: str = "demo") -> None:
     def done() -> bool:
         status = (c.isvc(name) or {}).get("status") or {}
         progressing: dict[str, Any] = next((x for x in status.get("conditions", []) if x["type"] == "Progressing"), {})
@@ -168,12 +168,12 @@ async def test_pipeline_groups_roll_one_at_a_time() -> None:
         # In place (the Replace strategy): at most one group down at any moment.
         # The default surges instead; see test_operator_rollout.py.
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3, rollout={"strategy": "Replace"}))
-        await _converged(c)
+        await wait_converged(c)
         assert existing(c, *STS, "demo-stage-0")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         gate.auto = False
         await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
         assert await _roll_one_group_at_a_time(c, gate, groups=3) == 3
-        await _converged(c)
+        await wait_converged(c)
         status = existing_isvc(c, "demo")["status"]
         assert status["updatedReplicas"] == 3 and status["readyReplicas"] == 3
         reasons = [e["reason"] for e in c.events("demo")]
@@ -185,13 +185,13 @@ async def test_scaling_during_a_rollout() -> None:
     gate = ReadyGate()
     async with cluster() as c, c.workloads(gate), running_operator(c):
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=2, rollout={"strategy": "Replace"}))
-        await _converged(c)
+        await wait_converged(c)
         gate.auto = False
         await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
         await _roll_one_group_at_a_time(c, gate, groups=2, stop_after=1)
         await c.scale("demo", 3)
         gate.auto = True
-        await _converged(c)
+        await wait_converged(c)
         status = existing_isvc(c, "demo")["status"]
         assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 3, 3)
 
@@ -202,7 +202,7 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
         async with running_operator(c):
             await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, replicas=3,
                                    rollout={"strategy": "Replace"}))
-            await _converged(c)
+            await wait_converged(c)
             before = set(c.children("demo"))
             gate.auto = False
             await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
@@ -210,7 +210,7 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
         # Operator gone mid-rollout; a new one takes over from what the cluster shows.
         async with running_operator(c):
             gate.auto = True
-            await _converged(c)
+            await wait_converged(c)
         assert set(c.children("demo")) == before
         uid = existing_isvc(c, "demo")["metadata"]["uid"]
         for obj in [*c.children("demo").values()]:
@@ -221,7 +221,7 @@ async def test_operator_restart_mid_rollout_resumes_without_duplicates_or_orphan
 async def test_drift_is_restored_without_waiting_for_resync() -> None:
     async with cluster() as c, c.workloads(), running_operator(c, resync_seconds=3600):
         await c.create(sim_doc())
-        await _converged(c)
+        await wait_converged(c)
         await c.remove("v1", "services", "default", "demo-engine")
         restored = await eventually(lambda: c.get("v1", "services", "demo-engine"), message="service restored")
         assert restored["spec"]["clusterIP"] == "None"
@@ -254,7 +254,7 @@ async def test_invalid_spec_creates_nothing_then_recovers() -> None:
 async def test_invalid_update_keeps_the_running_version() -> None:
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc())
-        await _converged(c)
+        await wait_converged(c)
         image = existing(c, *STS, "demo-stage-0")["spec"]["template"]["spec"]["containers"][0]["image"]
         await c.patch("demo", {"spec": {"engine": {"image": "x:2"}, "accelerator": {"type": "Z100"}}})
         await eventually(lambda: (c.condition("demo", "PlanValid") or {}).get("status") == "False")
@@ -270,7 +270,7 @@ async def test_pipeline_shrink_prunes_stages_and_deletion_takes_children() -> No
         await eventually(lambda: c.get(*STS, "demo-stage-1") is None and c.get(*STS, "demo-stage-2") is None)
         # Every StatefulSet is OnDelete: the operator rolls stage 0 to its single-stage template itself.
         assert existing(c, *STS, "demo-stage-0")["spec"]["updateStrategy"]["type"] == "OnDelete"
-        await _converged(c)
+        await wait_converged(c)
         revision = existing(c, *STS, "demo-stage-0")["status"]["updateRevision"]
         assert all(_revision(p) == revision for p in _pods(c).values()), "stage 0 still runs the 3-stage template"
         await c.delete("demo")
@@ -290,13 +290,13 @@ def _desired_state(c: Any, name: str = "demo") -> dict[tuple[str, str], Any]:
 async def _scenario(c: Any) -> None:
     """Create, update, scale, and wait for convergence."""
     await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}, autoscaling={"minReplicas": 1, "maxReplicas": 4}))
-    await _converged(c)
+    await wait_converged(c)
     await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}, "router": {"replicas": 2}})
     await c.scale("demo", 3)
     await eventually(lambda: c.isvc("demo")["status"].get("updatedReplicas") == 3
                      and c.isvc("demo")["status"]["observedGeneration"] == c.isvc("demo")["metadata"]["generation"],
                      timeout=60, message="rolled out")
-    await _converged(c)
+    await wait_converged(c)
 
 
 async def test_injected_api_faults_converge_to_the_same_state() -> None:
@@ -336,14 +336,14 @@ async def test_a_refused_child_write_is_said_in_degraded_and_an_event_until_one_
         c.emulator.faults = None
         assert op.queue is not None, "the running operator has its work queue"
         op.queue.add(("default", "demo"))   # rather than wait out the retry's backoff
-        await _converged(c)
+        await wait_converged(c)
         assert (c.condition("demo", "Degraded") or {}).get("reason") != "WriteRefused"
 
 
 async def test_no_writes_and_no_lists_when_nothing_changes() -> None:
     async with cluster() as c, c.workloads(), running_operator(c) as op:
         await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2}))
-        await _converged(c)
+        await wait_converged(c)
         assert op.queue is not None, "the running operator has its work queue"
         await op.queue.wait_idle()
         writes = sum(op.kube.writes.values())
@@ -456,7 +456,7 @@ async def test_every_api_call_is_covered_by_the_rbac_rules() -> None:
         async with running_operator(c, leader_election=True, lease_namespace="default", lease_renew_seconds=0.2):
             await c.create(sim_doc(parallelism={"tensor": 1, "pipeline": 2},
                                    autoscaling={"minReplicas": 1, "maxReplicas": 3}))
-            await _converged(c)
+            await wait_converged(c)
             gate.auto = False
             await _new_revision(c, {"engine": {"image": "registry.example/sim:2"}})
             gate.auto = True
@@ -489,7 +489,7 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
     failed_before = failed()
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(sim_doc(replicas=2))
-        await _converged(c)
+        await wait_converged(c)
         old_sts = existing(c, *STS, "demo-stage-0")
         old_pods = {n: p["metadata"]["uid"] for n, p in _pods(c).items()}
         await c.patch("demo", {"spec": {"cache": {"size": "100Gi"}}})

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from conftest import existing, isvc_doc
-from test_operator import _converged
+from test_operator import wait_converged
 
 from tensorfleet import contract
 from tensorfleet.testing.operator_harness import cluster, running_operator
@@ -34,7 +34,7 @@ async def test_the_claim_template_is_applied_replaced_and_pruned_only_once_no_po
                     "replicas": 2})
     async with cluster() as c, c.workloads(), running_operator(c):
         await c.create(doc)
-        await _converged(c)
+        await wait_converged(c)
         (first,) = _templates(c)
         template = existing(c, *TEMPLATES, first)
         assert template["spec"]["spec"]["devices"]["requests"][0]["exactly"]["count"] == 1

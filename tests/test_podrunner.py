@@ -259,7 +259,7 @@ def test_a_checkout_or_venv_under_a_pods_own_tmp_is_bound_back(monkeypatch: pyte
 
     monkeypatch.setattr(podrunner, "REPO", Path(repo))
     monkeypatch.setattr(podrunner, "VENV_BIN", Path(venv_bin))
-    assert podrunner._host_paths_under_private_tops() == bound
+    assert podrunner.host_paths_under_private_tops() == bound
 
 
 def test_a_vllm_pods_precompiled_headers_are_the_shared_caches(monkeypatch: pytest.MonkeyPatch,

@@ -9,11 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from conftest import ROOT
+
+from tensorfleet.testing.wait import wait_for
 
 SUPERVISE = ROOT / "e2e" / "supervise.py"
 
@@ -27,18 +27,11 @@ def _start(status: Path, *command: str, backoff: float = 0.2) -> subprocess.Pope
                              "--", *command], start_new_session=True, stderr=subprocess.PIPE)
 
 
-def _until(probe: Callable[[], object], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
-
-
 def test_a_command_that_exits_is_started_again_after_a_doubling_back_off(tmp_path: Path) -> None:
     status = tmp_path / "status"
     supervisor = _start(status, sys.executable, "-c", "raise SystemExit(3)")
     try:
-        _until(lambda: sum(e["event"] == "started" for e in _events(status)) >= 4)
+        wait_for(lambda: sum(e["event"] == "started" for e in _events(status)) >= 4)
     finally:
         os.killpg(supervisor.pid, signal.SIGTERM)
         assert supervisor.wait(timeout=10) == 0
@@ -57,7 +50,7 @@ def test_a_command_that_exits_is_started_again_after_a_doubling_back_off(tmp_pat
 def test_signalling_the_group_ends_the_command_and_the_supervisor_without_a_restart(tmp_path: Path) -> None:
     status = tmp_path / "status"
     supervisor = _start(status, sys.executable, "-c", "import time; time.sleep(60)")
-    _until(lambda: _events(status))
+    wait_for(lambda: _events(status))
     os.killpg(supervisor.pid, signal.SIGTERM)
     assert supervisor.wait(timeout=10) == 0
     events = _events(status)
@@ -68,8 +61,8 @@ def test_signalling_the_group_ends_the_command_and_the_supervisor_without_a_rest
 def test_sigkill_of_the_group_leaves_no_command_behind(tmp_path: Path) -> None:
     status = tmp_path / "status"
     supervisor = _start(status, sys.executable, "-c", "import time; time.sleep(60)")
-    _until(lambda: _events(status))
+    wait_for(lambda: _events(status))
     child = int(_events(status)[0]["pid"])  # type: ignore[call-overload]
     os.killpg(supervisor.pid, signal.SIGKILL)
     supervisor.wait(timeout=10)
-    _until(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])
+    wait_for(lambda: not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2])

@@ -480,8 +480,8 @@ def test_the_launcher_stops_when_it_cannot_serve_its_health(monkeypatch: pytest.
         taken.bind(("0.0.0.0", launcher.role.gpu_metrics_port))
         taken.listen()
         with pytest.raises(WorkerError) as caught:
-            launcher._gpu_side()
-        launcher._stop_background.set()
+            launcher.prepare()
+        launcher.close()
     assert caught.value.code == EXIT_START_FAILED
     assert f":{launcher.role.gpu_metrics_port}" in str(caught.value) and "readiness" in str(caught.value)
 
@@ -509,7 +509,7 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
     port = launcher.role.gpu_metrics_port
     url = f"http://127.0.0.1:{port}{contract.HEALTH_PATH}"
     try:
-        launcher._cpu_side()
+        launcher.prepare()
         code, body = http_get(url)
         assert code == 503 and body.startswith("launcher: starting")
         launcher.state.phase(statefile.PHASE_RUNNING, "engine `vllm serve`")
@@ -533,9 +533,7 @@ def test_cpu_mode_health_is_the_launcher_and_vllm_without_nvml(monkeypatch: pyte
         # No GPU gauges are served (nothing for a PodMonitor to find); /health alone.
         assert http_get(f"http://127.0.0.1:{port}{contract.METRICS_PATH}")[0] == 404
     finally:
-        launcher._stop_background.set()
-        if launcher._metrics_server is not None:
-            launcher._metrics_server.shutdown()
+        launcher.close()
         engine.close()
     assert any(line.startswith("CPU mode") for line in logs)
     assert not any("GPU metrics" in line for line in logs)

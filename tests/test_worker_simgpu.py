@@ -88,7 +88,7 @@ def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: 
     logs: list[str] = []
     launcher = Launcher(role, {},
                         Options(state_path=str(tmp_path / "launcher.json")), log=logs.append)
-    launcher._simulated_side()
+    launcher.prepare()
     url = f"http://127.0.0.1:{role.gpu_metrics_port}"
     try:
         launcher.state.phase(statefile.PHASE_RUNNING, "engine `python -m tensorfleet.sim`")
@@ -111,8 +111,7 @@ def test_a_simulator_pods_health_and_gauges_follow_its_simulated_gpus(tmp_path: 
         assert code == 503 and "GPU 0 reported XID 79 (fatal" in body, body
         assert promtext.value(http_get(url + contract.METRICS_PATH)[1], contract.GPU_METRIC_ALL_HEALTHY) == 0
     finally:
-        launcher._stop_background.set()
-        launcher._metrics_server.shutdown()
+        launcher.close()
         engine.server.shutdown()
     assert any("2 simulated NVIDIA L4 GPU(s)" in line for line in logs), logs
     assert "simulated GPU 0 reported XID 79" in logs

@@ -381,7 +381,7 @@ def load(path: str | Path) -> Calibration:
 
 
 @dataclass
-class _Client:
+class CalibrationClient:
     session: aiohttp.ClientSession
     url: str
     model: str
@@ -476,7 +476,7 @@ def _mean_delta(before: list[promtext.Sample], after: list[promtext.Sample], nam
     return (promtext.total(after, name + "_sum") - promtext.total(before, name + "_sum")) / count
 
 
-async def _watch(client: _Client, stop: asyncio.Event) -> tuple[int, int]:
+async def _watch(client: CalibrationClient, stop: asyncio.Event) -> tuple[int, int]:
     """The most requests running and waiting seen on /metrics until STOP is set."""
     from tensorfleet import promtext
 
@@ -532,7 +532,7 @@ class _Background:
     generates a whole context window in seconds): `turns` counts the requests each slot has started, so a probe
     can tell whether every one decoded through it (none was prefilling or between requests meanwhile)."""
 
-    def __init__(self, client: _Client, count: int, max_tokens: int) -> None:
+    def __init__(self, client: CalibrationClient, count: int, max_tokens: int) -> None:
         self.client, self.max_tokens = client, max_tokens
         self.marks: list[list[tuple[float, int]]] = [[] for _ in range(count)]
         self.turns = [0] * count
@@ -563,7 +563,7 @@ class _Background:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _prefill_point(client: _Client, tokens: int, sweep: Sweep, budget: int | None, room: int,
+async def _prefill_point(client: CalibrationClient, tokens: int, sweep: Sweep, budget: int | None, room: int,
                          background: int = 0) -> PrefillPoint | None:
     """The median TTFT of `prefill_repeats` requests of TOKENS prompt tokens and max_tokens 1, one at a time; with
     BACKGROUND requests decoding through each (a probe during which one of them finished is sent again, up to
@@ -598,7 +598,7 @@ async def _prefill_point(client: _Client, tokens: int, sweep: Sweep, budget: int
                         round(statistics.median(contexts)) if contexts else 0)
 
 
-async def _decode_point(client: _Client, concurrency: int, tokens: int, sweep: Sweep
+async def _decode_point(client: CalibrationClient, concurrency: int, tokens: int, sweep: Sweep
                         ) -> tuple[DecodePoint | None, int, int]:
     """A decode point (None when its window was too short), and the most requests running and waiting."""
     before = await client.metrics()
@@ -618,7 +618,7 @@ async def _decode_point(client: _Client, concurrency: int, tokens: int, sweep: S
                        _mean_delta(before, after, contract.VLLM_METRIC_ITL), running, waiting), running, waiting
 
 
-async def _sustained_point(client: _Client, concurrency: int, sweep: Sweep, room: int) -> SustainedPoint | str:
+async def _sustained_point(client: CalibrationClient, concurrency: int, sweep: Sweep, room: int) -> SustainedPoint | str:
     """CONCURRENCY requests at all times for a warm-up and then `sustained_s` (longer, up to four times, until
     the engine has run SUSTAINED_MIN_STEPS steps); why not, when the engine does not publish its steps
     (vllm:iteration_tokens_total) or ran too few."""
@@ -670,7 +670,7 @@ async def _sustained_point(client: _Client, concurrency: int, sweep: Sweep, room
                           context)
 
 
-async def identify(client: _Client, model: str | None) -> tuple[dict[str, Any], Capacity]:
+async def identify(client: CalibrationClient, model: str | None) -> tuple[dict[str, Any], Capacity]:
     """The engine's identity and what it publishes of its capacity."""
     from tensorfleet import promtext
 
@@ -723,7 +723,7 @@ async def measure(url: str, model: str | None = None, sweep: Sweep | None = None
     notes: list[str] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, keepalive_timeout=contract.ENGINE_CLIENT_KEEP_ALIVE_S)) as session:
-        client = _Client(session, url.rstrip("/"), model or "", headers, sweep.request_timeout_s,
+        client = CalibrationClient(session, url.rstrip("/"), model or "", headers, sweep.request_timeout_s,
                          random.Random(sweep.seed))
         engine, capacity = await identify(client, model)
         client.model = str(engine["model"])

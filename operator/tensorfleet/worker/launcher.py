@@ -68,12 +68,7 @@ class Launcher:
         self.state.phase(statefile.PHASE_STARTING, self.role.describe())
         try:
             self._announce()
-            if self.role.cpu:
-                self._cpu_side()
-            elif self.role.simulator:
-                self._simulated_side()
-            else:
-                self._gpu_side()
+            self.prepare()
             if self.role.multi_node and not self.role.leader:
                 return self._worker()
             if self.role.multi_node and not self.role.simulator:
@@ -83,11 +78,26 @@ class Launcher:
             self.log("stop requested before the engine started; exiting")
             return 0
         finally:
-            self._stop_background.set()
-            if self._metrics_server is not None:
-                self._metrics_server.shutdown()
+            self.close()
             self.state.phase(statefile.PHASE_EXITED)
             self.signals.restore()
+
+    def prepare(self) -> None:
+        """The checks of the pod's mode (vLLM's CPU backend, a simulator, GPUs), its /health served and its
+        watchers started; `close` stops them."""
+        if self.role.cpu:
+            self._cpu_side()
+        elif self.role.simulator:
+            self._simulated_side()
+        else:
+            self._gpu_side()
+
+    def close(self) -> None:
+        """Stop what `prepare` started: the watchers and the /health server."""
+        self._stop_background.set()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
 
     # --- flows ---------------------------------------------------------------
     def _engine(self) -> int:
