@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+import zmq
+import zmq.asyncio
 from conftest import require_real_vllm
 
-from tensorfleet.router.kvevents import Subscriber
+from tensorfleet.router.kvevents import END_OF_REPLAY, Subscriber
 from tensorfleet.router.kvindex import KVIndex
 from tensorfleet.testing import realvllm
 
@@ -188,6 +190,45 @@ async def test_a_loss_beyond_the_replay_buffer_forgets_rather_than_guesses(strea
     # Blocks stored from here on are indexed again.
     await stream.reach(publisher.publish(stored(H[:2], PROMPT[:8])))
     assert stream.held() == 2
+
+
+async def buffered(publisher: Publisher) -> dict[int, bytes]:
+    """The batches the publisher holds for replay, as it sends them: sequence number -> payload."""
+    dealer = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{publisher.replay}")
+    batches: dict[int, bytes] = {}
+    try:
+        await dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        while True:
+            assert await dealer.poll(WAIT_SECONDS * 1000), "the publisher did not answer the replay request"
+            _, seq_frame, payload = await dealer.recv_multipart()
+            seq = int.from_bytes(seq_frame, "big", signed=True)
+            if seq == END_OF_REPLAY:
+                return batches
+            batches[seq] = payload
+    finally:
+        dealer.close()
+
+
+async def test_a_late_batch_of_the_same_engine_is_not_taken_for_a_restart(stream: Stream,
+                                                                         publisher: Publisher) -> None:
+    # A batch numbered at or below the last one applied, and older: it waited on the live socket while a replay
+    # (after a reconnection) went past it. It is not a restarted engine's, whose batches are newer.
+    first = publisher.publish(stored(H[:2], PROMPT[:8]))
+    second = publisher.publish(stored(H[2:3], PROMPT[8:12], parent=H[1]))
+    await stream.reach(second)
+    payloads = await buffered(publisher)
+    fed = Subscriber(KVIndex(), ENGINE, f"tcp://127.0.0.1:{publisher.port}")   # not run: given batches by hand
+    await fed.live(second, payloads[second])
+    await fed.live(first, payloads[first])
+    assert fed.stats.resyncs == 0 and fed.last == second
+    # The restarted engine's first batch is numbered lower still, and newer: that one is a restart.
+    publisher.restart()
+    again = publisher.publish(stored(H[:1], PROMPT[:4]))
+    await fed.live(again, (await buffered(publisher))[again])
+    assert fed.stats.resyncs == 1 and fed.last == again
+    assert fed.index.match(PROMPT).get(ENGINE, 0) == 1
 
 
 async def test_a_restarted_engine_holds_nothing_it_held_before(stream: Stream, publisher: Publisher) -> None:

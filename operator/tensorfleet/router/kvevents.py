@@ -130,7 +130,7 @@ class Subscriber:
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     if len(frames) == 3:
-                        await self._live(int.from_bytes(frames[1], "big", signed=True), frames[2])
+                        await self.live(int.from_bytes(frames[1], "big", signed=True), frames[2])
         finally:
             sub.disable_monitor()
             monitor.close()
@@ -148,11 +148,16 @@ class Subscriber:
             self._resync("the engine restarted (its publisher no longer has the last batch applied)")
         return await self._replay(0, until) == _ANSWERED
 
-    async def _live(self, seq: int, payload: bytes) -> None:
-        if self.last is not None and seq <= self.last and seq in self._recent \
-                and self._recent[seq] == _timestamp(payload):
-            return
+    async def live(self, seq: int, payload: bytes) -> None:
+        """Apply batch SEQ (its PAYLOAD as published) from the live stream, catching up first past a gap."""
         if self.last is not None and seq <= self.last:
+            ts = _timestamp(payload)
+            if self._recent.get(seq, _UNSEEN) == ts:
+                return   # a replay applied it already (the socket queued it meanwhile)
+            if ts is not None and self._last_ts is not None and ts < self._last_ts:
+                # Older than the last batch applied: this publisher's, queued on the socket while a replay went
+                # past it. A restarted engine's batches are newer than anything its predecessor sent.
+                return
             # Numbering started again: a new publisher, so a restarted engine with an empty cache.
             self._resync(f"sequence went back from {self.last} to {seq}: the engine restarted")
             await self._catch_up(until=seq)
@@ -224,6 +229,7 @@ class Subscriber:
 
 
 _ANSWERED, _SILENT, _ANOTHER = "answered", "silent", "another"
+_UNSEEN = object()
 
 
 def _timestamp(payload: bytes) -> float | None:
