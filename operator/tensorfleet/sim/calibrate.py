@@ -724,7 +724,7 @@ async def measure(url: str, model: str | None = None, sweep: Sweep | None = None
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(
             limit=0, keepalive_timeout=contract.ENGINE_CLIENT_KEEP_ALIVE_S)) as session:
         client = CalibrationClient(session, url.rstrip("/"), model or "", headers, sweep.request_timeout_s,
-                         random.Random(sweep.seed))
+                                   random.Random(sweep.seed))
         engine, capacity = await identify(client, model)
         client.model = str(engine["model"])
         capacity = replace(capacity, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
