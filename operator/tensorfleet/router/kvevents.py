@@ -152,7 +152,7 @@ class Subscriber:
         """Apply batch SEQ (its PAYLOAD as published) from the live stream, catching up first past a gap."""
         if self.last is not None and seq <= self.last:
             ts = _timestamp(payload)
-            if self._recent.get(seq, _UNSEEN) == ts:
+            if seq in self._recent and self._recent[seq] == ts:
                 return   # a replay applied it already (the socket queued it meanwhile)
             if ts is not None and self._last_ts is not None and ts < self._last_ts:
                 # Older than the last batch applied: this publisher's, queued on the socket while a replay went
@@ -229,7 +229,6 @@ class Subscriber:
 
 
 _ANSWERED, _SILENT, _ANOTHER = "answered", "silent", "another"
-_UNSEEN = object()
 
 
 def _timestamp(payload: bytes) -> float | None:
