@@ -28,6 +28,7 @@ from tensorfleet.router.clients import (
     reject,
 )
 from tensorfleet.router.config import RouterConfig
+from tensorfleet.router.dispatch import YIELD_OUTCOMES
 from tensorfleet.router.fleet import Fleet
 from tensorfleet.router.forward import Forwarder, NoSuchModel
 from tensorfleet.router.inflight import InFlight
@@ -82,6 +83,9 @@ class Router:
         if self.strategy.needs_prefix and (config.peers or config.peer_service):
             self.metrics.peer_outcomes(PEER_OUTCOMES)
             self.peers = self.fleet.share_placements(self.metrics.peer_placements)
+            if self.strategy.orders_queue:
+                self.metrics.peer_yield_outcomes(YIELD_OUTCOMES)
+                self.dispatcher.on_yield_end = self.metrics.peer_yield
         self.proxy = Proxy(config, self.pool, self.dispatcher, self.in_flight, self.metrics)
         self.forwarder = Forwarder(config, self.fleet, self.proxy, self.in_flight, self.metrics, self.body_budget)
 

@@ -1,6 +1,7 @@
 """Admission: how many requests each engine may hold (a ceiling, with a burst its scrapes adapt) and how much prompt it
-may have queued, and the one bounded queue where the rest wait, a freed slot offered cheapest first and fairly among
-tenants; a request is refused when the queue is full, when no engine can come, or once the router is shutting down.
+may have queued, and the one bounded queue where the rest wait, a freed slot offered cheapest first (left briefly to a
+peer replica with a cheaper waiter) and fairly among tenants; a request is refused when the queue is full, when no
+engine can come, or once the router is shutting down.
 Design: docs/routing.md#admission-and-the-queue.
 """
 
@@ -24,6 +25,13 @@ LIMIT_STEP = 0.25  # the fraction an engine's limit moves by at a scrape
 log = logging.getLogger(__name__)
 
 ORDER_SCAN = 64    # waiters a strategy that orders the queue compares for each free slot
+# Seconds a free slot is left for a peer replica whose cheapest waiter would compute less prompt there than any of
+# this router's (router/peers.py): it hears of the slot within a message (they go as news comes, a round trip of
+# milliseconds) and takes it; one that has not within this time leaves it to this router's waiters.
+YIELD_SECONDS = 0.03
+# How a slot left to a peer ended (tensorfleet_router_slots_left_to_peers{outcome}): a peer placed a request there
+# (taken), or one of this router's requests took it after all (reclaimed).
+YIELD_OUTCOMES = ("taken", "reclaimed")
 
 
 class QueueTimeout(Exception):
@@ -69,8 +77,15 @@ class Dispatcher:
         # Called with each request's engine once picked (the router tells its peers: router/peers.py).
         self.on_placed: Callable[[Backend, RequestInfo], None] | None = None
         # Called when this router's load on an engine changed: a request placed, its first byte back, its slot
-        # freed (the router tells its peers at once: router/peers.py).
+        # freed; with a strategy that orders the queue, also when a request joins or leaves the queue (the router
+        # tells its peers at once: router/peers.py).
         self.on_load: Callable[[], None] | None = None
+        # The peer replicas' cheapest waiter per engine, as they last told (engine URL -> the prompt characters it
+        # would compute there: their `queue_heads`); None: no peers.
+        self.peer_queue: Callable[[], dict[str, float]] | None = None
+        self._yielding: dict[str, float] = {}   # engine URL -> when a free slot there was first left to a peer
+        # Called with how each slot left to a peer ended (YIELD_OUTCOMES): the router counts them.
+        self.on_yield_end: Callable[[str], None] | None = None
         self.ledger = Ledger()
         self.closed = False
         pool.on_routable.append(self.drain)
@@ -149,7 +164,67 @@ class Dispatcher:
                 total += over * mine / (mine + backend.others)
         return total
 
-    def _pick(self, info: RequestInfo, exclude: frozenset[str]) -> Backend | None:
+    def queue_heads(self) -> dict[str, int]:
+        """Per engine, the prompt characters the cheapest of this router's first ORDER_SCAN waiters that could go
+        there once a slot frees (it may use the engine, and its prompt fits the prompt bound there) would compute
+        (0 where one has waited the order age): what the peers weigh before they fill a slot there (`_yields`).
+        Empty unless the strategy orders the queue."""
+        if not self.queue or not self.strategy.orders_queue:
+            return {}
+        now = asyncio.get_running_loop().time()
+        routable = self.pool.routable()
+        head = [w for w in self.queue.waiters()[:ORDER_SCAN] if not w.future.done()]
+        cost = self.strategy.prefill_cost
+        heads: dict[str, int] = {}
+        for backend in routable:
+            costs = [0.0 if now - w.since >= self.order_age else cost(backend, w.info)
+                     for w in head if self._usable([backend], routable, w.info, w.exclude)
+                     and (not self.prompt_queue_chars or not w.info.prompt_chars or self.prompt_room(backend, w.info))]
+            if costs:
+                heads[backend.url] = round(min(costs))
+        return heads
+
+    def _yields(self, backend: Backend, info: RequestInfo, since: float) -> bool:
+        """Whether to leave BACKEND's free slot to a peer replica whose cheapest waiter would compute at least a
+        block less prompt there than INFO (which began to wait at SINCE), for YIELD_SECONDS from the first time:
+        so a slot goes to the cheapest waiter of every replica's queue, as with one router, and one the peer
+        does not take goes to this router's waiters after all."""
+        theirs = self.peer_queue().get(backend.url) if self.peer_queue is not None else None
+        if theirs is None:
+            return False
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        mine = 0.0 if now - since >= self.order_age else self.strategy.prefill_cost(backend, info)
+        if theirs + self.strategy.block_chars > mine:
+            return False
+        first = self._yielding.get(backend.url)
+        if first is None:
+            self._yielding[backend.url] = first = now
+            loop.call_later(YIELD_SECONDS, self._yield_over, backend.url)
+        return now - first < YIELD_SECONDS
+
+    def _yield_over(self, url: str) -> None:
+        """YIELD_SECONDS after a slot on URL was left to a peer: this router's waiters may take it."""
+        if url in self._yielding:
+            self._yielding[url] = -math.inf
+        if self.queue:
+            self.drain()
+
+    def peer_placed(self, backend: Backend) -> None:
+        """A peer replica placed a request on BACKEND (its message says so): a slot left to it there was taken."""
+        self._yield_end(backend.url, "taken")
+
+    def _yield_end(self, url: str, outcome: str) -> None:
+        if self._yielding.pop(url, None) is not None and self.on_yield_end is not None:
+            self.on_yield_end(outcome)
+
+    def _queue_changed(self) -> None:
+        if self.on_load is not None and self.strategy.orders_queue:
+            self.on_load()   # the queue's heads are news to the peers
+
+    def _pick(self, info: RequestInfo, exclude: frozenset[str], since: float | None = None) -> Backend | None:
+        """An engine for INFO, charged, or None. SINCE: when the request began to wait (None: it does not wait
+        for one, so it leaves no slot to a peer)."""
         routable = self.pool.routable()
         free = []
         for b in routable:
@@ -170,6 +245,8 @@ class Dispatcher:
         backend = self.strategy.pick(candidates if roomy is None or info.continues else roomy, routable, info)
         if roomy is not None and backend not in roomy:
             return None
+        if since is not None and self._yields(backend, info, since):
+            return None
         if backend.state != CLOSED:
             self.pool.begin_probe(backend)
         prefill = queued = context = 0.0
@@ -178,6 +255,7 @@ class Dispatcher:
             queued = prefill if info.queues_prompt and self.prompt_queue_chars else 0.0
             context = info.prompt_chars
         self.ledger.charge(backend, info, Charge(prefill, queued, context, info.exposure))
+        self._yield_end(backend.url, "reclaimed")
         self.strategy.routed(backend, info)
         if self.on_placed is not None:
             self.on_placed(backend, info)
@@ -209,8 +287,9 @@ class Dispatcher:
         """An engine slot for TENANT's request: at once, or after queueing up to TIMEOUT (default queue_timeout)."""
         if self.closed:
             raise ShuttingDown()
+        loop = asyncio.get_running_loop()
         if not self.queue:
-            backend = self._pick(info, exclude)
+            backend = self._pick(info, exclude, since=loop.time())
             if backend is not None:
                 self.queue.granted(tenant)
                 return backend
@@ -222,10 +301,10 @@ class Dispatcher:
                 raise refusal
         if self.pending >= self.max_queue:
             self.queue.displace(tenant)
-        loop = asyncio.get_running_loop()
         waiter = Waiter(info, exclude, loop.create_future(), tenant, since=loop.time())
         waiter.timer = loop.call_later(self.queue_timeout if timeout is None else timeout, self._expire, waiter)
         self.queue.add(waiter)
+        self._queue_changed()
         try:
             return await waiter.future
         except BaseException:
@@ -237,6 +316,7 @@ class Dispatcher:
         finally:
             waiter.timer.cancel()
             self.queue.remove(waiter)
+            self._queue_changed()
 
     def close(self) -> None:
         """Refuse every waiter and every later request (ShuttingDown)."""
@@ -307,7 +387,7 @@ class Dispatcher:
             if waiter.future.done():
                 self.queue.remove(waiter)
                 continue
-            backend = self._pick(waiter.info, waiter.exclude)
+            backend = self._pick(waiter.info, waiter.exclude, since=waiter.since)
             if backend is None:
                 if not self._has_capacity():
                     return None

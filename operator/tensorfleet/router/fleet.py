@@ -86,7 +86,13 @@ class Fleet:
         # The dispatcher's hooks are single slots (dispatch.py): the peers are their only listener.
         self.dispatcher.on_placed = self._placed
         self.dispatcher.on_load = peers.nudge
+        self.dispatcher.peer_queue = self._peer_queue
+        peers.queue_heads_source = self.dispatcher.queue_heads
         return peers
+
+    def _peer_queue(self) -> dict[str, float]:
+        assert self.peers is not None
+        return self.peers.queue_heads(self.in_flight.now())
 
     def _placed(self, backend: Backend, info: RequestInfo) -> None:
         assert self.peers is not None
@@ -110,6 +116,8 @@ class Fleet:
         freed = False
         for backend in self.pool:
             told = load.get(backend.url) or Load()
+            if told.requests > backend.peers.requests:
+                self.dispatcher.peer_placed(backend)
             freed = (freed or told.requests < backend.peers.requests
                      or told.queued_prompt_chars < backend.peers.queued_prompt_chars)
             backend.peers, backend.others = told, told.requests

@@ -135,6 +135,20 @@ class RouterMetrics(ClientMetrics):
         for outcome in outcomes:
             self._peer_placements.labels(outcome)
 
+    def peer_yield_outcomes(self, outcomes: Sequence[str]) -> None:
+        """With router peers whose strategy orders the queue: count slots left to peers by outcome from zero."""
+        self._peer_yields = Counter(
+            contract.ROUTER_METRIC_PEER_YIELDS,
+            "Free engine slots this router left to another replica whose queued request would compute less prompt "
+            "there, by how it ended: taken (a peer placed a request there), reclaimed (one of this router's "
+            "requests took it: the peer did not come in time, or no longer wanted it).",
+            [contract.ROUTER_LABEL_OUTCOME], registry=self.registry)
+        for outcome in outcomes:
+            self._peer_yields.labels(outcome)
+
+    def peer_yield(self, outcome: str) -> None:
+        self._peer_yields.labels(outcome).inc()
+
     def peer_placements(self, outcome: str, count: int) -> None:
         if self._peer_placements is not None:
             self._peer_placements.labels(outcome).inc(count)

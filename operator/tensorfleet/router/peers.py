@@ -1,6 +1,7 @@
-"""Router replicas tell each other where they send prompts and their load on each engine, so every replica's prefix view
-and load cover them all: a message as soon as there is news (a heartbeat without), taken only from the peers'
-addresses and bounded in size, never sent again. Design: docs/routing.md#cache-aware-the-default.
+"""Router replicas tell each other where they send prompts, their load on each engine and their queue's cheapest waiter
+there, so every replica's prefix view, load and queue order cover them all: a message as soon as there is news (a
+heartbeat without), taken only from the peers' addresses and bounded in size, never sent again. Design:
+docs/routing.md#cache-aware-the-default.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ OUTCOMES = ("sent", "failed", "dropped", "received")   # tensorfleet_router_peer
 
 Placement = tuple[str, int | None, tuple[int, ...]]   # engine URL, opening hash, block hashes
 Loads = dict[str, Load]   # engine URL -> one replica's load there (or the peers' together)
+Heads = dict[str, int]    # engine URL -> prompt characters one replica's cheapest waiter would compute there
 
 
 class PeerMessageError(ValueError):
@@ -59,9 +61,12 @@ class Peers:
         self._own = own_address
         self._outbox: deque[Placement] = deque(maxlen=MAX_OUTBOX)
         self._dropped = 0
-        self._sent_load: tuple[dict[str, list[int]], dict[str, int]] | None = None   # as last sent
+        self._sent_load: tuple[dict[str, list[int]], dict[str, int], Heads] | None = None   # as last sent
         self._sent_at = -PEER_HEARTBEAT
-        self._loads: dict[str, tuple[float, Loads]] = {}  # peer instance -> when its last message came, its load
+        # Peer instance -> when its last message came, its load, its queue's heads.
+        self._loads: dict[str, tuple[float, Loads, Heads]] = {}
+        # This replica's queue heads, for the messages (Dispatcher.queue_heads); None: it tells none.
+        self.queue_heads_source: Callable[[], Heads] | None = None
         self._news = asyncio.Event()  # set when there is something to tell: run() sends it
         self._on_outcome = on_outcome or (lambda _outcome, _count: None)
         self._update()
@@ -98,8 +103,8 @@ class Peers:
             self._news.set()
 
     def message(self, block_chars: int, load: Loads, now: float) -> bytes | None:
-        """The outbox and LOAD as one message (emptying the outbox), or None when there is nothing new to send
-        (no placements, the load as last sent, the heartbeat not due)."""
+        """The outbox, LOAD and the queue's heads as one message (emptying the outbox), or None when there is
+        nothing new to send (no placements, the load and heads as last sent, the heartbeat not due)."""
         if self._dropped:
             self._on_outcome("dropped", self._dropped)
             self._dropped = 0
@@ -108,14 +113,18 @@ class Peers:
         wire = ({url: [x.requests, round(x.prefill_chars), round(x.context_chars), round(x.queued_prompt_chars),
                        x.prefilling] for url, x in load.items()},
                 # Apart from "load", which a replica before it refuses longer than five numbers.
-                {url: round(x.exposure * EXPOSURE_UNIT) for url, x in load.items() if x.exposure})
+                {url: round(x.exposure * EXPOSURE_UNIT) for url, x in load.items() if x.exposure},
+                self.queue_heads_source() if self.queue_heads_source is not None else {})
         if not self._outbox and wire == self._sent_load and now - self._sent_at < PEER_HEARTBEAT:
             return None
         placements = [[engine, opening, list(hashes)] for engine, opening, hashes in self._outbox]
         self._outbox.clear()
         self._sent_load, self._sent_at = wire, now
-        return json.dumps({"from": self.instance, "blockChars": block_chars, "placements": placements,
-                           "load": wire[0], "exposure": wire[1]}, separators=(",", ":")).encode()
+        doc = {"from": self.instance, "blockChars": block_chars, "placements": placements, "load": wire[0],
+               "exposure": wire[1]}
+        if wire[2]:
+            doc["queue"] = wire[2]   # none: nothing queued (a replica before it sends none either)
+        return json.dumps(doc, separators=(",", ":")).encode()
 
     @property
     def heard(self) -> bool:
@@ -125,13 +134,23 @@ class Peers:
     def load(self, now: float) -> Loads:
         """The other replicas' load per engine: the sum over the peers heard from within PEER_STALE."""
         total: Loads = {}
-        for instance, (heard, load) in list(self._loads.items()):
+        for instance, (heard, load, _heads) in list(self._loads.items()):
             if now - heard > PEER_STALE:
                 del self._loads[instance]
                 continue
             for url, told in load.items():
                 total[url] = total[url] + told if url in total else told
         return total
+
+    def queue_heads(self, now: float) -> dict[str, float]:
+        """Per engine, the prompt characters the cheapest waiter of any peer heard from within PEER_STALE would
+        compute there (engines none of them has a waiter for left out)."""
+        best: dict[str, float] = {}
+        for heard, _load, heads in self._loads.values():
+            if now - heard <= PEER_STALE:
+                for url, chars in heads.items():
+                    best[url] = min(best.get(url, chars), chars)
+        return best
 
     async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Loads],
                   clock: Callable[[], float]) -> None:
@@ -196,11 +215,15 @@ class Peers:
         if not (isinstance(exposure, dict) and len(exposure) <= MAX_PLACEMENTS
                 and all(_is_count(v) for v in exposure.values())):
             raise PeerMessageError("'exposure' is not {engine URL: the decodes at risk there, in millionths}")
+        heads = doc.get("queue", {})
+        if not (isinstance(heads, dict) and len(heads) <= MAX_PLACEMENTS and all(_is_count(v) for v in heads.values())):
+            raise PeerMessageError("'queue' is not {engine URL: prompt characters the sender's cheapest queued "
+                                   "request would compute there}")
         loads = {url: _load_entry(v) for url, v in load.items()}
         for url, value in exposure.items():
             if url in loads:
                 loads[url].exposure = value / EXPOSURE_UNIT
-        self._loads[sender] = (now, loads)
+        self._loads[sender] = (now, loads, heads)
         if doc.get("blockChars") != block_chars:
             return []
         raw = doc["placements"]
