@@ -515,7 +515,8 @@ def main() -> None:
                                           seconds, args.before)
                         except RuntimeError as exc:
                             # A port free_port() picked was taken before a process bound it: once more, on others.
-                            if "Address already in use" not in str(exc):
+                            # (CPython says "Address already in use", uvloop "address already in use".)
+                            if "address already in use" not in str(exc).lower():
                                 raise
                             print(f"  {workload} {int(load * 100)}% s{seed} {replicas}r {strategy}: a port was "
                                   "taken before it was bound; once more", flush=True)
