@@ -17,7 +17,7 @@ from tensorfleet.router import peers as peers_module
 from tensorfleet.router.backends import Load
 from tensorfleet.router.peers import MAX_OUTBOX, MAX_PLACEMENTS, PEER_HEARTBEAT, PEER_STALE, PeerMessageError, Peers
 from tensorfleet.router.scheduling.request import UNSTATED_ANSWER_TOKENS
-from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router, sim
+from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router, router_pair, sim
 from tensorfleet.testing.wait import eventually
 
 CONVERSATIONS = 12   # all on one of 4 engines by chance, without the peers' placements: (1/4)^12, about 6e-8
@@ -229,11 +229,7 @@ async def test_a_replica_counts_the_requests_prompt_work_and_prompts_its_peer_ha
 
     async with AsyncExitStack() as stack:
         engine, _calls = await stack.enter_async_context(fake_engine(hold))
-        port_a, port_b = free_port(), free_port()
-        a = await stack.enter_async_context(router([engine], strategy="cache-aware", port=port_a,
-                                                   peers=(f"http://127.0.0.1:{port_b}",)))
-        b = await stack.enter_async_context(router([engine], strategy="cache-aware", port=port_b,
-                                                   peers=(f"http://127.0.0.1:{port_a}",)))
+        a, b = await stack.enter_async_context(router_pair([engine], strategy="cache-aware"))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         seen = b.router.pool.backends[engine]
         # Answers of 9 tokens, of unstated length and of 2 tokens: each request's decodes at risk is one over
@@ -269,12 +265,8 @@ async def test_replicas_share_one_ceiling_per_engine() -> None:
 
     async with AsyncExitStack() as stack:
         engine, calls = await stack.enter_async_context(fake_engine(hold))
-        port_a, port_b = free_port(), free_port()
-        options: dict[str, Any] = {"strategy": "cache-aware", "max_concurrency_per_backend": 2}
-        a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
-                                                   **options))
-        b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
-                                                   **options))
+        a, b = await stack.enter_async_context(router_pair([engine], strategy="cache-aware",
+                                                           max_concurrency_per_backend=2))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         first = [asyncio.create_task(client.post(a.url + "/v1/chat/completions", json=turn(i))) for i in range(2)]
         seen = b.router.pool.backends[engine]
@@ -310,12 +302,8 @@ async def test_replicas_share_one_prompt_bound_per_engine() -> None:
 
     async with AsyncExitStack() as stack:
         engine, calls = await stack.enter_async_context(fake_engine(hold))
-        port_a, port_b = free_port(), free_port()
-        options: dict[str, Any] = {"strategy": "cache-aware", "prompt_queue_tokens": 100}   # a bound below one prompt of turn()
-        a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
-                                                   **options))
-        b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
-                                                   **options))
+        # A bound below one prompt of turn().
+        a, b = await stack.enter_async_context(router_pair([engine], strategy="cache-aware", prompt_queue_tokens=100))
         client = await stack.enter_async_context(aiohttp.ClientSession())
         told, seen = a.router.pool.backends[engine], b.router.pool.backends[engine]
         first = asyncio.create_task(client.post(a.url + "/v1/chat/completions", json={**turn(0), "stream": True}))

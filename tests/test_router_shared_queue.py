@@ -19,7 +19,7 @@ from tensorfleet.router.backends import BackendPool, Load
 from tensorfleet.router.dispatch import YIELD_SECONDS, Dispatcher
 from tensorfleet.router.peers import PEER_STALE, PeerMessageError, Peers
 from tensorfleet.router.scheduling import CacheAware, RequestInfo, make_profile
-from tensorfleet.testing.loopback import MODEL, fake_engine, free_port, metric_value, router
+from tensorfleet.testing.loopback import MODEL, fake_engine, metric_value, router_pair
 from tensorfleet.testing.wait import eventually
 
 ENGINE = "http://a"
@@ -232,12 +232,8 @@ async def test_the_slot_one_replica_frees_goes_to_the_other_replicas_cheaper_wai
 
     async with AsyncExitStack() as stack:
         engine, _calls = await stack.enter_async_context(fake_engine(answer))
-        port_a, port_b = free_port(), free_port()
-        options: dict[str, Any] = {"strategy": "cache-aware", "max_concurrency_per_backend": 1}
-        a = await stack.enter_async_context(router([engine], port=port_a, peers=(f"http://127.0.0.1:{port_b}",),
-                                                   **options))
-        b = await stack.enter_async_context(router([engine], port=port_b, peers=(f"http://127.0.0.1:{port_a}",),
-                                                   **options))
+        a, b = await stack.enter_async_context(router_pair([engine], strategy="cache-aware",
+                                                           max_concurrency_per_backend=1))
         client = await stack.enter_async_context(aiohttp.ClientSession())
 
         def post(url: str, body: dict[str, Any]) -> asyncio.Task[aiohttp.ClientResponse]:

@@ -1,5 +1,5 @@
 """Real simulator, router and gateway servers on 127.0.0.1 for tests, on free ports: in the test's event loop (`sim`,
-`router`, `gateway`: fast, their state can be inspected) or as processes a test can kill or signal (`spawn_sim`,
+`router`, `router_pair`, `gateway`: fast, their state can be inspected) or as processes a test can kill or signal (`spawn_sim`,
 `sim_process`, `spawn_router`), with helpers to talk to them (`post_chat`, `raw_exchange`) and misbehaving engines (`fake_engine`).
 Design: docs/architecture.md#how-it-is-tested.
 """
@@ -118,6 +118,15 @@ async def router(backends: list[str], *, first_round: bool = True, port: int = 0
         yield RunningRouter(instance, runner, f"http://127.0.0.1:{bound}")
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def router_pair(backends: list[str], **options: Any) -> AsyncIterator[tuple[RunningRouter, RunningRouter]]:
+    """Two router replicas in front of BACKENDS, each the other's peer (router/peers.py), both with OPTIONS."""
+    port_a, port_b = free_port(), free_port()
+    async with router(backends, port=port_a, peers=(f"http://127.0.0.1:{port_b}",), **options) as a, \
+            router(backends, port=port_b, peers=(f"http://127.0.0.1:{port_a}",), **options) as b:
+        yield a, b
 
 
 @asynccontextmanager
