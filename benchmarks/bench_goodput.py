@@ -70,6 +70,7 @@ from workload import TURNS, Record, Workload, closed_loop, ok, open_loop
 from tensorfleet import contract, engine_settings, vllm_defaults
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import Plan, make_plan
+from tensorfleet.router.dispatch import YIELD_OUTCOMES
 from tensorfleet.sim.profile import Profile, make_profile
 
 TIME_SCALE = 0.25
@@ -144,8 +145,12 @@ def figures(records: list[Record], start: float, seconds: float, bounds: dict[in
     }
 
 
+async def scrape_all(urls: Sequence[str]) -> list[str]:
+    return list(await asyncio.gather(*(scrape(u) for u in urls)))
+
+
 async def cache_totals(urls: Sequence[str]) -> tuple[float, float]:
-    texts = await asyncio.gather(*(scrape(u) for u in urls))
+    texts = await scrape_all(urls)
     return sum(metric_sum(t, HITS) for t in texts), sum(metric_sum(t, QUERIES) for t in texts)
 
 
@@ -291,6 +296,10 @@ def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float
                                                TIME_SCALE, sustain=True))
         cpu = sum(r.cpu_seconds() for r in routers) - cpu_before
         after = asyncio.run(cache_totals(urls))
+        # How the slots the replicas left each other ended (none with one router, nor before the change).
+        router_texts = asyncio.run(scrape_all([r.url for r in routers])) if replicas > 1 else []
+    yields = {outcome: sum(metric_sum(t, contract.ROUTER_METRIC_PEER_YIELDS + "_total", outcome=outcome)
+                           for t in router_texts) for outcome in YIELD_OUTCOMES}
     requests = keyed(records, vllm_defaults.BLOCK_SIZE)   # the simulators' block size (engine_flags)
     best = best_cache(requests, vllm_defaults.BLOCK_SIZE)
     hits, queries = after[0] - before_totals[0], after[1] - before_totals[1]
@@ -300,6 +309,7 @@ def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float
             "pooled_hit_rate": pooled_hit_rate(requests, vllm_defaults.BLOCK_SIZE,
                                                ENGINES * plan.kv_cache_tokens // vllm_defaults.BLOCK_SIZE),
             "router_cpu_ms_per_request": 1000 * cpu / len(records) if records else float("nan"),
+            "slots_left_to_peers": yields,
             **figures(records, start, seconds, ttft_bounds(best, engine_profile(plan)))}
 
 
@@ -529,7 +539,9 @@ def main() -> None:
                               f"good(ITL) {run['goodput_itl_rps']:.2f}/s  TTFT p50 {run['ttft_p50_s']:.2f} "
                               f"p99 {run['ttft_p99_s']:.2f}  hit {run['hit_rate']:.0%} of {run['max_hit_rate']:.0%} "
                               f"(pooled LRU {run['pooled_hit_rate']:.0%})  "
-                              f"cpu {run['router_cpu_ms_per_request']:.2f} ms/req  failed {run['failed']}",
+                              f"cpu {run['router_cpu_ms_per_request']:.2f} ms/req  failed {run['failed']}"
+                              + "".join(f"  slots left to a peer {n:.0f} {outcome}"
+                                        for outcome, n in run.get("slots_left_to_peers", {}).items() if n),
                               flush=True)
                         if not args.quick:
                             save()  # a long matrix survives an interruption: --resume goes on from here

@@ -22,7 +22,6 @@ from tensorfleet.router.backends import Load
 
 log = logging.getLogger("tensorfleet.router.peers")
 
-PEER_GAP = 0.005        # seconds: the least time between two messages (news meanwhile goes in the next)
 PEER_HEARTBEAT = 0.5    # seconds: a message at least this often, with the load, while there are peers
 PEER_STALE = 1.5        # seconds a peer's load counts after its last message
 PEER_TIMEOUT = 1.0      # seconds a post to a peer may take
@@ -155,7 +154,8 @@ class Peers:
     async def run(self, session: aiohttp.ClientSession, block_chars: Callable[[], int], load: Callable[[], Loads],
                   clock: Callable[[], float]) -> None:
         """Send every peer the outbox and this replica's LOAD whenever there is news (`nudge`), one message at a
-        time and PEER_GAP apart, and at least every PEER_HEARTBEAT seconds; until cancelled."""
+        time (news that comes while one is on its way goes in the next, at once: a wait between messages would delay
+        the slots a peer leaves this replica), and at least every PEER_HEARTBEAT seconds; until cancelled."""
         timeout = aiohttp.ClientTimeout(total=PEER_TIMEOUT)
         while True:
             if not self._news.is_set():
@@ -175,7 +175,6 @@ class Peers:
             results = await asyncio.gather(*(self._post(session, url, body, timeout) for url in self._urls))
             for ok in results:
                 self._on_outcome("sent" if ok else "failed", count)
-            await asyncio.sleep(PEER_GAP)
 
     async def _post(self, session: aiohttp.ClientSession, url: str, body: bytes,
                     timeout: aiohttp.ClientTimeout) -> bool:
