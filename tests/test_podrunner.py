@@ -5,6 +5,7 @@ these are the pure parts, checked against pods the operator's own render code ma
 from __future__ import annotations
 
 import copy
+import importlib
 import importlib.util
 import sys
 from fractions import Fraction
@@ -24,6 +25,9 @@ assert _spec and _spec.loader
 podrunner = importlib.util.module_from_spec(_spec)
 sys.modules["podrunner"] = podrunner
 _spec.loader.exec_module(podrunner)
+# Where REPO and VENV_BIN live and are read (podrunner re-exports them): a test patches them there. Loading
+# podrunner put its folder on sys.path.
+podrunner_spec = importlib.import_module("podrunner_spec")
 
 IMAGE = contract.CONTROL_PLANE_IMAGE
 
@@ -257,8 +261,8 @@ def test_a_checkout_or_venv_under_a_pods_own_tmp_is_bound_back(monkeypatch: pyte
                                                                 venv_bin: str, bound: list[str]) -> None:
     from pathlib import Path
 
-    monkeypatch.setattr(podrunner, "REPO", Path(repo))
-    monkeypatch.setattr(podrunner, "VENV_BIN", Path(venv_bin))
+    monkeypatch.setattr(podrunner_spec, "REPO", Path(repo))
+    monkeypatch.setattr(podrunner_spec, "VENV_BIN", Path(venv_bin))
     assert podrunner.host_paths_under_private_tops() == bound
 
 
