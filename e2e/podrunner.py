@@ -146,6 +146,7 @@ from podrunner_spec import (
     image_path,
     is_vllm_image,
     kwok_stages,
+    libc,
     log_line,
     quantity,
     repository,
@@ -164,9 +165,6 @@ __all__ = [
     "launcher_bundle", "log_line", "main", "pod_logs", "quantity", "repository", "rewrite_paths", "runner_pid",
     "runs", "share_header_cache", "start", "status", "stop", "sweep", "whole_cpus",
 ]
-
-_libc: Any = None   # loaded by the first _mount (podrunner_net loads its own, for setns)
-
 
 def cmd_run(args: argparse.Namespace) -> int:
     state = Path(args.state)
@@ -188,16 +186,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _mount(source: str | None, target: str, kind: str | None, flags: int, options: str | None = None) -> None:
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        _libc = ctypes.CDLL(None, use_errno=True)
-
     def encode(text: str | None) -> bytes | None:
         return text.encode() if text is not None else None
 
-    if _libc.mount(encode(source), encode(target), encode(kind), flags, encode(options)) != 0:
+    if libc().mount(encode(source), encode(target), encode(kind), flags, encode(options)) != 0:
         import ctypes
 
         errno = ctypes.get_errno()

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from podrunner_spec import libc
+
 CLUSTER_NETNS = "tensorfleet-e2e"       # e2e/cluster's POD_NETNS: the whole pod range is routed into it
 NETNS_PREFIX = "tfe2e-pod-"
 VETH_PREFIX = "tfp"                      # + 12 hex digits: 15 characters, the most an interface name holds
@@ -68,24 +70,19 @@ def sweep() -> list[str]:
 
 # --- the API relay into a pod's network namespace ----------------------------------------------------
 
-_libc: Any = None
 CLONE_NEWNET = 0x40000000
 
 
 def listen_in_netns(netns: str, port: int) -> socket.socket:
     """A socket listening on 127.0.0.1:PORT inside NETNS, made by a thread that enters it and ends."""
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        _libc = ctypes.CDLL(None, use_errno=True)
+    lib = libc()
     made: dict[str, Any] = {}
 
     def enter_and_listen() -> None:
         try:
             fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
             try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
+                if lib.setns(fd, CLONE_NEWNET) != 0:
                     import ctypes
 
                     raise OSError(ctypes.get_errno(), f"setns {netns}")

@@ -9,6 +9,7 @@ it stands in for and how: e2e/README.md#real-processes-for-control-plane-pods.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -414,3 +415,11 @@ def children(pid: int) -> list[int]:
 def log_line(message: str) -> None:
     sys.stderr.write(f"{datetime.now(UTC).strftime('%H:%M:%S.%f')[:-3]} podrunner: {message}\n")
     sys.stderr.flush()
+
+
+@functools.cache
+def libc() -> Any:
+    """The C library through ctypes, errno kept: for the system calls Python does not wrap (mount, setns)."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
