@@ -76,6 +76,7 @@ from common import (
     metric_sum,
     percentile,
     scrape,
+    scrape_all,
     stream_chat,
     table,
     wait_healthy,
@@ -307,7 +308,7 @@ async def closed_loop_tokens(url: str, engines: Sequence[Proc], shape: Shape, co
             await stream(http, url, ask, scale, timeout=max(1.0, stop_at - time.perf_counter()) + 1)
 
     async def tokens() -> float:
-        texts = await asyncio.gather(*(scrape(e.url) for e in engines))
+        texts = await scrape_all([e.url for e in engines])
         return sum(metric_sum(t, GENERATED) for t in texts)
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:

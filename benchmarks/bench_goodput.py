@@ -55,12 +55,13 @@ from common import (
     ACCELERATOR,
     HOST,
     MODEL_ID,
+    cache_totals,
     cluster,
     engine_flags,
     free_port,
     metric_sum,
     percentile,
-    scrape,
+    scrape_all,
     table,
     wait_healthy,
     write_results,
@@ -83,7 +84,6 @@ WORKLOADS = ("prefix", "prefix-free")
 TTFT_TARGET = 0.5   # seconds: the target
 ITL_TARGET = 0.1    # seconds per output token after the first (the simulated L4 decodes a step in 69 ms at batch 1)
 WARM_FRACTION = 0.2  # the first fifth of each run's arrivals is left out of the figures
-HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"
 
 
 def plan_of() -> Plan:
@@ -143,15 +143,6 @@ def figures(records: list[Record], start: float, seconds: float, bounds: dict[in
         # Every answered request's TTFT, for percentiles over all seeds together (`group`).
         "ttfts_s": [round(t, 4) for t in ttfts],
     }
-
-
-async def scrape_all(urls: Sequence[str]) -> list[str]:
-    return list(await asyncio.gather(*(scrape(u) for u in urls)))
-
-
-async def cache_totals(urls: Sequence[str]) -> tuple[float, float]:
-    texts = await scrape_all(urls)
-    return sum(metric_sum(t, HITS) for t in texts), sum(metric_sum(t, QUERIES) for t in texts)
 
 
 def workload_of(name: str, seed: int) -> Workload:

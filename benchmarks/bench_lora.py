@@ -54,7 +54,7 @@ from common import (
     cluster,
     metric_sum,
     percentile,
-    scrape,
+    scrape_all,
     stream_chat,
     table,
     wait_healthy,
@@ -170,7 +170,7 @@ def ok(d: Done) -> bool:
 
 async def load_totals(engines: Sequence[Proc]) -> dict[str, float]:
     """Adapters brought into GPU slots so far, summed over the engines, by the tier they came from."""
-    texts = await asyncio.gather(*(scrape(e.url) for e in engines))
+    texts = await scrape_all([e.url for e in engines])
     return {tier: sum(metric_sum(t, LOADS_METRIC, tier=tier) for t in texts) for tier in TIERS}
 
 

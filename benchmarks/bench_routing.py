@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from common import cluster, metric_sum, percentile, scrape, table, wait_healthy, write_results
+from common import cache_totals, cluster, percentile, table, wait_healthy, write_results
 from workload import TURNS, Record, Workload, closed_loop, open_loop
 
 TIME_SCALE = 0.25
@@ -32,14 +32,7 @@ ENGINES = 4
 STRATEGIES = ("round-robin", "least-pending", "session", "prefix-aware")
 LOADS = (0.5, 0.8, 1.0)
 MODEL_FLAGS = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--accelerator", "L4", "--max-model-len", "8192")
-HITS = "vllm:prefix_cache_hits_total"
-QUERIES = "vllm:prefix_cache_queries_total"
 MEAN_TURNS = (TURNS[0] + TURNS[1]) / 2
-
-
-async def cache_totals(urls: list[str]) -> tuple[float, float]:
-    texts = await asyncio.gather(*(scrape(u) for u in urls))
-    return sum(metric_sum(t, HITS) for t in texts), sum(metric_sum(t, QUERIES) for t in texts)
 
 
 def summarise(records: list[Record], start: float, window: tuple[float, float]) -> dict[str, Any]:

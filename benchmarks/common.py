@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from tensorfleet import promtext
+from tensorfleet import contract, promtext
 
 if TYPE_CHECKING:
     from tensorfleet.planner import Plan
@@ -183,6 +183,18 @@ async def wait_healthy(*procs: Proc, timeout: float = 30.0) -> None:
 async def scrape(url: str) -> str:
     async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
         return await resp.text()
+
+
+async def scrape_all(urls: Sequence[str]) -> list[str]:
+    """Each URL's /metrics, scraped together."""
+    return list(await asyncio.gather(*(scrape(u) for u in urls)))
+
+
+async def cache_totals(urls: Sequence[str]) -> tuple[float, float]:
+    """The engines' prefix-cache hits and queries (tokens), summed over URLS."""
+    texts = await scrape_all(urls)
+    return (sum(metric_sum(t, contract.VLLM_METRIC_PREFIX_CACHE_HITS + "_total") for t in texts),
+            sum(metric_sum(t, contract.VLLM_METRIC_PREFIX_CACHE_QUERIES + "_total") for t in texts))
 
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
