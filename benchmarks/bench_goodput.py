@@ -22,7 +22,9 @@ sessions then arrive open-loop (Poisson) at each multiple of it, and go on
 arriving after the run's window until every request sent in it has its answer
 (workload.open_loop's `sustain`), so each is served under the load it was sent
 into; only the window's requests count. Engines restart between runs, with cold
-caches.
+caches. `--model`, `--accelerator`, `--max-model-len` and `--shape` plan other
+engines (the operator's planner sizes their KV cache, batch and the router's
+ceiling) and draw another workload, to see routing where it was not tuned.
 
 Goodput: requests per second answered with a first token within TTFT_TARGET
 (and, separately, with a mean inter-token time within ITL_TARGET); a failed
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import time
@@ -66,7 +69,7 @@ from common import (
     wait_healthy,
     write_results,
 )
-from workload import TURNS, Record, Workload, closed_loop, ok, open_loop
+from workload import DEFAULT_SHAPE, Record, Shape, Workload, closed_loop, ok, open_loop
 
 from tensorfleet import contract, engine_settings, vllm_defaults
 from tensorfleet.api import load_inference_service
@@ -86,23 +89,29 @@ ITL_TARGET = 0.1    # seconds per output token after the first (the simulated L4
 WARM_FRACTION = 0.2  # the first fifth of each run's arrivals is left out of the figures
 
 
-def plan_of() -> Plan:
+def plan_of(model: str = MODEL_ID, accelerator: str = ACCELERATOR, max_model_len: int = 8192) -> Plan:
+    """The operator's plan for the engines (raises SpecError, naming the field, where the planner refuses it)."""
     doc = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "bench"},
-           "spec": {"model": {"name": MODEL_ID, "maxModelLen": 8192}, "accelerator": {"type": ACCELERATOR},
+           "spec": {"model": {"name": model, "maxModelLen": max_model_len}, "accelerator": {"type": accelerator},
                     "engine": {"kind": "simulator"}}}
     return make_plan(load_inference_service(doc).spec)
 
 
 def engine_profile(plan: Plan) -> Profile:
     """The simulators' step model, as engine_flags starts them."""
-    return make_profile(MODEL_ID, ACCELERATOR, max_model_len=plan.max_model_len, max_num_seqs=plan.max_num_seqs,
-                        kv_cache_tokens=plan.kv_cache_tokens)
+    return make_profile(plan.model, plan.accelerator, tensor=plan.tensor, max_model_len=plan.max_model_len,
+                        max_num_seqs=plan.max_num_seqs, kv_cache_tokens=plan.kv_cache_tokens)
+
+
+def ceiling(plan: Plan) -> int:
+    """The router's per-engine ceiling the operator derives from the plan (router_flags)."""
+    return plan.engine_concurrency(2048)
 
 
 def router_flags(plan: Plan) -> list[str]:
     """The operator's router flags that matter here: the KV-derived ceiling per engine, the engines' prefill
     budget per step."""
-    return ["--max-concurrency-per-backend", str(plan.engine_concurrency(2048)),
+    return ["--max-concurrency-per-backend", str(ceiling(plan)),
             "--prompt-queue-tokens", str(plan.batched_tokens)]
 
 
@@ -145,18 +154,19 @@ def figures(records: list[Record], start: float, seconds: float, bounds: dict[in
     }
 
 
-def workload_of(name: str, seed: int) -> Workload:
-    return Workload(seed=seed, shared=name == "prefix")
+def workload_of(name: str, seed: int, shape: Shape) -> Workload:
+    return Workload(seed=seed, shared=name == "prefix", shape=shape)
 
 
-def measure_capacity(plan: Plan, workload: str, seconds: float) -> float:
-    """Simulated requests/s the fleet answers in closed loop (16 sessions per engine) through least-pending."""
+def measure_capacity(plan: Plan, workload: str, shape: Shape, seconds: float) -> float:
+    """Simulated requests/s the fleet answers in closed loop (as many sessions per engine as the router's
+    ceiling: 16 on the default plan) through least-pending."""
     with cluster(f"goodput-capacity-{workload}") as c:
         engines = [c.sim(f"engine{i}", *engine_flags(plan), time_scale=TIME_SCALE) for i in range(ENGINES)]
         router = c.router(engines, *router_flags(plan), strategy="least-pending")
         asyncio.run(wait_healthy(*engines, router))
         time.sleep(2.5)
-        records, start = asyncio.run(closed_loop(router.url, workload_of(workload, 1), ENGINES * 16, seconds,
+        records, start = asyncio.run(closed_loop(router.url, workload_of(workload, 1, shape), ENGINES * ceiling(plan), seconds,
                                                  TIME_SCALE))
     lo = start + seconds * 0.25
     done = [r for r in records if r.result.sent_at >= lo and ok(r)]
@@ -257,7 +267,7 @@ def ttft_bounds(best: Sequence[tuple[Record, int, int]], profile: Profile) -> di
 
 
 def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float, capacity: float, seed: int,
-            seconds: float, before: Path | None = None) -> dict[str, Any]:
+            seconds: float, before: Path | None = None, shape: Shape = DEFAULT_SHAPE) -> dict[str, Any]:
     tag = f"goodput-{workload}-{strategy}-{replicas}r-{int(load * 100)}-s{seed}"
     with cluster(tag) as c:
         # Every engine publishes its KV events, as the operator configures an engine of a full-attention model.
@@ -280,10 +290,10 @@ def run_one(plan: Plan, workload: str, strategy: str, replicas: int, load: float
         urls = [e.url for e in engines]
         before_totals = asyncio.run(cache_totals(urls))
         cpu_before = sum(r.cpu_seconds() for r in routers)
-        turns = (TURNS[0] + TURNS[1]) / 2 if workload == "prefix" else 1
+        turns = shape.mean_turns if workload == "prefix" else 1
         sessions_per_second = capacity * load / TIME_SCALE / turns  # wall seconds
         target: str | list[str] = routers[0].url if replicas == 1 else [r.url for r in routers]
-        records, start = asyncio.run(open_loop(target, workload_of(workload, seed), sessions_per_second, seconds,
+        records, start = asyncio.run(open_loop(target, workload_of(workload, seed, shape), sessions_per_second, seconds,
                                                TIME_SCALE, sustain=True))
         cpu = sum(r.cpu_seconds() for r in routers) - cpu_before
         after = asyncio.run(cache_totals(urls))
@@ -394,7 +404,7 @@ def evaluate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return goals
 
 
-def plot(rows: list[dict[str, Any]], path: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, fleet: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,15 +432,16 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
         ax.set_ylabel(f"goodput: requests/s with TTFT <= {TTFT_TARGET * 1000:.0f} ms")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"Goodput by routing strategy\n{ENGINES} simulated L4 engines; median of seeds, bars: range",
+    fig.suptitle(f"Goodput by routing strategy\n{fleet}; median of seeds, bars: range",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def load_saved(name: str, seconds: float) -> dict[str, Any] | None:
-    """The results file a --resume run continues, refused where its runs are not comparable with this one's."""
+def load_saved(name: str, seconds: float, setup: dict[str, Any]) -> dict[str, Any] | None:
+    """The results file a --resume run continues, refused where its runs are not comparable with this one's
+    (SETUP: the engines' model, GPU and context, the workload's shape)."""
     from common import RESULTS
 
     path = RESULTS / f"{name}.json"
@@ -441,7 +452,17 @@ def load_saved(name: str, seconds: float) -> dict[str, Any] | None:
         raise SystemExit(f"bench_goodput: {path} holds runs of {saved.get('seconds_per_run')} s at time scale "
                          f"{saved.get('time_scale')} (quick={saved.get('quick')}); this run is {seconds:g} s at "
                          f"{TIME_SCALE:g}: pass the same --seconds, or another --name")
+    # Files saved before these were options hold the defaults.
+    theirs = {**default_setup(), **saved.get("setup", {})}
+    for key, value in setup.items():
+        if theirs[key] != value:
+            raise SystemExit(f"bench_goodput: {path} holds runs with {key} {theirs[key]!r}; this run has "
+                             f"{value!r}: pass the same, or another --name")
     return saved
+
+
+def default_setup() -> dict[str, Any]:
+    return {"model": MODEL_ID, "accelerator": ACCELERATOR, "max_model_len": 8192, "shape": ""}
 
 
 def main() -> None:
@@ -462,6 +483,15 @@ def main() -> None:
     parser.add_argument("--replicas", nargs="*", type=int, default=[1, 2], choices=(1, 2))
     parser.add_argument("--capacity", nargs="*", default=[], metavar="WORKLOAD=RPS",
                         help="skip a capacity run: simulated requests/s of the fleet on that workload")
+    parser.add_argument("--model", default=MODEL_ID, help=f"the engines' model, from the catalog (default {MODEL_ID})")
+    parser.add_argument("--accelerator", default=ACCELERATOR,
+                        help=f"the engines' GPU, as spec.accelerator.type (default {ACCELERATOR}); the planner "
+                             "sizes the KV cache, the batch and the router's ceiling for it")
+    parser.add_argument("--max-model-len", type=int, default=8192, help="spec.model.maxModelLen (default 8192)")
+    parser.add_argument("--shape", default="", metavar="KEY=VALUE,...",
+                        help="the workload's sizes where not workload.py's defaults, e.g. "
+                             "`tenants=8,system_tokens=1500,doc_tokens=0-6000,turns=2-8,answer_median=200`; keys: "
+                             + ", ".join(f.name for f in dataclasses.fields(Shape)))
     parser.add_argument("--name", default="goodput", help="results/NAME.json (and NAME.png)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in results/NAME.json (and its measured capacities), run only "
@@ -475,8 +505,17 @@ def main() -> None:
         parser.error(f"--before {args.before}: not a checkout of this repository (no operator/tensorfleet/router)")
     seconds = args.seconds or (20.0 if args.quick else 60.0)
     seeds = [1] if args.quick else list(range(1, args.seeds + 1))
-    plan = plan_of()
-    saved = load_saved(args.name, seconds) if args.resume and not args.quick else None
+    try:
+        shape = Shape.parse(args.shape)
+        plan = plan_of(args.model, args.accelerator, args.max_model_len)
+    except ValueError as exc:   # SpecError and the planner's refusals name the field
+        parser.error(str(exc))
+    setup = {"model": args.model, "accelerator": args.accelerator, "max_model_len": args.max_model_len,
+             "shape": shape.describe()}
+    fleet = (f"{ENGINES} simulated {plan.accelerator}{f' x{plan.tensor}' if plan.tensor > 1 else ''} engines "
+             f"({plan.model}, {plan.kv_cache_tokens:,} KV tokens)" + (f", workload {setup['shape']}" if setup["shape"] else ""))
+    print(fleet, flush=True)
+    saved = load_saved(args.name, seconds, setup) if args.resume and not args.quick else None
     given = {k: float(v) for k, v in (x.split("=", 1) for x in args.capacity)}
     capacity: dict[str, float] = dict(saved["capacity"]) if saved else {}
     for workload, rps in given.items():
@@ -487,7 +526,7 @@ def main() -> None:
     for workload in args.workloads:
         if workload not in capacity:
             print(f"measuring the fleet's capacity on the {workload} workload...", flush=True)
-            capacity[workload] = measure_capacity(plan, workload, 30.0 if args.quick else 90.0)
+            capacity[workload] = measure_capacity(plan, workload, shape, 30.0 if args.quick else 90.0)
         print(f"  {workload}: {capacity[workload]:.2f} requests/s (simulated)", flush=True)
     runs: list[dict[str, Any]] = list(saved["runs"]) if saved else []
     done = {(r["workload"], r["strategy"], r["replicas"], r["load"], r["seed"]) for r in runs}
@@ -496,9 +535,9 @@ def main() -> None:
 
     def save(name: str = args.name) -> Path:
         rows = group(runs)
-        return write_results(name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES,
+        return write_results(name, {"quick": args.quick, "time_scale": TIME_SCALE, "engines": ENGINES, "setup": setup,
                                          "seconds_per_run": seconds, "capacity": capacity,
-                                         "ceiling": plan.engine_concurrency(2048), "ttft_target_s": TTFT_TARGET,
+                                         "ceiling": ceiling(plan), "ttft_target_s": TTFT_TARGET,
                                          "itl_target_s": ITL_TARGET, "rows": rows, "goals": evaluate(rows),
                                          "runs": runs})
 
@@ -513,7 +552,7 @@ def main() -> None:
                             continue
                         try:
                             run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed,
-                                          seconds, args.before)
+                                          seconds, args.before, shape)
                         except RuntimeError as exc:
                             # A port free_port() picked was taken before a process bound it: once more, on others.
                             # (CPython says "Address already in use", uvloop "address already in use".)
@@ -522,7 +561,7 @@ def main() -> None:
                             print(f"  {workload} {int(load * 100)}% s{seed} {replicas}r {strategy}: a port was "
                                   "taken before it was bound; once more", flush=True)
                             run = run_one(plan, workload, strategy, replicas, load, capacity[workload], seed,
-                                          seconds, args.before)
+                                          seconds, args.before, shape)
                         runs.append(run)
                         print(f"  {workload:11} {int(load * 100):3}% s{seed} {replicas}r {strategy:13} "
                               f"good(TTFT) {run['goodput_ttft_rps']:.2f}/s {run['share_ttft']:.0%} "
@@ -539,7 +578,7 @@ def main() -> None:
     rows = group(runs)
     seed_counts = sorted({r["seeds"] for r in rows})
     print()
-    print(f"{ENGINES} simulated L4 engines (Llama-3.1-8B); router ceiling {plan.engine_concurrency(2048)} per engine; "
+    print(f"{fleet}; router ceiling {ceiling(plan)} per engine; "
           f"targets: TTFT {TTFT_TARGET:g} s, ITL {ITL_TARGET:g} s; {seconds:g} s per run; median over "
           f"{'/'.join(map(str, seed_counts))} seed(s), simulated time")
     print(table(["workload", "load", "routers", "strategy", "goodput TTFT/s", "share TTFT", "at best TTFT/s",
@@ -560,7 +599,7 @@ def main() -> None:
         from common import RESULTS
 
         png = RESULTS.parent / f"{args.name}.png" if args.name == "goodput" else RESULTS / f"{args.name}.png"
-        plot(rows, str(png))
+        plot(rows, str(png), fleet)
         print(f"wrote {png}")
     path = save(args.name + "-quick" if args.quick else args.name)
     print(f"wrote {path}")

@@ -41,9 +41,11 @@ MODEL_ID, ACCELERATOR = "meta-llama/Llama-3.1-8B-Instruct", "L4"
 
 
 def engine_flags(plan: Plan) -> list[str]:
-    """What the operator passes a simulator pod of MODEL_ID on ACCELERATOR from its plan."""
-    return ["--model", MODEL_ID, "--accelerator", ACCELERATOR, "--max-model-len", str(plan.max_model_len),
-            "--max-num-seqs", str(plan.max_num_seqs), "--kv-cache-tokens", str(plan.kv_cache_tokens)]
+    """What the operator passes a simulator pod of the plan's model and GPU (MODEL_ID on ACCELERATOR unless a
+    benchmark plans another)."""
+    return ["--model", plan.model, "--accelerator", plan.accelerator, "--tensor-parallel-size", str(plan.tensor),
+            "--max-model-len", str(plan.max_model_len), "--max-num-seqs", str(plan.max_num_seqs),
+            "--kv-cache-tokens", str(plan.kv_cache_tokens)]
 
 
 def free_port() -> int:

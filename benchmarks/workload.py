@@ -14,12 +14,15 @@ Words are four random letters, one token each under the simulator's
 tokenizer, so lengths in tokens are what the generator asked for.
 
 `shared=False` makes the prefix-free variant: every session has a system prompt
-of its own and one turn, so no prompt shares a prefix with another.
+of its own and one turn, so no prompt shares a prefix with another. Those are
+the default sizes; a `Shape` gives others (bench_goodput's `--shape`), to see
+how routing holds up on a workload it was not tuned on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import random
 import string
@@ -38,6 +41,62 @@ TURNS = (1, 6)
 QUESTION_TOKENS = (10, 150)
 ANSWER_MEDIAN, ANSWER_SIGMA, ANSWER_RANGE = 100, 0.8, (8, 600)
 THINK_MEAN_SECONDS = 2.0  # simulated
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload's sizes (the defaults above); `parse` reads one from a command line's KEY=VALUE list."""
+
+    tenants: int = TENANTS
+    system_tokens: int = SYSTEM_TOKENS
+    doc_tokens: tuple[int, int] = DOC_TOKENS
+    turns: tuple[int, int] = TURNS
+    question_tokens: tuple[int, int] = QUESTION_TOKENS
+    answer_median: int = ANSWER_MEDIAN
+    answer_range: tuple[int, int] = ANSWER_RANGE
+    think_seconds: float = THINK_MEAN_SECONDS
+
+    @property
+    def mean_turns(self) -> float:
+        return (self.turns[0] + self.turns[1]) / 2
+
+    @classmethod
+    def parse(cls, text: str) -> Shape:
+        """TEXT: comma-separated KEY=VALUE, a range as LO-HI (e.g. `tenants=8,doc_tokens=0-8000,turns=2-8`).
+        Raises ValueError naming the key."""
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for item in filter(None, (x.strip() for x in text.split(","))):
+            key, _, value = item.partition("=")
+            if key not in fields:
+                raise ValueError(f"unknown workload key {key!r}; known: {', '.join(fields)}")
+            try:
+                if "tuple" in str(fields[key]):
+                    lo, _, hi = value.partition("-")
+                    values[key] = (int(lo), int(hi or lo))
+                    if not 0 <= values[key][0] <= values[key][1]:
+                        raise ValueError
+                else:
+                    values[key] = (float if "float" in str(fields[key]) else int)(value)
+                    if values[key] < 0:
+                        raise ValueError
+            except ValueError:
+                raise ValueError(f"workload key {key}={value!r}: expected "
+                                 f"{'LO-HI, whole numbers, LO <= HI' if 'tuple' in str(fields[key]) else 'a number >= 0'}"
+                                 ) from None
+        shape = cls(**values)
+        if shape.tenants < 1 or shape.turns[0] < 1:
+            raise ValueError("workload: tenants and turns need at least 1")
+        return shape
+
+    def describe(self) -> str:
+        """The keys that differ from the defaults, as `parse` reads them ('' for the default shape)."""
+        default = DEFAULT_SHAPE
+        return ",".join(f"{f.name}={'-'.join(map(str, v)) if isinstance(v, tuple) else v}"
+                        for f in dataclasses.fields(self) if (v := getattr(self, f.name)) != getattr(default, f.name))
+
+
+DEFAULT_SHAPE = Shape()
 
 
 def random_words(rng: random.Random, n: int) -> str:
@@ -76,28 +135,31 @@ def ok(r: Record) -> bool:
 class Workload:
     seed: int
     shared: bool = True
+    shape: Shape = DEFAULT_SHAPE
     systems: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        rng = random.Random(self.seed)
-        self.systems = [f"You are assistant {t} of tenant {t}. " + random_words(rng, SYSTEM_TOKENS) for t in range(TENANTS)]
+        rng, shape = random.Random(self.seed), self.shape
+        self.systems = [f"You are assistant {t} of tenant {t}. " + random_words(rng, shape.system_tokens)
+                        for t in range(shape.tenants)]
         self._rng = random.Random(self.seed + 1)
         self._count = 0
 
     def session(self) -> SessionPlan:
-        rng = self._rng
+        rng, shape = self._rng, self.shape
         self._count += 1
-        turns = [Turn(random_words(rng, rng.randint(*QUESTION_TOKENS)) + "?",
-                      int(min(max(rng.lognormvariate(0, ANSWER_SIGMA) * ANSWER_MEDIAN, ANSWER_RANGE[0]), ANSWER_RANGE[1])))
-                 for _ in range(rng.randint(*TURNS) if self.shared else 1)]
-        system = (self.systems[rng.randrange(TENANTS)] if self.shared
-                  else f"You are assistant {self._count}. " + random_words(rng, SYSTEM_TOKENS))
+        answer_lo, answer_hi = shape.answer_range
+        turns = [Turn(random_words(rng, rng.randint(*shape.question_tokens)) + "?",
+                      int(min(max(rng.lognormvariate(0, ANSWER_SIGMA) * shape.answer_median, answer_lo), answer_hi)))
+                 for _ in range(rng.randint(*shape.turns) if self.shared else 1)]
+        system = (self.systems[rng.randrange(shape.tenants)] if self.shared
+                  else f"You are assistant {self._count}. " + random_words(rng, shape.system_tokens))
         return SessionPlan(
             key=f"session-{self.seed}-{self._count}",
             system=system,
-            document=random_words(rng, rng.randint(*DOC_TOKENS)),
+            document=random_words(rng, rng.randint(*shape.doc_tokens)),
             turns=turns,
-            think=[rng.expovariate(1 / THINK_MEAN_SECONDS) for _ in turns],
+            think=[rng.expovariate(1 / shape.think_seconds) if shape.think_seconds else 0.0 for _ in turns],
         )
 
 
