@@ -487,11 +487,15 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
         return REGISTRY.get_sample_value("tensorfleet_reconciles_total", {"result": "error"}) or 0.0
 
     failed_before = failed()
-    async with cluster() as c, c.workloads(), running_operator(c):
+    gate = ReadyGate()
+    async with cluster() as c, c.workloads(gate), running_operator(c):
         await c.create(sim_doc(replicas=2))
         await wait_converged(c)
         old_sts = existing(c, *STS, "demo-stage-0")
         old_pods = {n: p["metadata"]["uid"] for n, p in _pods(c).items()}
+        # Pods made from now on never turn Ready, so the rollout that follows the recreation (a surge ordinal
+        # first) cannot replace an adopted pod before the test looks: what is checked is the adoption, not a race.
+        gate.auto = False
         await c.patch("demo", {"spec": {"cache": {"size": "100Gi"}}})
         sts = await eventually(lambda: (s := c.get(*STS, "demo-stage-0")) and s.get("spec", {}).get("volumeClaimTemplates")
                                and s, message="recreated with a claim template")
@@ -500,10 +504,14 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
         # The event is posted after the new StatefulSet is created.
         await eventually(lambda: any(e["reason"] == "StatefulSetRecreated" for e in c.events("demo")),
                          message="a StatefulSetRecreated event")
-        # The orphaned pods were adopted by the new StatefulSet, not deleted with the old one.
+        # The orphaned pods were adopted by the new StatefulSet, not deleted with the old one (the same pods, by
+        # uid, still serving); any other pod is the rollout's surge, beyond the wanted ordinals.
         adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
                                                == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))
-        assert set(adopted) == set(old_pods)
+        assert {n: adopted[n]["metadata"]["uid"] for n in old_pods if n in adopted} == old_pods
+        assert all(any(x["type"] == "Ready" and x["status"] == "True" for x in adopted[n]["status"]["conditions"])
+                   for n in old_pods)
+        assert all(int(n.rsplit("-", 1)[1]) >= 2 for n in set(adopted) - set(old_pods))
         # The re-apply waited for the garbage collector instead of failing on the terminating StatefulSet.
         assert failed() == failed_before
 
