@@ -22,6 +22,7 @@ from conftest import require_real_vllm
 from tensorfleet.router.kvevents import END_OF_REPLAY, Subscriber
 from tensorfleet.router.kvindex import KVIndex
 from tensorfleet.testing import realvllm
+from tensorfleet.testing.wait import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -180,9 +181,12 @@ async def test_a_loss_beyond_the_replay_buffer_forgets_rather_than_guesses(strea
     await stream.reach(publisher.publish(stored(H[:3], PROMPT[:12])))
     await stream.stop()
     # More batches than the publisher keeps: the eviction of the first block is among those lost.
-    publisher.publish(removed([H[0]]))
+    lost = publisher.publish(removed([H[0]]))
     for _ in range(BUFFER_STEPS):
         last = publisher.publish(removed(["ff" * 32]))
+    # vLLM's publisher sends and buffers from a thread of its own: until that thread has taken the last batch,
+    # a replay would still hold the eviction, and nothing would be lost.
+    await eventually(lambda: replay_moved_past(publisher, lost, last), WAIT_SECONDS, "the publisher's buffer past the eviction")
     await stream.start()
     await stream.reach(last)
     assert stream.subscriber.stats.resyncs == 1
@@ -190,6 +194,12 @@ async def test_a_loss_beyond_the_replay_buffer_forgets_rather_than_guesses(strea
     # Blocks stored from here on are indexed again.
     await stream.reach(publisher.publish(stored(H[:2], PROMPT[:8])))
     assert stream.held() == 2
+
+
+async def replay_moved_past(publisher: Publisher, lost: int, last: int) -> bool:
+    """Whether the publisher's replay buffer holds batch LAST and no longer LOST."""
+    held = await buffered(publisher)
+    return last in held and lost not in held
 
 
 async def buffered(publisher: Publisher) -> dict[int, bytes]:
