@@ -170,6 +170,7 @@ async def test_a_lost_connection_is_replayed(stream: Stream, publisher: Publishe
     publisher.publish(stored(H[2:4], PROMPT[8:16], parent=H[1]))
     publisher.publish(removed([H[3]]))
     last = publisher.publish(stored(H[3:5], PROMPT[12:20], parent=H[2]))
+    await holding(publisher, last)   # all three wait in the replay buffer: they come back replayed, none live
     await stream.start()
     await stream.reach(last)
     assert stream.held() == 5
@@ -184,9 +185,9 @@ async def test_a_loss_beyond_the_replay_buffer_forgets_rather_than_guesses(strea
     lost = publisher.publish(removed([H[0]]))
     for _ in range(BUFFER_STEPS):
         last = publisher.publish(removed(["ff" * 32]))
-    # vLLM's publisher sends and buffers from a thread of its own: until that thread has taken the last batch,
-    # a replay would still hold the eviction, and nothing would be lost.
-    await eventually(lambda: replay_moved_past(publisher, lost, last), WAIT_SECONDS, "the publisher's buffer past the eviction")
+    # Until the publisher's thread has taken the last batch, a replay would still hold the eviction, and nothing
+    # would be lost.
+    assert lost not in await holding(publisher, last)
     await stream.start()
     await stream.reach(last)
     assert stream.subscriber.stats.resyncs == 1
@@ -196,10 +197,14 @@ async def test_a_loss_beyond_the_replay_buffer_forgets_rather_than_guesses(strea
     assert stream.held() == 2
 
 
-async def replay_moved_past(publisher: Publisher, lost: int, last: int) -> bool:
-    """Whether the publisher's replay buffer holds batch LAST and no longer LOST."""
-    held = await buffered(publisher)
-    return last in held and lost not in held
+async def holding(publisher: Publisher, seq: int) -> dict[int, bytes]:
+    """The publisher's replay buffer (`buffered`) once it holds batch SEQ: vLLM's publisher sends and buffers from a
+    thread of its own, so a batch `publish` has numbered may not be there yet."""
+    async def held() -> dict[int, bytes] | None:
+        batches = await buffered(publisher)
+        return batches if seq in batches else None
+    found: dict[int, bytes] = await eventually(held, WAIT_SECONDS, f"batch {seq} in the publisher's replay buffer")
+    return found
 
 
 async def buffered(publisher: Publisher) -> dict[int, bytes]:
@@ -236,7 +241,7 @@ async def test_a_late_batch_of_the_same_engine_is_not_taken_for_a_restart(stream
     # The restarted engine's first batch is numbered lower still, and newer: that one is a restart.
     publisher.restart()
     again = publisher.publish(stored(H[:1], PROMPT[:4]))
-    await fed.live(again, (await buffered(publisher))[again])
+    await fed.live(again, (await holding(publisher, again))[again])
     assert fed.stats.resyncs == 1 and fed.last == again
     assert fed.index.match(PROMPT).get(ENGINE, 0) == 1
 
