@@ -10,6 +10,7 @@ import pytest
 from conftest import ReadyGate, existing, existing_isvc, isvc_doc, rollout_completed, sim_doc
 
 from tensorfleet import contract
+from tensorfleet.controller.observe import pod_ready
 from tensorfleet.controller.operator import Operator, OperatorConfig
 from tensorfleet.kube.connection import Connection
 from tensorfleet.testing.kube_emulator import Faults
@@ -509,8 +510,7 @@ async def test_changing_an_immutable_statefulset_field_keeps_pods_serving() -> N
         adopted = await eventually(lambda: all([r["uid"] for r in p["metadata"].get("ownerReferences") or []]
                                                == [sts["metadata"]["uid"]] for p in _pods(c).values()) and _pods(c))
         assert {n: adopted[n]["metadata"]["uid"] for n in old_pods if n in adopted} == old_pods
-        assert all(any(x["type"] == "Ready" and x["status"] == "True" for x in adopted[n]["status"]["conditions"])
-                   for n in old_pods)
+        assert all(pod_ready(adopted[n]) for n in old_pods)
         assert all(int(n.rsplit("-", 1)[1]) >= 2 for n in set(adopted) - set(old_pods))
         # The re-apply waited for the garbage collector instead of failing on the terminating StatefulSet.
         assert failed() == failed_before
