@@ -86,7 +86,7 @@ from common import (
     wait_healthy,
     write_results,
 )
-from workload import TURNS, Record, Workload, closed_loop, ok, run_session
+from workload import DEFAULT_SHAPE, Record, Workload, closed_loop, ok, run_session
 
 from tensorfleet import contract
 from tensorfleet.api import load_inference_service
@@ -103,7 +103,7 @@ LIGHT, PEAK = 0.5, 2.5       # offered load, in units of one replica's capacity
 PHASES = ((300.0, LIGHT), (600.0, PEAK), (300.0, LIGHT))   # (seconds, load)
 IDLE_SECONDS = 300           # spec.autoscaling.scaleToZeroAfterSeconds
 COLD_PROBE_AFTER = IDLE_SECONDS + 200.0   # seconds after the load ends: the cold-start request (drained by then)
-MEAN_TURNS = (TURNS[0] + TURNS[1]) / 2
+MEAN_TURNS = DEFAULT_SHAPE.mean_turns
 SIGNALS = ("engine-waiting", "combined", "kv", "engine-waiting-kv-router")
 EXTRA_SIGNALS: tuple[str, ...] = ("combined-ceiling",)
 # Router flags that are times: the production default, compressed like everything else.

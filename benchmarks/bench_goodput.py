@@ -86,10 +86,11 @@ LOADS = (0.5, 0.8, 1.0, 1.2, 1.5)
 WORKLOADS = ("prefix", "prefix-free")
 TTFT_TARGET = 0.5   # seconds: the issue's target
 ITL_TARGET = 0.1    # seconds per output token after the first (the simulated L4 decodes a step in 69 ms at batch 1)
+MAX_MODEL_LEN = 8192  # spec.model.maxModelLen unless --max-model-len
 WARM_FRACTION = 0.2  # the first fifth of each run's arrivals is left out of the figures
 
 
-def plan_of(model: str = MODEL_ID, accelerator: str = ACCELERATOR, max_model_len: int = 8192) -> Plan:
+def plan_of(model: str = MODEL_ID, accelerator: str = ACCELERATOR, max_model_len: int = MAX_MODEL_LEN) -> Plan:
     """The operator's plan for the engines (raises SpecError, naming the field, where the planner refuses it)."""
     doc = {"apiVersion": contract.API_VERSION, "kind": contract.KIND, "metadata": {"name": "bench"},
            "spec": {"model": {"name": model, "maxModelLen": max_model_len}, "accelerator": {"type": accelerator},
@@ -462,7 +463,7 @@ def load_saved(name: str, seconds: float, setup: dict[str, Any]) -> dict[str, An
 
 
 def default_setup() -> dict[str, Any]:
-    return {"model": MODEL_ID, "accelerator": ACCELERATOR, "max_model_len": 8192, "shape": ""}
+    return {"model": MODEL_ID, "accelerator": ACCELERATOR, "max_model_len": MAX_MODEL_LEN, "shape": ""}
 
 
 def main() -> None:
@@ -487,7 +488,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default=ACCELERATOR,
                         help=f"the engines' GPU, as spec.accelerator.type (default {ACCELERATOR}); the planner "
                              "sizes the KV cache, the batch and the router's ceiling for it")
-    parser.add_argument("--max-model-len", type=int, default=8192, help="spec.model.maxModelLen (default 8192)")
+    parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                        help=f"spec.model.maxModelLen (default {MAX_MODEL_LEN})")
     parser.add_argument("--shape", default="", metavar="KEY=VALUE,...",
                         help="the workload's sizes where not workload.py's defaults, e.g. "
                              "`tenants=8,system_tokens=1500,doc_tokens=0-6000,turns=2-8,answer_median=200`; keys: "

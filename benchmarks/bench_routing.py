@@ -25,14 +25,14 @@ from collections import Counter
 from typing import Any
 
 from common import cache_totals, cluster, percentile, table, wait_healthy, write_results
-from workload import TURNS, Record, Workload, closed_loop, open_loop
+from workload import DEFAULT_SHAPE, Record, Workload, closed_loop, open_loop
 
 TIME_SCALE = 0.25
 ENGINES = 4
 STRATEGIES = ("round-robin", "least-pending", "session", "prefix-aware")
 LOADS = (0.5, 0.8, 1.0)
 MODEL_FLAGS = ("--model", "meta-llama/Llama-3.1-8B-Instruct", "--accelerator", "L4", "--max-model-len", "8192")
-MEAN_TURNS = (TURNS[0] + TURNS[1]) / 2
+MEAN_TURNS = DEFAULT_SHAPE.mean_turns
 
 
 def summarise(records: list[Record], start: float, window: tuple[float, float]) -> dict[str, Any]:

@@ -64,26 +64,26 @@ class Shape:
     def parse(cls, text: str) -> Shape:
         """TEXT: comma-separated KEY=VALUE, a range as LO-HI (e.g. `tenants=8,doc_tokens=0-8000,turns=2-8`).
         Raises ValueError naming the key."""
-        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        defaults = {f.name: getattr(DEFAULT_SHAPE, f.name) for f in dataclasses.fields(cls)}
         values: dict[str, Any] = {}
         for item in filter(None, (x.strip() for x in text.split(","))):
             key, _, value = item.partition("=")
-            if key not in fields:
-                raise ValueError(f"unknown workload key {key!r}; known: {', '.join(fields)}")
+            if key not in defaults:
+                raise ValueError(f"unknown workload key {key!r}; known: {', '.join(defaults)}")
+            ranged = isinstance(defaults[key], tuple)   # a key reads as its default's kind: a range or a number
             try:
-                if "tuple" in str(fields[key]):
+                if ranged:
                     lo, _, hi = value.partition("-")
                     values[key] = (int(lo), int(hi or lo))
                     if not 0 <= values[key][0] <= values[key][1]:
                         raise ValueError
                 else:
-                    values[key] = (float if "float" in str(fields[key]) else int)(value)
+                    values[key] = type(defaults[key])(value)
                     if values[key] < 0:
                         raise ValueError
             except ValueError:
                 raise ValueError(f"workload key {key}={value!r}: expected "
-                                 f"{'LO-HI, whole numbers, LO <= HI' if 'tuple' in str(fields[key]) else 'a number >= 0'}"
-                                 ) from None
+                                 f"{'LO-HI, whole numbers, LO <= HI' if ranged else 'a number >= 0'}") from None
         shape = cls(**values)
         if shape.tenants < 1 or shape.turns[0] < 1:
             raise ValueError("workload: tenants and turns need at least 1")
@@ -91,9 +91,8 @@ class Shape:
 
     def describe(self) -> str:
         """The keys that differ from the defaults, as `parse` reads them ('' for the default shape)."""
-        default = DEFAULT_SHAPE
         return ",".join(f"{f.name}={'-'.join(map(str, v)) if isinstance(v, tuple) else v}"
-                        for f in dataclasses.fields(self) if (v := getattr(self, f.name)) != getattr(default, f.name))
+                        for f in dataclasses.fields(self) if (v := getattr(self, f.name)) != getattr(DEFAULT_SHAPE, f.name))
 
 
 DEFAULT_SHAPE = Shape()
