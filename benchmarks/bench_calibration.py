@@ -1,7 +1,7 @@
 """Benchmark 10: the simulator calibrated against a real vLLM, and the same trace sent to both.
 
 A real vLLM (its CPU build serving the tests' tiny model: tensorfleet.testing.realvllm, docs/real-engine.md)
-is started with ENGINE_ARGS and calibrated (`tensorfleet sim calibrate`'s sweep, sim/calibrate.py, in
+is started with ENGINE_ARGS and calibrated (`tensorfleet sim calibrate`'s sweep, sim/probe.py, in
 process); its capacity is measured (closed loop at max-num-seqs concurrent requests of the trace's mix:
 generated tokens/s over a window / mean answer); then one seeded trace per load (open loop, Poisson
 arrivals at 30/60/90% of that capacity, for `--seconds`) is sent to it. The real engine is stopped, a
@@ -40,7 +40,7 @@ import aiohttp
 from common import MODEL, RESULTS, cluster, percentile, table, wait_healthy, write_results
 
 from tensorfleet import contract, promtext
-from tensorfleet.sim import calibrate
+from tensorfleet.sim import calibrate, probe
 from tensorfleet.testing import realvllm
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "16", "--max-num-batched-tokens", "2048"]
@@ -138,7 +138,7 @@ def wait_quiet(engine_seconds: Callable[[], float], max_other: float, timeout: f
 
 
 def request(rng: random.Random, at: float = 0.0) -> Req:
-    return Req(at, [rng.randrange(*calibrate.TOKEN_IDS) for _ in range(rng.randint(*PROMPT_TOKENS))],
+    return Req(at, [rng.randrange(*probe.TOKEN_IDS) for _ in range(rng.randint(*PROMPT_TOKENS))],
                rng.randint(*OUTPUT_TOKENS))
 
 
@@ -162,7 +162,7 @@ async def send(session: aiohttp.ClientSession, url: str, model: str, outcome: Ou
             if resp.status != 200:
                 outcome.error = f"{resp.status} {(await resp.text())[:200]}"
                 return
-            await calibrate.token_marks(resp, outcome.sent, outcome.marks)
+            await probe.token_marks(resp, outcome.sent, outcome.marks)
     except (aiohttp.ClientError, TimeoutError) as exc:
         outcome.error = f"{exc.__class__.__name__}: {exc}"
     if outcome.error is None and outcome.tokens != outcome.req.max_tokens:
@@ -285,7 +285,7 @@ def real_side(args: argparse.Namespace, loads: Sequence[float], profile_path: Pa
         sweep = calibrate.Sweep(concurrencies=(1, 2, 4, 8, 16), repeats=2 if args.quick else 3,
                                 time_limit_s=40.0 if args.quick else 150.0)
         started = time.monotonic()
-        doc = asyncio.run(calibrate.measure(engine.url, sweep=sweep, max_num_seqs=MAX_NUM_SEQS,
+        doc = asyncio.run(probe.measure(engine.url, sweep=sweep, max_num_seqs=MAX_NUM_SEQS,
                                             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                                             say=lambda line: print("  " + line, flush=True)))
         calibrate.write(profile_path, doc)

@@ -18,7 +18,7 @@ import pytest
 from tensorfleet import contract, promtext
 from tensorfleet.cli import build_parser
 from tensorfleet.cli import main as tensorfleet_main
-from tensorfleet.sim import calibrate
+from tensorfleet.sim import calibrate, probe
 from tensorfleet.sim.calibrate import (
     CalibrationError,
     Capacity,
@@ -26,13 +26,13 @@ from tensorfleet.sim.calibrate import (
     PrefillPoint,
     SustainedPoint,
     Sweep,
-    decode_window,
     fit,
     load,
     parse,
 )
 from tensorfleet.sim.cli import build_profile
 from tensorfleet.sim.engine import Engine
+from tensorfleet.sim.probe import decode_window
 from tensorfleet.sim.profile import StepModel, make_profile
 from tensorfleet.testing.loopback import MODEL, free_port, metric_value, sim, spawn_sim, wait_healthy
 
@@ -422,7 +422,7 @@ async def test_a_decode_point_sent_in_one_merged_event_is_taken_again(monkeypatc
     """An engine whose HTTP side was starved while it decoded (as on a busy host) sends a request's tokens in one
     merged event: that try has no window, and the point is taken again rather than dropped."""
     merged: list[int] = []
-    stream = calibrate.CalibrationClient.stream
+    stream = probe.CalibrationClient.stream
 
     async def starved(self: Any, tokens: int, max_tokens: int, marks: Any = None) -> Any:
         got = await stream(self, tokens, max_tokens, marks)
@@ -431,11 +431,11 @@ async def test_a_decode_point_sent_in_one_merged_event_is_taken_again(monkeypatc
             got[:] = [(got[-1][0], got[-1][1])]
         return got
 
-    monkeypatch.setattr(calibrate.CalibrationClient, "stream", starved)
+    monkeypatch.setattr(probe.CalibrationClient, "stream", starved)
     sweep = Sweep(concurrencies=(1,), contexts=(32, 96), decode_tokens=16, prompt_lengths=(16,), repeats=1,
                   prefill_repeats=1, sustained_s=0.0, warmup=0, time_limit_s=60.0)
     async with sim(profile=make_profile(max_num_batched_tokens=BUDGET), time_scale=0.02) as s:
-        doc = await calibrate.measure(s.url, MODEL, sweep)
+        doc = await probe.measure(s.url, MODEL, sweep)
     assert merged == [32, 96]
     assert [p["prompt_tokens"] for p in doc["measurements"]["decode"]] == [32, 96], doc["notes"]
     assert not [n for n in doc["notes"] if "no window" in n]
@@ -448,24 +448,24 @@ async def test_busy_prefill_points_are_measured_while_the_background_turns_over(
     background requests finish and are restarted during the busy prefill point, and every probe is still taken
     with both of them decoding (a probe they turned over in is sent again), none dropped."""
     started: list[int] = []
-    stream = calibrate.CalibrationClient.stream
+    stream = probe.CalibrationClient.stream
 
     async def counted(self: Any, tokens: int, max_tokens: int, marks: Any = None) -> Any:
         if max_tokens > sweep.decode_tokens:
             started.append(tokens)
         return await stream(self, tokens, max_tokens, marks)
 
-    monkeypatch.setattr(calibrate.CalibrationClient, "stream", counted)
+    monkeypatch.setattr(probe.CalibrationClient, "stream", counted)
     profile = make_profile(max_model_len=160, max_num_batched_tokens=BUDGET)
     sweep = Sweep(concurrencies=(1,), contexts=(32,), decode_tokens=8, prompt_lengths=(16, 48), repeats=1,
                   prefill_repeats=12, probe_pause_s=0.05, sustained_s=0.0, warmup=0, time_limit_s=60.0)
     async with sim(profile=profile, time_scale=0.02) as s:
-        doc = await calibrate.measure(s.url, MODEL, sweep)
+        doc = await probe.measure(s.url, MODEL, sweep)
     busy = [p for p in doc["measurements"]["prefill"] if p["background"]]
     assert [p["prompt_tokens"] for p in busy] == [16, 48], doc["notes"]
-    assert all(len(p["samples"]) == 12 and p["background_context"] > 2 * calibrate.BACKGROUND_PROMPT for p in busy)
+    assert all(len(p["samples"]) == 12 and p["background_context"] > 2 * probe.BACKGROUND_PROMPT for p in busy)
     # The background turned over: more background requests than the two each busy point starts.
-    assert set(started) == {calibrate.BACKGROUND_PROMPT} and len(started) > 4
+    assert set(started) == {probe.BACKGROUND_PROMPT} and len(started) > 4
 
 
 @pytest.mark.asyncio
@@ -489,7 +489,7 @@ async def test_a_completion_whose_connection_closes_before_any_answer_is_sent_on
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, aiohttp.ClientSession() as session:
-        client = calibrate.CalibrationClient(session, f"http://127.0.0.1:{port}", MODEL, {}, 10.0, random.Random(0))
+        client = probe.CalibrationClient(session, f"http://127.0.0.1:{port}", MODEL, {}, 10.0, random.Random(0))
         plan[:] = [None, answer]
         assert [n for _, n in await client.stream(4, 3)] == [1, 3] and not plan
         plan[:] = [None, None, answer]

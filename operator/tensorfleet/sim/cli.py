@@ -198,7 +198,8 @@ def calibrate(args: argparse.Namespace) -> int:
     extras.require("tensorfleet sim calibrate", "sim")
     import asyncio
 
-    from tensorfleet.sim.calibrate import CalibrationError, Sweep, measure, parse, write
+    from tensorfleet.sim.calibrate import CalibrationError, Sweep, parse, write
+    from tensorfleet.sim.probe import measure
 
     sweep = Sweep(concurrencies=args.concurrencies, contexts=args.contexts, decode_tokens=args.decode_tokens,
                   prompt_lengths=args.prompt_lengths, repeats=args.repeats, warmup=args.warmup,
