@@ -74,7 +74,7 @@ from workload import DEFAULT_SHAPE, Record, Shape, Workload, closed_loop, ok, op
 from tensorfleet import contract, engine_settings, vllm_defaults
 from tensorfleet.api import load_inference_service
 from tensorfleet.planner import Plan, make_plan
-from tensorfleet.router.dispatch import YIELD_OUTCOMES
+from tensorfleet.router.yielding import YIELD_OUTCOMES
 from tensorfleet.sim.profile import Profile, make_profile
 
 TIME_SCALE = 0.25

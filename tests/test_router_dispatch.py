@@ -382,7 +382,7 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
     held = [await dispatcher.acquire(info) for info in infos[:4]]
     waiters = [asyncio.create_task(dispatcher.acquire(info)) for info in infos[4:]]
     await asyncio.sleep(0)
-    assert dispatcher.pending == 8 and dispatcher.burst_requests() == 0
+    assert dispatcher.pending == 8 and dispatcher.limits.burst_requests() == 0
 
     def scrape(running: float, waiting: float = 0.0, kv: float = 0.3) -> None:
         engine.scraped(EngineMetrics(waiting=waiting, running=running, kv_usage=kv))
@@ -391,22 +391,22 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
     # Room (nothing queued inside, cache below the high-water mark) while requests were held back: up a quarter,
     # and the waiters take the new slots at once.
     scrape(running=4)
-    assert dispatcher.limit(engine) == 5 and engine.in_flight == 5 and dispatcher.pending == 7
+    assert dispatcher.limits.limit(engine) == 5 and engine.in_flight == 5 and dispatcher.pending == 7
     # Running beyond the ceiling is demand beyond what the replica is sized for.
     scrape(running=5)
-    assert dispatcher.limit(engine) == 7 and engine.in_flight == 7
-    assert dispatcher.burst_requests() == pytest.approx(5 - 4)  # as the engine last reported
+    assert dispatcher.limits.limit(engine) == 7 and engine.in_flight == 7
+    assert dispatcher.limits.burst_requests() == pytest.approx(5 - 4)  # as the engine last reported
     for _ in range(3):
         scrape(running=engine.in_flight)
-    assert dispatcher.limit(engine) == 10 and engine.in_flight == 10 and dispatcher.pending == 2  # at the burst bound
+    assert dispatcher.limits.limit(engine) == 10 and engine.in_flight == 10 and dispatcher.pending == 2  # at the burst bound
     # The engine queues: the limit comes down (never below the ceiling); what is in flight finishes where it is.
     scrape(running=8, waiting=2)
-    assert dispatcher.limit(engine) == 10 - 3
-    assert dispatcher.burst_requests() == pytest.approx(8 - 4)  # what the engine runs beyond the ceiling, not its queue
+    assert dispatcher.limits.limit(engine) == 10 - 3
+    assert dispatcher.limits.burst_requests() == pytest.approx(8 - 4)  # what the engine runs beyond the ceiling, not its queue
     scrape(running=10, kv=0.95)
-    assert dispatcher.limit(engine) == 7 - 2
+    assert dispatcher.limits.limit(engine) == 7 - 2
     scrape(running=10, kv=0.95)
-    assert dispatcher.limit(engine) == 4
+    assert dispatcher.limits.limit(engine) == 4
     # A limit nobody needed is not raised: nothing was held back since the last scrape.
     for w in waiters[6:]:
         w.cancel()
@@ -414,7 +414,7 @@ async def test_an_engine_with_room_bursts_past_the_ceiling_and_comes_back_when_i
     for backend, info in zip(held + [await w for w in waiters[:6]], infos, strict=False):
         dispatcher.release(backend, info)
     scrape(running=engine.in_flight)
-    assert dispatcher.limit(engine) == 4 and engine.in_flight == 0
+    assert dispatcher.limits.limit(engine) == 4 and engine.in_flight == 0
 
 
 @pytest.mark.asyncio
@@ -429,10 +429,10 @@ async def test_without_burst_the_ceiling_holds_and_others_share_the_burst() -> N
     await asyncio.sleep(0)
     engine.scraped(EngineMetrics(running=2))
     dispatcher.adapt(engine)
-    assert dispatcher.limit(engine) == 2 and dispatcher.pending == 1
+    assert dispatcher.limits.limit(engine) == 2 and dispatcher.pending == 1
     # Another router put 6 more there: 8 running against a ceiling of 2, and this router's share is 2 of 8.
     engine.scraped(EngineMetrics(running=8))
-    assert dispatcher.burst_requests() == pytest.approx((8 - 2) * 2 / 8)
+    assert dispatcher.limits.burst_requests() == pytest.approx((8 - 2) * 2 / 8)
     waiter.cancel()
     await asyncio.gather(waiter, return_exceptions=True)
     for backend, info in zip(held, holders, strict=True):

@@ -14,11 +14,12 @@ import pytest
 from aiohttp import web
 
 from tensorfleet import contract
-from tensorfleet.router import dispatch
+from tensorfleet.router import yielding
 from tensorfleet.router.backends import BackendPool, Load
-from tensorfleet.router.dispatch import YIELD_SECONDS, Dispatcher
+from tensorfleet.router.dispatch import Dispatcher
 from tensorfleet.router.peers import PEER_STALE, PeerMessageError, Peers
 from tensorfleet.router.scheduling import CacheAware, RequestInfo, make_profile
+from tensorfleet.router.yielding import YIELD_SECONDS
 from tensorfleet.testing.loopback import MODEL, fake_engine, metric_value, router_pair
 from tensorfleet.testing.wait import eventually
 
@@ -32,7 +33,7 @@ def one_engine(**options: Any) -> tuple[Dispatcher, dict[str, float]]:
     pool.set_urls([ENGINE])
     dispatcher = Dispatcher(pool, CacheAware(), ceiling=1, queue_timeout=30, **options)
     heads: dict[str, float] = {}
-    dispatcher.peer_queue = lambda: heads
+    dispatcher.yielding.peer_queue = lambda: heads
     return dispatcher, heads
 
 
@@ -44,7 +45,7 @@ def prompt(chars: int) -> RequestInfo:
 async def test_a_freed_slot_waits_for_a_peers_cheaper_waiter_and_only_so_long() -> None:
     dispatcher, heads = one_engine()
     ended: list[str] = []
-    dispatcher.on_yield_end = ended.append
+    dispatcher.yielding.on_end = ended.append
     holder = prompt(100)
     engine = await dispatcher.acquire(holder)
     mine = asyncio.create_task(dispatcher.acquire(prompt(5000)))
@@ -58,7 +59,7 @@ async def test_a_freed_slot_waits_for_a_peers_cheaper_waiter_and_only_so_long() 
     assert not mine.done() and engine.in_flight == 0
     # ...which takes it (its message says so): the engine is full, and nothing is left to anyone.
     engine.peers = Load(requests=1)
-    dispatcher.peer_placed(engine)
+    dispatcher.yielding.end(engine.url, "taken")
     dispatcher.drain()
     await asyncio.sleep(YIELD_SECONDS * 2)
     assert not mine.done() and ended == ["taken"]
@@ -70,7 +71,7 @@ async def test_a_freed_slot_waits_for_a_peers_cheaper_waiter_and_only_so_long() 
 
     # A peer that does not come for the slot loses it after YIELD_SECONDS.
     dispatcher, heads = one_engine()
-    dispatcher.on_yield_end = ended.append
+    dispatcher.yielding.on_end = ended.append
     engine = await dispatcher.acquire(holder)
     mine = asyncio.create_task(dispatcher.acquire(prompt(5000)))
     await asyncio.sleep(0)
@@ -219,7 +220,7 @@ def conversation(index: int, *later: str) -> dict[str, Any]:
 async def test_the_slot_one_replica_frees_goes_to_the_other_replicas_cheaper_waiter(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Room enough for a loaded machine's message delay: the order must not hang on timing.
-    monkeypatch.setattr(dispatch, "YIELD_SECONDS", 5.0)
+    monkeypatch.setattr(yielding, "YIELD_SECONDS", 5.0)
     release = asyncio.Event()
     served: list[str] = []
 
@@ -250,8 +251,8 @@ async def test_the_slot_one_replica_frees_goes_to_the_other_replicas_cheaper_wai
         stranger = post(b.url, conversation(1))
         await eventually(lambda: b.router.dispatcher.pending == 1, timeout=5)
         own = b.router.dispatcher.queue_heads()[engine]
-        await eventually(lambda: b.router.dispatcher.peer_queue is not None
-                         and 0 <= b.router.dispatcher.peer_queue().get(engine, own) < own // 2, timeout=5)
+        await eventually(lambda: b.router.dispatcher.yielding.peer_queue is not None
+                         and 0 <= b.router.dispatcher.yielding.peer_queue().get(engine, own) < own // 2, timeout=5)
         # B's opening ends: B frees the slot, and A's cheaper waiter gets it before B's own.
         release.set()
         for response in await asyncio.gather(opening, follow_up, stranger):

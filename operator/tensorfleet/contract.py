@@ -379,7 +379,7 @@ ROUTER_METRIC_STREAM_ERRORS: Final = "tensorfleet_router_stream_errors"    # cou
 ROUTER_METRIC_STREAM_RESUMPTIONS: Final = "tensorfleet_router_stream_resumptions"  # counter: reason
 # Placements exchanged with the other router replicas (router/peers.py OUTCOMES).
 ROUTER_METRIC_PEER_PLACEMENTS: Final = "tensorfleet_router_peer_placements"  # counter: outcome
-# Free engine slots left to a peer replica's cheaper waiter (router/dispatch.py YIELD_OUTCOMES).
+# Free engine slots left to a peer replica's cheaper waiter (router/yielding.py YIELD_OUTCOMES).
 ROUTER_METRIC_PEER_YIELDS: Final = "tensorfleet_router_slots_left_to_peers"   # counter: outcome
 # Prefill/decode disaggregation: how each request's prefill half went (router/prefill.py OUTCOMES).
 ROUTER_METRIC_PREFILL: Final = "tensorfleet_router_prefill_requests"         # counter: outcome

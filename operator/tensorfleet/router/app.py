@@ -28,7 +28,6 @@ from tensorfleet.router.clients import (
     reject,
 )
 from tensorfleet.router.config import RouterConfig
-from tensorfleet.router.dispatch import YIELD_OUTCOMES
 from tensorfleet.router.fleet import Fleet
 from tensorfleet.router.forward import Forwarder, NoSuchModel
 from tensorfleet.router.inflight import InFlight
@@ -42,6 +41,7 @@ from tensorfleet.router.resume import resumable
 from tensorfleet.router.scheduling import RequestInfo, exposure, hash_prompt
 from tensorfleet.router.tenants import UsageMeter, open_keys
 from tensorfleet.router.tokencount import stated_max_tokens
+from tensorfleet.router.yielding import YIELD_OUTCOMES
 
 # The names the CLI, the test helpers and the tests import from here.
 __all__ = ["CLIENT_LOG", "Router", "RouterConfig"]
@@ -69,7 +69,7 @@ class Router:
         self._forwarded = tuple(h for h in _FORWARDED_HEADERS if self.keys is None or h != hdrs.AUTHORIZATION)
         keys, dispatcher = self.keys, self.dispatcher
         # RouterMetrics reads these as it is scraped (metrics.py takes callables).
-        self.metrics = RouterMetrics(self.pool, lambda: dispatcher.pending, burst=dispatcher.burst_requests,
+        self.metrics = RouterMetrics(self.pool, lambda: dispatcher.pending, burst=dispatcher.limits.burst_requests,
                                      tenants=dispatcher.pending_by_tenant if keys is not None else None,
                                      keys=(lambda: len(keys.tenants)) if keys is not None else None)
         if self.fleet.kv is not None:
@@ -85,7 +85,7 @@ class Router:
             self.peers = self.fleet.share_placements(self.metrics.peer_placements)
             if self.strategy.orders_queue:
                 self.metrics.peer_yield_outcomes(YIELD_OUTCOMES)
-                self.dispatcher.on_yield_end = self.metrics.peer_yield
+                self.dispatcher.yielding.on_end = self.metrics.peer_yield
         self.proxy = Proxy(config, self.pool, self.dispatcher, self.in_flight, self.metrics)
         self.forwarder = Forwarder(config, self.fleet, self.proxy, self.in_flight, self.metrics, self.body_budget)
 

@@ -1,8 +1,8 @@
-"""Admission: how many requests each engine may hold (a ceiling, with a burst its scrapes adapt) and how much prompt it
-may have queued, and the one bounded queue where the rest wait, a freed slot offered cheapest first (left briefly to a
-peer replica with a cheaper waiter) and fairly among tenants; a request is refused when the queue is full, when no
-engine can come, or once the router is shutting down.
-Design: docs/routing.md#admission-and-the-queue.
+"""Admission: a request goes to an engine under its limit (router/limits.py) with room for its prompt (a step's worth
+of prompt queued per engine), else waits in the one bounded queue, where a freed slot is offered cheapest first (left
+briefly to a peer replica with a cheaper waiter: router/yielding.py) and fairly among tenants; a request is refused
+when the queue is full, when no engine can come, or once the router is shutting down. Design:
+docs/routing.md#admission-and-the-queue.
 """
 
 from __future__ import annotations
@@ -14,24 +14,15 @@ from collections.abc import Callable
 
 from tensorfleet.router.backends import CLOSED, Backend, BackendPool
 from tensorfleet.router.ledger import Charge, Ledger
-from tensorfleet.router.scheduling import KV_HIGH_WATER, Profile, RequestInfo
+from tensorfleet.router.limits import EngineLimits
+from tensorfleet.router.scheduling import Profile, RequestInfo
 from tensorfleet.router.waitqueue import TenantQueues, Waiter
+from tensorfleet.router.yielding import PeerYield
 
 MIN_AUTO_QUEUE = 64
-# Requests waiting inside an engine that count as it queueing: vLLM holds a just-arrived request in its waiting
-# queue until its next scheduler step, so one seen there is routine.
-ENGINE_QUEUEING = 2
-LIMIT_STEP = 0.25  # the fraction an engine's limit moves by at a scrape
 log = logging.getLogger(__name__)
 
 ORDER_SCAN = 64    # waiters a strategy that orders the queue compares for each free slot
-# Seconds a free slot is left for a peer replica whose cheapest waiter would compute less prompt there than any of
-# this router's (router/peers.py): it hears of the slot within a message (they go as news comes, a round trip of
-# milliseconds) and takes it; one that has not within this time leaves it to this router's waiters.
-YIELD_SECONDS = 0.03
-# How a slot left to a peer ended (tensorfleet_router_slots_left_to_peers{outcome}): a peer placed a request there
-# (taken), or one of this router's requests took it after all (reclaimed).
-YIELD_OUTCOMES = ("taken", "reclaimed")
 
 
 class QueueTimeout(Exception):
@@ -63,8 +54,7 @@ class Dispatcher:
                  unavailable: Callable[[frozenset[str]], Unavailable | None] | None = None) -> None:
         self.pool = pool
         self.strategy = strategy
-        self.ceiling = ceiling
-        self.burst = max(ceiling, burst)  # at most this many per engine while it has room; ceiling: no burst
+        self.limits = EngineLimits(pool, ceiling, burst)
         self.configured_max_queue = max_queue
         self.queue_timeout = queue_timeout
         self.order_age = queue_timeout / 2 if order_age is None else order_age
@@ -80,12 +70,8 @@ class Dispatcher:
         # freed; with a strategy that orders the queue, also when a request joins or leaves the queue (the router
         # tells its peers at once: router/peers.py).
         self.on_load: Callable[[], None] | None = None
-        # The peer replicas' cheapest waiter per engine, as they last told (engine URL -> the prompt characters it
-        # would compute there: their `queue_heads`); None: no peers.
-        self.peer_queue: Callable[[], dict[str, float]] | None = None
-        self._yielding: dict[str, float] = {}   # engine URL -> when a free slot there was first left to a peer
-        # Called with how each slot left to a peer ended (YIELD_OUTCOMES): the router counts them.
-        self.on_yield_end: Callable[[str], None] | None = None
+        # Free slots left to a peer replica's cheaper waiter (its peer_queue: the peers' `queue_heads`).
+        self.yielding = PeerYield(self._yield_over)
         self.ledger = Ledger()
         self.closed = False
         pool.on_routable.append(self.drain)
@@ -105,16 +91,7 @@ class Dispatcher:
     def max_queue(self) -> int:
         if self.configured_max_queue:
             return self.configured_max_queue
-        return max(MIN_AUTO_QUEUE, 2 * self.ceiling * len(self.pool))
-
-    def limit(self, backend: Backend) -> int:
-        """Requests BACKEND may have from every router replica at once now."""
-        return backend.limit or self.ceiling
-
-    def full(self, backend: Backend) -> bool:
-        """Whether BACKEND holds its limit: this router's requests there, and its peers' as they last told
-        (router/peers.py), so router replicas share one ceiling per engine rather than each filling it."""
-        return backend.own.requests + backend.peers.requests >= self.limit(backend)
+        return max(MIN_AUTO_QUEUE, 2 * self.limits.ceiling * len(self.pool))
 
     @staticmethod
     def queued_prompt(backend: Backend) -> float:
@@ -131,38 +108,15 @@ class Dispatcher:
     def _open(self, backend: Backend) -> bool:
         """Whether BACKEND could take some request now: under its limit, and, with a prompt bound, with room
         for more prompt."""
-        if self.full(backend):
+        if self.limits.full(backend):
             return False
         return not self.prompt_queue_chars or self.queued_prompt(backend) < self.prompt_queue_chars
 
     def adapt(self, backend: Backend) -> None:
-        """After a scrape of BACKEND: move its limit within [ceiling, burst] on what the engine reports, up by a
-        quarter while requests were held back for it and it has room, down by a quarter once it queues or its KV
-        cache passes KV_HIGH_WATER; and hand any slots that opened to waiters."""
-        limit = self.limit(backend)
-        if backend.engine.waiting >= ENGINE_QUEUEING or backend.engine.kv_usage >= KV_HIGH_WATER:
-            new = max(self.ceiling, min(limit, backend.own.requests) - math.ceil(limit * LIMIT_STEP))
-        elif backend.held_back and limit < self.burst:
-            new = min(self.burst, limit + math.ceil(limit * LIMIT_STEP))
-        else:
-            new = limit
-        backend.held_back = False
-        backend.limit = new
-        if new > limit and self.queue:
+        """After a scrape of BACKEND: move its limit (router/limits.py), and hand any slots that opened to
+        waiters."""
+        if self.limits.adapt(backend) and self.queue:
             self.drain()
-
-    def burst_requests(self) -> float:
-        """Requests running on engines beyond the ceiling, this router's share: per engine, what it ran at the
-        last scrape over the ceiling, times the part of its load that is this router's. The engine's own count,
-        not the router's in-flight: a request sent since the scrape may be waiting inside the engine, which
-        vllm:num_requests_waiting counts already."""
-        total = 0.0
-        for backend in self.pool:
-            over = backend.engine.running - self.ceiling
-            mine = backend.own.requests
-            if over > 0 and mine:
-                total += over * mine / (mine + backend.others)
-        return total
 
     def queue_heads(self) -> dict[str, int]:
         """Per engine, the prompt characters the cheapest of this router's first ORDER_SCAN waiters that could go
@@ -185,38 +139,17 @@ class Dispatcher:
         return heads
 
     def _yields(self, backend: Backend, info: RequestInfo, since: float) -> bool:
-        """Whether to leave BACKEND's free slot to a peer replica whose cheapest waiter would compute at least a
-        block less prompt there than INFO (which began to wait at SINCE), for YIELD_SECONDS from the first time:
-        so a slot goes to the cheapest waiter of every replica's queue, as with one router, and one the peer
-        does not take goes to this router's waiters after all."""
-        theirs = self.peer_queue().get(backend.url) if self.peer_queue is not None else None
-        if theirs is None:
-            return False
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        mine = 0.0 if now - since >= self.order_age else self.strategy.prefill_cost(backend, info)
-        if theirs + self.strategy.block_chars > mine:
-            return False
-        first = self._yielding.get(backend.url)
-        if first is None:
-            self._yielding[backend.url] = first = now
-            loop.call_later(YIELD_SECONDS, self._yield_over, backend.url)
-        return now - first < YIELD_SECONDS
+        """Whether to leave BACKEND's free slot to a peer replica's cheaper waiter (router/yielding.py) rather than
+        give it to INFO, which began to wait at SINCE (and counts as computing nothing once it waited order_age)."""
+        def mine() -> float:
+            aged = asyncio.get_running_loop().time() - since >= self.order_age
+            return 0.0 if aged else self.strategy.prefill_cost(backend, info)
+        return self.yielding.yields(backend.url, mine, self.strategy.block_chars)
 
-    def _yield_over(self, url: str) -> None:
-        """YIELD_SECONDS after a slot on URL was left to a peer: this router's waiters may take it."""
-        if url in self._yielding:
-            self._yielding[url] = -math.inf
+    def _yield_over(self) -> None:
+        """A slot's time for a peer is over: this router's waiters may take it."""
         if self.queue:
             self.drain()
-
-    def peer_placed(self, backend: Backend) -> None:
-        """A peer replica placed a request on BACKEND (its message says so): a slot left to it there was taken."""
-        self._yield_end(backend.url, "taken")
-
-    def _yield_end(self, url: str, outcome: str) -> None:
-        if self._yielding.pop(url, None) is not None and self.on_yield_end is not None:
-            self.on_yield_end(outcome)
 
     def _queue_changed(self) -> None:
         if self.on_load is not None and self.strategy.orders_queue:
@@ -228,7 +161,7 @@ class Dispatcher:
         routable = self.pool.routable()
         free = []
         for b in routable:
-            if self.full(b):
+            if self.limits.full(b):
                 b.held_back = True
             else:
                 free.append(b)
@@ -255,7 +188,7 @@ class Dispatcher:
             queued = prefill if info.queues_prompt and self.prompt_queue_chars else 0.0
             context = info.prompt_chars
         self.ledger.charge(backend, info, Charge(prefill, queued, context, info.exposure))
-        self._yield_end(backend.url, "reclaimed")
+        self.yielding.end(backend.url, "reclaimed")
         self.strategy.routed(backend, info)
         if self.on_placed is not None:
             self.on_placed(backend, info)

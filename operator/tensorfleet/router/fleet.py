@@ -86,7 +86,7 @@ class Fleet:
         # The dispatcher's hooks are single slots (dispatch.py): the peers are their only listener.
         self.dispatcher.on_placed = self._placed
         self.dispatcher.on_load = peers.nudge
-        self.dispatcher.peer_queue = self._peer_queue
+        self.dispatcher.yielding.peer_queue = self._peer_queue
         peers.queue_heads_source = self.dispatcher.queue_heads
         return peers
 
@@ -117,7 +117,7 @@ class Fleet:
         for backend in self.pool:
             told = load.get(backend.url) or Load()
             if told.requests > backend.peers.requests:
-                self.dispatcher.peer_placed(backend)
+                self.dispatcher.yielding.end(backend.url, "taken")
             freed = (freed or told.requests < backend.peers.requests
                      or told.queued_prompt_chars < backend.peers.queued_prompt_chars)
             backend.peers, backend.others = told, told.requests
