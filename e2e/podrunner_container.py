@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from podrunner_image import share_header_cache
 from podrunner_net import tool
@@ -40,6 +40,7 @@ from podrunner_spec import (
     VLLM_IMAGE_WORKDIR,
     VLLM_PYTHON_ENV,
     ConfigError,
+    CpuPins,
     children,
     expand,
     go_duration,
@@ -51,8 +52,39 @@ from podrunner_spec import (
 )
 from podrunner_volumes import VolumeError
 
-if TYPE_CHECKING:
-    from podrunner_worker import PodWorker
+
+class Host(Protocol):
+    """What a container asks of the runner its pod runs under (podrunner_worker.Runner)."""
+
+    cpus: CpuPins
+
+    def vllm_bin(self) -> str | None: ...
+
+    def image_overlays(self) -> list[list[str]]: ...
+
+
+class Pod(Protocol):
+    """What a container asks of its pod (podrunner_worker.PodWorker): said as a protocol so that this module does
+    not import the worker, which imports it."""
+
+    pod: dict[str, Any]
+    key: str
+    uid: str
+    directory: Path
+    ip: str
+    hostname: str
+    netns: str
+    wake: threading.Event
+    stopping: threading.Event
+
+    @property
+    def runner(self) -> Host: ...
+
+    def say(self, message: str) -> None: ...
+
+    def environment(self, container: dict[str, Any], vllm: bool = False) -> dict[str, str]: ...
+
+    def mounts(self, container: dict[str, Any]) -> tuple[list[tuple[str, str]], list[list[Any]]]: ...
 
 
 class Probe(threading.Thread):
@@ -135,7 +167,7 @@ class Probe(threading.Thread):
 class Container:
     """One container (or init container) of a pod: its processes, restarts, probes and status."""
 
-    def __init__(self, worker: PodWorker, spec: dict[str, Any], prior: dict[str, Any] | None,
+    def __init__(self, worker: Pod, spec: dict[str, Any], prior: dict[str, Any] | None,
                  init: bool = False) -> None:
         self.worker, self.spec, self.name = worker, spec, spec["name"]
         self.init = init
