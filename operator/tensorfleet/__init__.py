@@ -1,4 +1,4 @@
-"""Tensorfleet: a Kubernetes operator that serves LLMs with vLLM on GPU fleets."""
+"""Tensorfleet: a Kubernetes operator that serves LLMs with vLLM on GPU fleets. Design: docs/architecture.md."""
 
 from tensorfleet.contract import __version__
 

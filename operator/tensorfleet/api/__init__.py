@@ -1,4 +1,4 @@
-"""The InferenceService API: models, parsing and CRD generation."""
+"""The InferenceService API: models, parsing and CRD generation. Design: docs/api.md."""
 
 from tensorfleet.api.errors import SpecError
 from tensorfleet.api.load import load_inference_service

@@ -1,4 +1,4 @@
-"""Errors a user can fix, each naming the field, the value and the fix."""
+"""Errors a user can fix, each naming the field, the value and the fix. Design: docs/api.md."""
 
 from __future__ import annotations
 

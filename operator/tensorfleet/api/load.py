@@ -1,4 +1,5 @@
-"""Parse an InferenceService document (a dict from YAML or the API server)."""
+"""Parse an InferenceService document (a dict from YAML or the API server). Design:
+docs/api.md#reading-a-manifest-file."""
 
 from __future__ import annotations
 

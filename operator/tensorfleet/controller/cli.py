@@ -1,4 +1,4 @@
-"""`tensorfleet run`: the operator process."""
+"""`tensorfleet run`: the operator process. Design: docs/architecture.md#the-reconcile-loop."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Capacity planning: does a model fit, on which layout, and how much KV cache is left."""
+"""Capacity planning: does a model fit, on which layout, and how much KV cache is left. Design: docs/planner.md."""
 
 from tensorfleet.planner.entry import make_plan
 from tensorfleet.planner.lora import LoraPlan

@@ -1,4 +1,5 @@
-"""The planner's entry point: one pool (`plan.plan_pool`), or a prefill and a decode pool (`disagg`)."""
+"""The planner's entry point: one pool (`plan.plan_pool`), or a prefill and a decode pool (`disagg`). Design:
+docs/planner.md#choosing-the-layout."""
 
 from __future__ import annotations
 
